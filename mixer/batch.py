@@ -1,0 +1,100 @@
+"""The batch a training step receives, and the collate that builds it.
+
+All integer fields live in ONE flat int32 (or int64) buffer, and the batch pickles as that buffer plus
+shapes: crossing from a DataLoader worker to the main process then costs one shared-memory segment
+instead of one per tensor (measured: several segments per batch doubled the pipeline's CPU per sample).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+_DTYPES = {"int32": (np.int32, torch.int32), "int64": (np.int64, torch.int64)}
+
+
+class Batch:
+    """Padded tokens ``[B, L]`` (``pad_id`` past each length), ``lengths [B]``, ``source [B]`` (index
+    into ``Mixture.sources``), the ``keys`` of the samples, and ``info``: a small dict the mixture
+    attaches (global step, per-source counters, state) for the loader's bookkeeping.
+
+    ``pin_memory()`` and ``to()`` move the one buffer and rebuild the views, so DataLoader's
+    ``pin_memory=True`` pins it with a single copy.
+    """
+
+    __slots__ = ("buffer", "batch_size", "seq_len", "keys", "info", "tokens", "lengths", "source")
+
+    def __init__(self, buffer: torch.Tensor, batch_size: int, seq_len: int, keys: list[str], info: dict[str, Any] | None = None) -> None:
+        self.buffer = buffer
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        self.keys = keys
+        self.info = info if info is not None else {}
+        n = batch_size * seq_len
+        self.tokens = buffer[:n].view(batch_size, seq_len)
+        self.lengths = buffer[n : n + batch_size]
+        self.source = buffer[n + batch_size : n + 2 * batch_size]
+
+    def __len__(self) -> int:
+        return self.batch_size
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Batch, (self.buffer, self.batch_size, self.seq_len, self.keys, self.info))
+
+    def _with_buffer(self, buffer: torch.Tensor) -> Batch:
+        return Batch(buffer, self.batch_size, self.seq_len, self.keys, self.info)
+
+    def pin_memory(self, device: Any = None) -> Batch:
+        return self._with_buffer(self.buffer.pin_memory() if device is None else self.buffer.pin_memory(device))
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        return self._with_buffer(self.buffer.to(device, non_blocking=non_blocking))
+
+    def is_pinned(self) -> bool:
+        return self.buffer.is_pinned()
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-pad) tokens."""
+        return int(self.lengths.sum())
+
+    @property
+    def padding_efficiency(self) -> float:
+        slots = self.batch_size * self.seq_len
+        return self.num_tokens / slots if slots else 1.0
+
+    def __repr__(self) -> str:
+        return f"Batch(B={self.batch_size}, L={self.seq_len}, tokens={self.num_tokens}, device={self.buffer.device})"
+
+
+def collate(
+    token_arrays: Sequence[np.ndarray],
+    lengths: np.ndarray,
+    sources: np.ndarray,
+    keys: list[str],
+    *,
+    pad_id: int = 0,
+    dtype: str = "int32",
+    info: dict[str, Any] | None = None,
+) -> Batch:
+    """Pad ``token_arrays`` (already cut to ``lengths``) into one preallocated buffer.
+
+    One concatenate and one masked assignment place every token: no per-sample tensors and no Python
+    loop over tokens.
+    """
+    np_dtype, _ = _DTYPES[dtype]
+    b = len(token_arrays)
+    seq_len = int(lengths.max()) if b else 0
+    n = b * seq_len
+    flat = np.empty(n + 2 * b, dtype=np_dtype)
+    grid = flat[:n].reshape(b, seq_len)
+    grid.fill(pad_id)
+    if b:
+        mask = np.arange(seq_len) < lengths[:, None]
+        grid[mask] = np.concatenate(token_arrays, dtype=np_dtype, casting="unsafe")
+    flat[n : n + b] = lengths
+    flat[n + b :] = sources
+    return Batch(torch.from_numpy(flat), b, seq_len, keys, info)

@@ -1,0 +1,289 @@
+"""``Mixture``: the IterableDataset that wires sources, schedule, selector, buckets and collate.
+
+One iteration runs one *reader* (a DataLoader worker of one rank, or the main process). Readers never
+talk to each other: each knows its place (:class:`mixer.world.World`) and derives its shards, its
+random numbers and its share of the global step from it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
+
+import numpy as np
+from torch.utils.data import IterableDataset
+
+from .batch import _DTYPES, Batch, collate
+from .bucket import Bucketer, TokenBudget, bucket_edges
+from .decode import Sample
+from .errors import ConfigError
+from .schedule import Schedule, SourceInfo, Static
+from .select import SELECTORS, make_selector
+from .source import Counters, Profile, Source, SourceStream, profile
+from .world import World, resolve_rank, worker_place
+
+log = logging.getLogger(__name__)
+
+Unit = Literal["tokens", "samples"]
+MixMode = Literal["batch", "sample"]
+Stop = Literal["never", "first_exhausted", "all_exhausted"]
+STOPS = ("never", "first_exhausted", "all_exhausted")
+
+
+class Mixture(IterableDataset[Batch]):
+    """Several sources mixed by target share into length-bucketed, token-budget batches.
+
+    Level 1 (``selector``) picks the source of the next batch (``mix="batch"``: every batch comes
+    from one source) or of the next sample (``mix="sample"``: buckets shared across sources) so that
+    the realized share of ``unit`` (real tokens by default) tracks ``schedule``'s target. Level 2
+    (``batching``) groups a source's samples by length so that padding stays small.
+
+    ``stop``: ``"never"`` restarts an exhausted source with a reshuffled epoch; ``"first_exhausted"``
+    ends when any source has delivered its whole pass; ``"all_exhausted"`` drops exhausted sources
+    and renormalises the rest, so one pass delivers every sample of every source exactly once.
+
+    Each ``iter()`` starts the stream from the beginning: same seed, same batches.
+    """
+
+    def __init__(
+        self,
+        sources: Sequence[Source],
+        *,
+        batching: TokenBudget,
+        schedule: Schedule | None = None,
+        selector: str = "deficit",
+        unit: Unit = "tokens",
+        mix: MixMode = "batch",
+        stop: Stop = "never",
+        seed: int = 0,
+        shuffle_buffer: int = 1000,
+        pad_id: int = 0,
+        dtype: str = "int32",
+        rank: int | None = None,
+        world_size: int | None = None,
+        dp_group: Any = None,
+    ) -> None:
+        super().__init__()
+        sources = list(sources)
+        if not sources:
+            raise ConfigError("sources: need at least one Source (got an empty list)")
+        for i, s in enumerate(sources):
+            if not isinstance(s, Source):
+                raise ConfigError(f"sources[{i}]: expected a mixer.Source (got {type(s).__name__})")
+        names = [s.name for s in sources]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ConfigError(f"sources: duplicate source names {dupes}; every source needs its own name")
+        if not isinstance(batching, TokenBudget):
+            raise ConfigError(f"batching: expected a mixer.TokenBudget (got {type(batching).__name__})")
+        if selector not in SELECTORS:
+            raise ConfigError(f"selector must be one of {SELECTORS} (got {selector!r})")
+        if unit not in ("tokens", "samples"):
+            raise ConfigError(f"unit must be 'tokens' or 'samples' (got {unit!r})")
+        if mix not in ("batch", "sample"):
+            raise ConfigError(f"mix must be 'batch' or 'sample' (got {mix!r})")
+        if stop not in STOPS:
+            raise ConfigError(f"stop must be one of {STOPS} (got {stop!r})")
+        if dtype not in _DTYPES:
+            raise ConfigError(f"dtype must be one of {tuple(_DTYPES)} (got {dtype!r})")
+        if not isinstance(shuffle_buffer, int) or shuffle_buffer < 0:
+            raise ConfigError(f"shuffle_buffer must be an int >= 0 (got {shuffle_buffer!r})")
+        self.sources = sources
+        self.batching = batching
+        self.schedule: Schedule = schedule if schedule is not None else Static()
+        self.selector = selector
+        self.unit: Unit = unit
+        self.mix: MixMode = mix
+        self.stop: Stop = stop
+        self.seed = int(seed)
+        self.shuffle_buffer = shuffle_buffer
+        self.pad_id = int(pad_id)
+        self.dtype = dtype
+        self.rank, self.world_size = resolve_rank(rank, world_size, dp_group)
+
+        self.profiles: list[Profile] = [profile(s) for s in sources]
+        self.info = SourceInfo(
+            names=tuple(names),
+            weights=np.array([s.weight for s in sources], dtype=np.float64),
+            sizes=np.array([p.size for p in self.profiles], dtype=np.float64),
+            groups=tuple(s.group for s in sources),
+        )
+        # Evaluate the schedule once now, so a bad schedule (e.g. all-zero weights) fails here and
+        # not in a worker process.
+        self.target_at(0, 0.0)
+        self._check_fits()
+        if batching.buckets is not None:
+            self.edges = [list(batching.buckets)] * len(sources)
+        elif mix == "sample":
+            shared = bucket_edges(np.concatenate([p.lengths for p in self.profiles]), **self._edge_options())
+            self.edges = [shared] * len(sources)
+        else:
+            self.edges = [bucket_edges(p.lengths, **self._edge_options()) for p in self.profiles]
+
+    def _edge_options(self) -> dict[str, Any]:
+        b = self.batching
+        return {"longest": b.longest, "num_buckets": b.num_buckets, "max_ratio": b.max_bucket_ratio}
+
+    def _check_fits(self) -> None:
+        if self.batching.max_length is not None:
+            return
+        for s, p in zip(self.sources, self.profiles):
+            longest = int(p.lengths.max())
+            if longest > self.batching.max_tokens:
+                raise ConfigError(
+                    f"source {s.name!r}: samples of length {longest} seen, longer than max_tokens="
+                    f"{self.batching.max_tokens}; raise max_tokens or set max_length to truncate or drop them"
+                )
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.info.names
+
+    @property
+    def sizes(self) -> dict[str, float]:
+        """Source sizes in tokens, as used by the schedule (given or estimated up front)."""
+        return dict(zip(self.info.names, self.info.sizes.tolist()))
+
+    def target_at(self, step: int, tokens: float) -> np.ndarray:
+        """The schedule's target share per source at a global step."""
+        p = np.asarray(self.schedule.probs(self.info, step, tokens), dtype=np.float64)
+        if p.shape != (len(self.sources),) or not np.all(np.isfinite(p)) or np.any(p < 0) or not p.sum() > 0:
+            raise ConfigError(f"schedule {self.schedule!r} returned an invalid probability vector {p.tolist()} at step {step}")
+        return p / p.sum()
+
+    def reader(self, world: World) -> Reader:
+        return Reader(self, world)
+
+    def __iter__(self) -> Iterator[Batch]:
+        worker, num_workers = worker_place()
+        world = World(rank=self.rank, world_size=self.world_size, worker=worker, num_workers=num_workers)
+        return iter(self.reader(world))
+
+
+class Reader:
+    """The stream of one reader. Global step of its ``k``-th batch: ``k * num_workers + worker``
+    (DataLoader takes batches from its workers round-robin, in order), so every reader of every rank
+    asks the schedule about the same global step at the same point in training. Tokens seen are
+    estimated as this reader's tokens times the number of readers (readers deliver alike on average)."""
+
+    def __init__(self, mixture: Mixture, world: World) -> None:
+        self.mixture = mixture
+        self.world = world
+        n = len(mixture.sources)
+        finite = mixture.stop != "never"
+        self.counters = [Counters() for _ in range(n)]
+        budget = mixture.batching
+        self.streams = [
+            SourceStream(
+                s, i, world, seed=mixture.seed, budget=budget, shuffle_buffer=mixture.shuffle_buffer,
+                finite=finite, counters=self.counters[i],
+            )
+            for i, s in enumerate(mixture.sources)
+        ]
+        if mixture.mix == "sample":
+            shared: Bucketer[tuple[int, Sample]] = Bucketer(mixture.edges[0], budget)
+            self.bucketers = [shared] * n
+        else:
+            self.bucketers = [Bucketer(e, budget) for e in mixture.edges]
+        self.selector = make_selector(mixture.selector, n, seed=mixture.seed, stream=(world.rank, world.worker))
+        self.active = np.ones(n, dtype=bool)
+        self.batches = 0
+        self.tokens = 0
+
+    @property
+    def step(self) -> int:
+        return self.batches * self.world.num_workers + self.world.worker
+
+    def _probs(self) -> np.ndarray:
+        p = self.mixture.target_at(self.step, float(self.tokens * self.world.readers))
+        p = np.where(self.active, p, 0.0)
+        total = p.sum()
+        if total <= 0:
+            # Only sources with a zero target are left (all_exhausted): drain them evenly.
+            return self.active / self.active.sum()
+        return p / total
+
+    def __iter__(self) -> Iterator[Batch]:
+        if self.mixture.mix == "sample":
+            yield from self._sample_mix()
+        else:
+            yield from self._batch_mix()
+
+    def _retire(self, i: int) -> bool:
+        """Source ``i`` has no more samples for this reader; returns whether the stream goes on."""
+        self.active[i] = False
+        if self.mixture.stop == "never":
+            log.warning("source %r has no data for reader %d; mixing the other sources only", self.mixture.names[i], self.world.reader)
+        return self.mixture.stop != "first_exhausted" and bool(self.active.any())
+
+    def _batch_mix(self) -> Iterator[Batch]:
+        unit_tokens = self.mixture.unit == "tokens"
+        while self.active.any():
+            probs = self._probs()
+            i = self.selector.choose(probs, self.active)
+            samples = self._next_batch(i)
+            if samples is None:
+                if not self._retire(i):
+                    return
+                continue
+            batch = self._collate(samples, np.full(len(samples), i, dtype=np.int64))
+            n_tokens = int(batch.info["tokens"])
+            self.selector.update(i, n_tokens if unit_tokens else len(samples), probs)
+            yield batch
+
+    def _next_batch(self, i: int) -> list[Sample] | None:
+        bucketer = self.bucketers[i]
+        ready = bucketer.ready
+        if ready:
+            return ready.popleft()
+        add = bucketer.add
+        for sample in self.streams[i]:
+            if add(sample, sample.length):
+                return ready.popleft()
+        return next(bucketer.drain(), None)
+
+    def _sample_mix(self) -> Iterator[Batch]:
+        unit_tokens = self.mixture.unit == "tokens"
+        shared = self.bucketers[0]
+        while self.active.any():
+            probs = self._probs()
+            i = self.selector.choose(probs, self.active)
+            sample = next(self.streams[i], None)
+            if sample is None:
+                if not self._retire(i):
+                    break
+                continue
+            self.selector.update(i, sample.length if unit_tokens else 1, probs)
+            if shared.add((i, sample), sample.length):
+                while shared.ready:
+                    full = shared.ready.popleft()
+                    yield self._collate([s for _, s in full], np.array([j for j, _ in full], dtype=np.int64))
+        if self.mixture.stop == "all_exhausted":
+            for rest in shared.drain():
+                yield self._collate([s for _, s in rest], np.array([j for j, _ in rest], dtype=np.int64))
+
+    def _collate(self, samples: list[Sample], sources: np.ndarray) -> Batch:
+        lengths = np.fromiter((s.length for s in samples), dtype=np.int64, count=len(samples))
+        tokens = [s.tokens for s in samples]
+        keys = [s.key for s in samples]
+        n_tokens = int(lengths.sum())
+        b, seq_len = len(samples), int(lengths.max())
+        per_source = np.bincount(sources, weights=lengths, minlength=len(self.counters))
+        per_source_n = np.bincount(sources, minlength=len(self.counters))
+        for j in np.flatnonzero(per_source_n):
+            c = self.counters[j]
+            c.samples += int(per_source_n[j])
+            c.tokens += int(per_source[j])
+            c.padded += int(per_source_n[j]) * seq_len
+            c.batches += 1
+        info = {
+            "step": self.step,
+            "worker": self.world.worker,
+            "tokens": n_tokens,
+            "counters": [c.as_list() for c in self.counters],
+        }
+        self.batches += 1
+        self.tokens += n_tokens
+        m = self.mixture
+        return collate(tokens, lengths, sources, keys, pad_id=m.pad_id, dtype=m.dtype, info=info)

@@ -1,0 +1,412 @@
+"""Real servers on 127.0.0.1 for the I/O tests: a range-capable HTTP file server that injects faults on
+demand, and moto's S3 server in-process. Plain context managers; the tests' fixtures start and stop them.
+
+Nothing here listens on anything but 127.0.0.1 (port 0: the kernel picks a free port), and leaving a
+``with`` block stops the server and every thread it started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import html
+import logging
+import os
+import posixpath
+import socket
+import struct
+import threading
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+# --------------------------------------------------------------------------------------------- HTTP
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request as the server saw it. ``start``/``end`` are the parsed ``Range: bytes=start-end``
+    (``end`` inclusive, None when open-ended); both None when the request had no Range header."""
+
+    method: str
+    path: str
+    start: int | None
+    end: int | None
+    headers: Mapping[str, str]
+    status: int = 0
+
+
+@dataclass
+class Fault:
+    """A fault for the next ``times`` GET requests of one path (``times=None``: every request).
+
+    kind: ``"status"`` (answer ``status`` with no body), ``"reset"`` (send the headers and ``after``
+    bytes of the body, then reset the connection with an RST), ``"close"`` (same, but a clean FIN:
+    an incomplete body), ``"stall"`` (send ``after`` body bytes, then go silent for ``seconds`` and
+    close), ``"hang"`` (read the request, answer nothing for ``seconds``, close), ``"ignore_range"`` (answer 200 with the whole file even to a Range request). ``pause``
+    seconds pass between the ``after`` bytes and the reset / close, so that the client has received
+    them (a reset makes the client's kernel drop whatever it has not yet handed to the client).
+    ``head=True`` lets HEAD requests consume (and suffer) the fault too.
+    """
+
+    kind: str
+    times: int | None = 1
+    status: int = 503
+    after: int = 0
+    seconds: float = 5.0
+    pause: float = 0.0
+    headers: Mapping[str, str] = field(default_factory=dict)
+    head: bool = False
+
+
+class FaultyHTTPServer:
+    """A threaded HTTP/1.1 file server for ``root`` with correct single-range support (206 with
+    Content-Range, 416 when unsatisfiable, Accept-Ranges, strong ETags and If-Match, HEAD with
+    Content-Length, HTML listings of folders) and faults injected per path on demand.
+
+    Faults are queued per path and consumed in order, one per GET (HEAD only with ``head=True``),
+    so ``fail("a.tar", "status", times=2)`` then a normal request gives 503, 503, 200. A path can also
+    be served as a different *version* of its file (``truncate`` / ``corrupt`` / ``replace``), which
+    changes its bytes, Content-Length and ETag consistently: the server is then honestly serving a
+    broken file. Every request is recorded (``requests(path)``) so tests can assert that retries and
+    ranged resumes happened, and from which byte.
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).resolve()
+        self._lock = threading.Lock()
+        self._faults: dict[str, list[Fault]] = {}
+        self._versions: dict[str, bytes] = {}
+        self._log: list[Request] = []
+        self._stop = threading.Event()
+        self._conns: set[socket.socket] = set()
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # ----------------------------------------------------------------------------- lifecycle
+    def __enter__(self) -> FaultyHTTPServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        handler = type("Handler", (_Handler,), {"owner": self})
+        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        server.daemon_threads = False  # server_close() joins every handler thread
+        self._server = server
+        self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, name="faulty-http")
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._server is None:
+            return
+        self._stop.set()  # wakes stalled handlers
+        self._server.shutdown()
+        assert self._thread is not None
+        self._thread.join()
+        with self._lock:  # keep-alive handlers block reading the next request: cut them loose
+            conns = list(self._conns)
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        self._server.server_close()
+        self._server = None
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None, "server not started"
+        return int(self._server.server_address[1])
+
+    def url(self, path: str = "") -> str:
+        return f"http://127.0.0.1:{self.port}/{path.lstrip('/')}"
+
+    # ----------------------------------------------------------------------------- faults
+    def fail(self, path: str, kind: str = "status", **kwargs: Any) -> None:
+        """Queue a `Fault` for ``path`` (relative to root, no leading slash)."""
+        if kind not in {"status", "reset", "close", "stall", "hang", "ignore_range"}:
+            raise ValueError(f"unknown fault kind {kind!r}")
+        with self._lock:
+            self._faults.setdefault(_norm(path), []).append(Fault(kind, **kwargs))
+
+    def truncate(self, path: str, size: int) -> None:
+        """Serve only the first ``size`` bytes of ``path`` from now on."""
+        self.replace(path, self._read(path)[:size])
+
+    def corrupt(self, path: str, offset: int, data: bytes = b"\xff" * 8) -> None:
+        """Serve ``path`` with ``data`` written over its bytes at ``offset``."""
+        content = bytearray(self._read(path))
+        content[offset : offset + len(data)] = data
+        self.replace(path, bytes(content))
+
+    def replace(self, path: str, content: bytes) -> None:
+        with self._lock:
+            self._versions[_norm(path)] = content
+
+    def clear(self) -> None:
+        """Forget faults, versions and the request log."""
+        with self._lock:
+            self._faults.clear()
+            self._versions.clear()
+            self._log.clear()
+
+    def requests(self, path: str | None = None, method: str | None = "GET") -> list[Request]:
+        with self._lock:
+            return [
+                r
+                for r in self._log
+                if (path is None or r.path == _norm(path)) and (method is None or r.method == method)
+            ]
+
+    # ----------------------------------------------------------------------------- internals
+    def _read(self, path: str) -> bytes:
+        with self._lock:
+            version = self._versions.get(_norm(path))
+        if version is not None:
+            return version
+        return (self.root / _norm(path)).read_bytes()
+
+    def _next_fault(self, path: str, head: bool) -> Fault | None:
+        with self._lock:
+            queue = self._faults.get(path)
+            if not queue or (head and not queue[0].head):
+                return None
+            fault = queue[0]
+            if fault.times is not None:
+                fault.times -= 1
+                if fault.times <= 0:
+                    queue.pop(0)
+            return fault
+
+    def _record(self, request: Request) -> None:
+        with self._lock:
+            self._log.append(request)
+
+
+def _norm(path: str) -> str:
+    return posixpath.normpath("/" + urllib.parse.unquote(path.split("?", 1)[0].split("#", 1)[0])).lstrip("/")
+
+
+def _parse_range(header: str | None, size: int) -> tuple[int, int] | None | str:
+    """(first, last) inclusive; None when absent; "bad" when unsatisfiable or not one bytes range."""
+    if header is None:
+        return None
+    unit, _, spec = header.partition("=")
+    if unit.strip() != "bytes" or "," in spec:
+        return "bad"
+    first_s, _, last_s = spec.strip().partition("-")
+    try:
+        if first_s == "":  # suffix range: the last N bytes
+            n = int(last_s)
+            if n <= 0 or size == 0:
+                return "bad"
+            return max(size - n, 0), size - 1
+        first = int(first_s)
+        last = int(last_s) if last_s else size - 1
+    except ValueError:
+        return "bad"
+    if first >= size or last < first:
+        return "bad"
+    return first, min(last, size - 1)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    owner: FaultyHTTPServer
+    protocol_version = "HTTP/1.1"
+    timeout = 10  # an idle keep-alive connection never holds a thread for long
+
+    def setup(self) -> None:
+        super().setup()
+        with self.owner._lock:
+            self.owner._conns.add(self.connection)
+
+    def finish(self) -> None:
+        with contextlib.suppress(OSError):
+            super().finish()
+        with self.owner._lock:
+            self.owner._conns.discard(self.connection)
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet
+        pass
+
+    def do_HEAD(self) -> None:
+        self._serve(head=True)
+
+    def do_GET(self) -> None:
+        self._serve(head=False)
+
+    def _serve(self, head: bool) -> None:
+        owner = self.owner
+        path = _norm(self.path)
+        range_header = self.headers.get("Range")
+        full = owner.root / path
+        try:
+            full.resolve().relative_to(owner.root)
+        except ValueError:
+            return self._status(403, path, range_header)
+        if full.is_dir():
+            return self._listing(path, full, head)
+        try:
+            content = owner._read(path)
+        except (FileNotFoundError, IsADirectoryError):
+            return self._status(404, path, range_header)
+
+        fault = owner._next_fault(path, head)
+        if fault is not None and fault.kind == "status":
+            return self._status(fault.status, path, range_header, fault.headers)
+        if fault is not None and fault.kind == "hang":
+            self._record(path, range_header, 0)
+            owner._stop.wait(fault.seconds)
+            self.close_connection = True
+            return
+
+        size = len(content)
+        etag = '"' + hashlib.md5(content).hexdigest() + '"'
+        if_match = self.headers.get("If-Match")
+        if if_match is not None and if_match.strip() != "*" and etag not in [t.strip() for t in if_match.split(",")]:
+            return self._status(412, path, range_header)
+        parsed = _parse_range(range_header, size)
+        if fault is not None and fault.kind == "ignore_range":
+            parsed = None
+        if parsed == "bad":
+            return self._status(416, path, range_header, {"Content-Range": f"bytes */{size}"})
+        if parsed is None:
+            status, first, last = 200, 0, size - 1
+        else:
+            assert isinstance(parsed, tuple)
+            status, (first, last) = 206, parsed
+        body = content[first : last + 1]
+        self._record(path, range_header, status)
+        self.send_response(status)
+        self.send_header("Content-Type", "application/x-tar")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Accept-Ranges", "bytes")
+        self.send_header("ETag", etag)
+        if status == 206:
+            self.send_header("Content-Range", f"bytes {first}-{last}/{size}")
+        self.end_headers()
+        if head:
+            return
+        if fault is None or fault.kind == "ignore_range":
+            self._write(body)
+            return
+        self._write(body[: fault.after])
+        if fault.pause:
+            owner._stop.wait(fault.pause)
+        if fault.kind == "stall":
+            owner._stop.wait(fault.seconds)
+        elif fault.kind == "reset":
+            # SO_LINGER with a zero timeout: close() sends an RST instead of a FIN.
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.close_connection = True
+        with contextlib.suppress(OSError):
+            self.connection.close()
+
+    def _write(self, data: bytes) -> None:
+        with contextlib.suppress(OSError):
+            self.wfile.write(data)
+            self.wfile.flush()
+
+    def _record(self, path: str, range_header: str | None, status: int) -> None:
+        start = end = None
+        if range_header is not None and range_header.startswith("bytes="):
+            first_s, _, last_s = range_header[len("bytes=") :].partition("-")
+            with contextlib.suppress(ValueError):
+                start = int(first_s) if first_s else None
+                end = int(last_s) if last_s else None
+        self.owner._record(Request(self.command, path, start, end, dict(self.headers.items()), status))
+
+    def _status(self, status: int, path: str, range_header: str | None, headers: Mapping[str, str] = {}) -> None:
+        self._record(path, range_header, status)
+        self.send_response(status)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def _listing(self, path: str, folder: Path, head: bool) -> None:
+        self._record(path, None, 200)
+        names = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
+        base = "/" + path.rstrip("/") + "/" if path else "/"
+        links = "".join(f'<a href="{html.escape(base + urllib.parse.quote(n))}">{html.escape(n)}</a>\n' for n in names)
+        body = f"<html><body>\n{links}</body></html>\n".encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if not head:
+            self._write(body)
+
+
+# ----------------------------------------------------------------------------------------------- S3
+
+DUMMY_KEY = "testing-key"
+DUMMY_SECRET = "testing-secret"
+REGION = "us-east-1"
+
+
+@contextlib.contextmanager
+def s3_server() -> Iterator[str]:
+    """moto's S3 in-process on 127.0.0.1 (a fresh, empty account); yields the endpoint URL."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no access log on stderr
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    _moto_reset(endpoint)
+    try:
+        yield endpoint
+    finally:
+        _moto_reset(endpoint)
+        server.stop()
+        inner = getattr(server, "_server", None)
+        if inner is not None:
+            inner.server_close()
+
+
+def _moto_reset(endpoint: str) -> None:
+    # moto keeps its buckets in process-global state: reset it so each server starts empty.
+    request = urllib.request.Request(endpoint + "/moto-api/reset", method="POST")
+    with urllib.request.urlopen(request, timeout=10) as response:
+        response.read()
+
+
+def s3_storage_options(endpoint: str) -> dict[str, Any]:
+    """What a source's ``storage_options`` would hold to reach this server with dummy credentials."""
+    return {
+        "endpoint_url": endpoint,
+        "key": DUMMY_KEY,
+        "secret": DUMMY_SECRET,
+        "client_kwargs": {"region_name": REGION},
+    }
+
+
+def s3_client(endpoint: str) -> Any:
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id=DUMMY_KEY,
+        aws_secret_access_key=DUMMY_SECRET,
+        region_name=REGION,
+    )
+
+
+def make_bucket(endpoint: str, bucket: str, files: Mapping[str, bytes | os.PathLike[str]] = {}) -> None:
+    """Create ``bucket`` and upload ``{key: bytes or local path}`` into it with boto3."""
+    client = s3_client(endpoint)
+    try:
+        client.create_bucket(Bucket=bucket)
+        for key, data in files.items():
+            body = data if isinstance(data, bytes) else Path(data).read_bytes()
+            client.put_object(Bucket=bucket, Key=key, Body=body)
+    finally:
+        client.close()

@@ -1,0 +1,123 @@
+"""Writing real WebDataset shards for tests, with tokens a test can recompute from the key.
+
+Every writer here goes through `webdataset.ShardWriter` / `TarWriter` with an integer mtime (a float
+one makes tarfile add a PAX header to every member, which is not what real shards look like).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import tarfile
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import webdataset as wds
+
+MTIME = 1_700_000_000
+TOKEN_LO, TOKEN_HI = 1, 30000  # 0 stays free as the pad id
+
+
+def expected_tokens(key: str, length: int, *, seed: int = 0, dtype: Any = np.int32) -> np.ndarray:
+    """The tokens `write_token_shards(..., seed=seed)` wrote for `key`: values in [1, 30000]."""
+    digest = hashlib.blake2b(f"{seed}:{key}".encode(), digest_size=8).digest()
+    rng = np.random.Generator(np.random.PCG64(int.from_bytes(digest, "little")))
+    return rng.integers(TOKEN_LO, TOKEN_HI + 1, size=length).astype(dtype)
+
+
+def shard_pattern(folder: str | os.PathLike[str], name: str, num_shards: int) -> str:
+    """The brace pattern of `folder/name-000000.tar` .. `name-{num_shards-1:06d}.tar`."""
+    if num_shards == 1:
+        return os.path.join(folder, f"{name}-000000.tar")
+    return os.path.join(folder, f"{name}-{{000000..{num_shards - 1:06d}}}.tar")
+
+
+def write_samples(
+    folder: str | os.PathLike[str], name: str, samples_per_shard: Sequence[Sequence[Mapping[str, Any]]]
+) -> str:
+    """Write `samples_per_shard[i]` into `folder/name-{i:06d}.tar`; return the brace pattern.
+
+    Samples are dicts as `webdataset.TarWriter` takes them (``__key__`` plus members, encoded by
+    extension: ``.npy`` arrays, ``txt`` strings, raw ``bytes``); an empty list gives an empty shard.
+    """
+    if not samples_per_shard:
+        raise ValueError("write_samples: need at least one shard")
+    os.makedirs(folder, exist_ok=True)
+    pattern = os.path.join(os.fspath(folder).replace("%", "%%"), f"{name}-%06d.tar")
+    total = sum(len(samples) for samples in samples_per_shard)
+    # maxcount never triggers: next_stream() draws the shard boundaries exactly where asked.
+    with wds.ShardWriter(pattern, maxcount=total + 1, verbose=0, mtime=MTIME) as writer:
+        for shard, samples in enumerate(samples_per_shard):
+            if shard:
+                writer.next_stream()
+            for sample in samples:
+                writer.write(dict(sample))
+    return shard_pattern(folder, name, len(samples_per_shard))
+
+
+def write_token_shards(
+    folder: str | os.PathLike[str],
+    name: str,
+    lengths_per_shard: Sequence[Sequence[int]],
+    *,
+    dtype: Any = np.int32,
+    member: str = "tokens.npy",
+    seed: int = 0,
+) -> str:
+    """One sample per length, key ``f"{name}-{shard:06d}-{i:06d}"``, tokens `expected_tokens(key, n)`."""
+    samples_per_shard = []
+    for shard, lengths in enumerate(lengths_per_shard):
+        samples = []
+        for i, length in enumerate(lengths):
+            key = token_key(name, shard, i)
+            samples.append({"__key__": key, member: expected_tokens(key, length, seed=seed, dtype=dtype)})
+        samples_per_shard.append(samples)
+    return write_samples(folder, name, samples_per_shard)
+
+
+def token_key(name: str, shard: int, index: int) -> str:
+    return f"{name}-{shard:06d}-{index:06d}"
+
+
+def key_lengths(name: str, lengths_per_shard: Sequence[Sequence[int]]) -> dict[str, int]:
+    """``{key: length}`` of what `write_token_shards(folder, name, lengths_per_shard)` writes."""
+    return {
+        token_key(name, shard, i): int(n)
+        for shard, lengths in enumerate(lengths_per_shard)
+        for i, n in enumerate(lengths)
+    }
+
+
+def lognormal_lengths(
+    n: int, *, median: float, sigma: float, lo: int = 1, hi: int | None = None, seed: int
+) -> list[int]:
+    """`n` lengths from a log-normal with this median, rounded and clipped to [lo, hi]."""
+    rng = np.random.default_rng(seed)
+    lengths = np.rint(median * np.exp(sigma * rng.standard_normal(n)))
+    return [int(x) for x in np.clip(lengths, lo, hi if hi is not None else np.inf)]
+
+
+def split_evenly(values: Sequence[int], num_shards: int) -> list[list[int]]:
+    """`values` cut into `num_shards` consecutive runs whose sizes differ by at most one."""
+    bounds = [len(values) * i // num_shards for i in range(num_shards + 1)]
+    return [list(values[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def write_tar_members(path: str | os.PathLike[str], members: Sequence[tuple[str, bytes]]) -> str:
+    """A tar with exactly these member names and bytes, in this order (for malformed-input tests:
+    members without an extension, a key split across non-adjacent members, directories, ...)."""
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for member_name, data in members:
+            info = tarfile.TarInfo(member_name)
+            info.size, info.mtime, info.mode = len(data), MTIME, 0o444
+            tar.addfile(info, io.BytesIO(data))
+    return os.fspath(path)
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    """The bytes of `array` as a ``.npy`` member (for `write_tar_members`)."""
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return buffer.getvalue()

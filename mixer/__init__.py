@@ -5,29 +5,43 @@ The distribution is named ``wds-mixer`` on PyPI; the import package is ``mixer``
 
 from .batch import Batch
 from .bucket import TokenBudget, bucket_edges
+from .device import to_device
 from .errors import ConfigError, MixerError, SampleError, ShardError, StateError
 from .loader import Loader, make_loader
 from .mixture import Mixture
-from .schedule import Schedule, SourceInfo, Static, Temperature
+from .config import MixtureSpec, build_mixture, load_config, parse_config
+from .schedule import Curriculum, Floored, Hierarchical, Phase, Schedule, SourceInfo, Static, Temperature, Weights
 from .source import Source
+from .stats import log_every
 from .world import World
 
 __all__ = [
     "Batch",
     "ConfigError",
+    "Curriculum",
+    "Floored",
+    "Hierarchical",
     "Loader",
     "MixerError",
     "Mixture",
+    "MixtureSpec",
+    "Phase",
     "SampleError",
     "Schedule",
     "ShardError",
     "Source",
     "SourceInfo",
-    "Static",
     "StateError",
+    "Static",
     "Temperature",
     "TokenBudget",
+    "Weights",
     "World",
     "bucket_edges",
+    "build_mixture",
+    "load_config",
+    "log_every",
     "make_loader",
+    "parse_config",
+    "to_device",
 ]

@@ -1,17 +1,21 @@
 """The batch a training step receives, and the collate that builds it.
 
-All integer fields live in ONE flat int32 (or int64) buffer, and the batch pickles as that buffer plus
-shapes: crossing from a DataLoader worker to the main process then costs one shared-memory segment
-instead of one per tensor (measured: several segments per batch doubled the pipeline's CPU per sample).
+All integer fields live in ONE flat int32 (or int64) buffer, and a batch pickles as that buffer (by
+value, as a numpy array) plus shapes. Measured here: torch's default tensor pickling moves every
+tensor into a new shared-memory segment, ~6.6 ms per batch of ~100 samples, which doubled the
+pipeline's total CPU per sample with 2 DataLoader workers; copying a few hundred KB through the
+worker's pipe costs a small fraction of that.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
+
+from . import transport
 
 _DTYPES = {"int32": (np.int32, torch.int32), "int64": (np.int64, torch.int64)}
 
@@ -25,10 +29,12 @@ class Batch:
     ``pin_memory=True`` pins it with a single copy.
     """
 
-    __slots__ = ("buffer", "batch_size", "seq_len", "keys", "info", "tokens", "lengths", "source")
+    __slots__ = ("buffer", "batch_size", "seq_len", "keys", "info", "tokens", "lengths", "source", "slot")
 
     def __init__(self, buffer: torch.Tensor, batch_size: int, seq_len: int, keys: list[str], info: dict[str, Any] | None = None) -> None:
         self.buffer = buffer
+        # (pool id, worker, slot, stamp) while the buffer lives in a worker's shared slot.
+        self.slot: tuple[int, int, int, int] | None = None
         self.batch_size = batch_size
         self.seq_len = seq_len
         self.keys = keys
@@ -42,6 +48,10 @@ class Batch:
         return self.batch_size
 
     def __reduce__(self) -> tuple[Any, ...]:
+        if self.slot is not None:
+            return (_from_slot, (*self.slot, self.buffer.numel(), self.batch_size, self.seq_len, self.keys, self.info))
+        if self.buffer.device.type == "cpu":
+            return (_from_numpy, (self.buffer.numpy(), self.batch_size, self.seq_len, self.keys, self.info))
         return (Batch, (self.buffer, self.batch_size, self.seq_len, self.keys, self.info))
 
     def _with_buffer(self, buffer: torch.Tensor) -> Batch:
@@ -70,6 +80,17 @@ class Batch:
         return f"Batch(B={self.batch_size}, L={self.seq_len}, tokens={self.num_tokens}, device={self.buffer.device})"
 
 
+def _from_slot(
+    pool_id: int, worker: int, slot: int, stamp: int, n: int, batch_size: int, seq_len: int, keys: list[str], info: dict[str, Any]
+) -> Batch:
+    data = transport.pool(pool_id).copy_out(worker, slot, stamp, n)
+    return Batch(torch.from_numpy(data), batch_size, seq_len, keys, info)
+
+
+def _from_numpy(buffer: np.ndarray, batch_size: int, seq_len: int, keys: list[str], info: dict[str, Any]) -> Batch:
+    return Batch(torch.from_numpy(buffer), batch_size, seq_len, keys, info)
+
+
 def collate(
     token_arrays: Sequence[np.ndarray],
     lengths: np.ndarray,
@@ -79,8 +100,10 @@ def collate(
     pad_id: int = 0,
     dtype: str = "int32",
     info: dict[str, Any] | None = None,
+    out: Callable[[int], np.ndarray | None] | None = None,
 ) -> Batch:
-    """Pad ``token_arrays`` (already cut to ``lengths``) into one preallocated buffer.
+    """Pad ``token_arrays`` (already cut to ``lengths``) into one preallocated buffer: a new array,
+    or the one ``out(num_elements)`` provides (a worker's shared slot).
 
     One concatenate and one masked assignment place every token: no per-sample tensors and no Python
     loop over tokens.
@@ -89,7 +112,9 @@ def collate(
     b = len(token_arrays)
     seq_len = int(lengths.max()) if b else 0
     n = b * seq_len
-    flat = np.empty(n + 2 * b, dtype=np_dtype)
+    flat = out(n + 2 * b) if out is not None else None
+    if flat is None:
+        flat = np.empty(n + 2 * b, dtype=np_dtype)
     grid = flat[:n].reshape(b, seq_len)
     grid.fill(pad_id)
     if b:

@@ -1,36 +1,86 @@
-"""The ``mixer`` command: ``mixer demo`` streams the built-in demo mixture and reports the mix."""
+"""The ``mixer`` command.
+
+- ``mixer demo``: stream the built-in demo mixture (generated on first use) and report the mix;
+- ``mixer run CONFIG --steps N``: stream a config's mixture and report target vs realized shares;
+- ``mixer plan CONFIG``: print the schedule's target shares at chosen steps, reading no shard.
+
+``run`` and ``demo`` show a progress bar (batches, tokens/s) and end with a per-source table;
+``--report FILE.json`` writes it as JSON and ``--plot FILE.png`` draws it (needs matplotlib:
+``pip install 'wds-mixer[plot]'``).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import math
+import os
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
 
+import numpy as np
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
+from .batch import Batch
 from .bucket import TokenBudget
-from .loader import make_loader
+from .config import MixtureSpec, build_mixture, parse_config
+from .errors import ConfigError, MixerError
+from .loader import Loader, make_loader
 from .mixture import Mixture
+from .schedule import Curriculum, Floored, Schedule, SourceInfo, Static, Temperature, check_schedule
 from .source import Source
-from .stats import RunStats, format_table
+from .stats import DEFAULT_WINDOW, History, check_plotting, format_table, human, log_every, plot_run, plot_schedule, report
+
+log = logging.getLogger(__name__)
 
 DEMO_WEIGHTS = {"prose": 0.5, "code": 0.3, "books": 0.2}
+PLAN_POINTS = 600  # evaluation points of the plan plot over the whole horizon
 
 
-def _stream(mixture: Mixture, *, steps: int, workers: int) -> RunStats:
-    loader = make_loader(mixture, num_workers=workers)
-    stats = RunStats(mixture)
-    with tqdm(total=steps, unit="batch", dynamic_ncols=True) as bar:
-        for batch in loader:
-            stats.update(batch)
+# ----------------------------------------------------------------------------------- run / demo
+
+
+def _stream(loader: Loader, *, steps: int, every: int, history: History | None) -> dict[str, Any]:
+    """Stream ``steps`` batches (fewer if the mixture ends) with a progress bar; returns ``loader.stats()``."""
+    batches: Iterable[Batch] = log_every(loader, every) if every else loader
+    tokens = 0
+    with logging_redirect_tqdm(), tqdm(total=steps, unit="batch", dynamic_ncols=True, file=sys.stderr) as bar:
+        start = time.perf_counter()
+        for k, batch in enumerate(batches, 1):
+            tokens += int(batch.info["tokens"])
+            if history is not None:
+                history.update(batch)
             bar.update(1)
-            if stats.num_batches % 20 == 0:
-                bar.set_postfix(tok_s=f"{stats.tokens.sum() / bar.format_dict['elapsed']:,.0f}" if bar.format_dict["elapsed"] else "-")
-            if stats.num_batches >= steps:
+            if k % 10 == 0 or k == steps:
+                bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):,.0f} tok/s", refresh=False)
+            if k >= steps:
                 break
-    return stats
+    return loader.stats()
+
+
+def _run_mixture(mixture: Mixture, args: argparse.Namespace, command: str) -> int:
+    if args.plot:
+        check_plotting()  # now, not after a long run
+    loader = make_loader(mixture, num_workers=args.workers, stats_window=args.window)
+    history = History(mixture.names) if args.plot else None
+    stats = _stream(loader, steps=args.steps, every=args.log_every, history=history)
+    rep = report(stats)
+    print(format_table(rep))
+    if stats["batches"] < args.steps:
+        print(f"the mixture ended after {stats['batches']:,} of {args.steps:,} batches (stop={mixture.stop!r})")
+    if args.report:
+        with open(args.report, "w", encoding="utf-8") as f:
+            json.dump({"command": command, "steps": args.steps, "workers": args.workers, **rep, "stats": stats}, f, indent=2, allow_nan=False)
+        print(f"report written to {args.report}")
+    if args.plot:
+        assert history is not None
+        plot_run(history, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -41,34 +91,234 @@ def _demo(args: argparse.Namespace) -> int:
     mixture = Mixture(sources, batching=TokenBudget(max_tokens=args.max_tokens, max_length=args.max_tokens), seed=args.seed)
     print(f"demo sources: {', '.join(f'{s.name} ({len(s.shards)} shards)' for s in sources)}")
     print("source sizes (tokens, estimated up front): " + ", ".join(f"{k}={v:,.0f}" for k, v in mixture.sizes.items()))
-    stats = _stream(mixture, steps=args.steps, workers=args.workers)
-    summary = stats.summary()
-    print(format_table(summary))
-    if args.report:
-        with open(args.report, "w") as f:
-            json.dump(summary, f, indent=2)
+    return _run_mixture(mixture, args, "demo")
+
+
+def _run(args: argparse.Namespace) -> int:
+    spec = _parse(args.config)
+    mixture = build_mixture(spec)
+    given = {s.name for s in spec.sources if s.size is not None}
+    print(f"{args.config}: {len(mixture.sources)} sources, schedule {_describe(spec.schedule)}")
+    print(
+        "source sizes (tokens): "
+        + ", ".join(f"{k}={v:,.0f}{'' if k in given else ' (estimated)'}" for k, v in mixture.sizes.items())
+    )
+    return _run_mixture(mixture, args, "run")
+
+
+# ------------------------------------------------------------------------------------------ plan
+
+
+def _parse(path: str) -> MixtureSpec:
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path}: no such config file")
+    return parse_config(path)
+
+
+def _describe(schedule: Schedule | None) -> str:
+    if schedule is None or isinstance(schedule, Static):
+        return "static (the sources' weights)"
+    if isinstance(schedule, Floored):
+        return f"{_describe(schedule.schedule)}, min_prob {schedule.min_prob:g}"
+    if isinstance(schedule, Curriculum):
+        t = f" with temperature {schedule.temperature.start:g}" if schedule.temperature is not None else ""
+        return f"curriculum of {len(schedule.phases)} phases over {schedule.unit}{t}"
+    return type(schedule).__name__
+
+
+def _landmarks(schedule: Schedule, tokens_per_step: float) -> list[float]:
+    """Steps where the schedule changes behaviour: phase boundaries, ramp ends, temperature ends."""
+
+    def steps(x: float, unit: str | None) -> float:
+        return x / tokens_per_step if unit == "tokens" else x
+
+    if isinstance(schedule, Floored):
+        return _landmarks(schedule.schedule, tokens_per_step)
+    if isinstance(schedule, Temperature):
+        return [steps(float(schedule.steps or schedule.tokens or 0), schedule.unit)] if schedule.unit else []
+    if isinstance(schedule, Curriculum):
+        out = []
+        for k, phase in enumerate(schedule.phases):
+            start = schedule.start(k)
+            if k:
+                out += [steps(start, schedule.unit), steps(start + float(phase.ramp), schedule.unit)]
+            t = phase.temperature
+            if t is not None and t.unit is not None:
+                out.append(steps(start + float(t.steps or t.tokens or 0), schedule.unit))
+        if schedule.temperature is not None:
+            out += _landmarks(schedule.temperature, tokens_per_step)
+        return out
+    return []
+
+
+def _phase_of(schedule: Schedule, step: float, tokens: float) -> int | None:
+    if isinstance(schedule, Floored):
+        return _phase_of(schedule.schedule, step, tokens)
+    if isinstance(schedule, Curriculum):
+        return schedule.phase_at(tokens if schedule.unit == "tokens" else step)
+    return None
+
+
+def _evaluate(schedule: Schedule, info: SourceInfo, steps: np.ndarray, tokens_per_step: float) -> np.ndarray:
+    return np.array([schedule.probs(info, int(s), float(s) * tokens_per_step) for s in steps], dtype=np.float64)
+
+
+def _plan_info(spec: MixtureSpec, schedule: Schedule, steps: np.ndarray, tokens_per_step: float) -> tuple[SourceInfo, list[str]]:
+    """The schedule's view of the sources, from the config alone. A source without ``size`` gets a
+    stand-in size; if the plan depends on the stand-in (the schedule uses sizes), that is an error."""
+    names = tuple(s.name for s in spec.sources)
+    missing = [s.name for s in spec.sources if s.size is None]
+
+    def info(fill: np.ndarray) -> SourceInfo:
+        sizes = np.array([s.size if s.size is not None else fill[i] for i, s in enumerate(spec.sources)], dtype=np.float64)
+        return SourceInfo(
+            names=names, weights=np.array([s.weight for s in spec.sources], dtype=np.float64), sizes=sizes,
+            groups=tuple(s.group for s in spec.sources),
+        )  # fmt: skip
+
+    one = info(np.ones(len(names)))
+    if missing:
+        other = info(np.geomspace(3.0, 3.0 ** len(names), len(names)))
+        check_schedule(schedule, other)
+        if not np.allclose(_evaluate(schedule, one, steps, tokens_per_step), _evaluate(schedule, other, steps, tokens_per_step), rtol=0, atol=1e-12):
+            raise ConfigError(
+                f"this schedule depends on source sizes (temperature or hierarchical weights on sizes), and "
+                f"mixer plan reads no shard: give 'size' (tokens) in the config for {', '.join(map(repr, missing))}, "
+                f"or use `mixer run`, which estimates sizes from the shards"
+            )
+    check_schedule(schedule, one)
+    return one, missing
+
+
+def _step_list(text: str) -> list[int]:
+    try:
+        values = [int(float(v)) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated steps such as 0,1000,5000 (got {text!r})") from None
+    if not values or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated steps >= 0 (got {text!r})")
+    return sorted(set(values))
+
+
+def _plan(args: argparse.Namespace) -> int:
+    spec = _parse(args.config)
+    if args.plot:
+        check_plotting()
+    schedule: Schedule = spec.schedule if spec.schedule is not None else Static()
+    tps = float(args.tokens_per_step) if args.tokens_per_step else float(spec.batching.max_tokens)
+    landmarks = sorted({math.ceil(x - 1e-9) for x in _landmarks(schedule, tps) if x > 0})
+    horizon = args.until or (math.ceil(1.25 * landmarks[-1]) if landmarks else 1000)
+    if args.steps:
+        horizon = max(horizon, args.steps[-1])
+        table_steps = np.array(args.steps)
+    else:
+        table_steps = np.array(sorted({0, *[x for x in landmarks if x <= horizon], horizon}))
+    marks = [0.0, *[float(x) for x in landmarks if x < horizon], float(horizon)]
+    grid = np.unique(np.concatenate(
+        [np.linspace(0, horizon, PLAN_POINTS), *[np.linspace(a, b, 60) for a, b in zip(marks[:-1], marks[1:])], table_steps]
+    ).round())  # fmt: skip
+    info, missing = _plan_info(spec, schedule, np.unique(np.concatenate([grid, table_steps])), tps)
+    names = list(info.names)
+
+    print(f"{args.config}: {len(names)} sources, schedule {_describe(spec.schedule)}")
+    source = "--tokens-per-step" if args.tokens_per_step else "batching.max_tokens, an upper bound; pass --tokens-per-step"
+    print(f"tokens seen = step x {tps:,.0f} tokens per step ({source} for real tokens per step over all ranks)")
+    if missing:
+        print(f"no size given for {', '.join(missing)} (not needed: this schedule does not use sizes)")
+    probs = _evaluate(schedule, info, table_steps, tps)
+    phases = [_phase_of(schedule, s, s * tps) for s in table_steps]
+    header = ["step", "tokens"] + (["phase"] if phases[0] is not None else []) + names
+    rows = [header]
+    for s, p, k in zip(table_steps, probs, phases):
+        rows.append([f"{int(s):,}", human(s * tps)] + ([str(k)] if k is not None else []) + [f"{v:.4f}" for v in p])
+    widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    print("\n".join(lines))
+    if args.plot:
+        plot_schedule(
+            names, grid, _evaluate(schedule, info, grid, tps), args.plot, tokens_per_step=tps,
+            boundaries=[x for x in landmarks if x < horizon], title=f"{os.path.basename(args.config)}: target share per source",
+        )  # fmt: skip
+        print(f"plot written to {args.plot}")
     return 0
 
 
+# ---------------------------------------------------------------------------------------- parser
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer (got {text!r})") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 (got {value})")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer (got {text!r})") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0 (got {value})")
+    return value
+
+
+def _stream_options(p: argparse.ArgumentParser, steps: int) -> None:
+    p.add_argument("--steps", type=_positive, default=steps, help=f"batches to stream (default {steps})")
+    p.add_argument("--workers", type=_non_negative, default=2, help="DataLoader workers (default 2; 0 reads in this process)")
+    p.add_argument("--window", type=_positive, default=DEFAULT_WINDOW, help=f"batches in the stats window (default {DEFAULT_WINDOW})")
+    p.add_argument("--log-every", type=_non_negative, default=0, metavar="N",
+                   help="log a line of window stats every N batches, and warn about starved sources (default: off)")  # fmt: skip
+    p.add_argument("--report", default=None, metavar="FILE.json", help="write the final report as JSON to this file")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="draw target and realized share per source over steps (needs matplotlib)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mixer", description=__doc__)
+    parser = argparse.ArgumentParser(prog="mixer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
+
     demo = sub.add_parser("demo", help="stream the built-in demo mixture (prose/code/books) and report the mix")
-    demo.add_argument("--steps", type=int, default=300, help="batches to stream (default 300)")
-    demo.add_argument("--workers", type=int, default=2, help="DataLoader workers (default 2)")
-    demo.add_argument("--max-tokens", type=int, default=32768, help="token budget per batch (default 32768)")
+    _stream_options(demo, 300)
+    demo.add_argument("--max-tokens", type=_positive, default=32768, help="token budget per batch (default 32768)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--cache-dir", default=None, help="where demo shards are generated (default ~/.cache/mixer/demo)")
-    demo.add_argument("--report", default=None, help="write the final report as JSON to this file")
     demo.set_defaults(func=_demo)
+
+    run = sub.add_parser("run", help="stream a config's mixture and report target vs realized shares")
+    run.add_argument("config", help="a YAML config (see examples/)")
+    _stream_options(run, 1000)
+    run.set_defaults(func=_run)
+
+    plan = sub.add_parser("plan", help="print (and plot) the target share of every source over training, reading no shard")
+    plan.add_argument("config", help="a YAML config (see examples/)")
+    plan.add_argument("--steps", type=_step_list, default=None, metavar="S0,S1,...",
+                      help="global steps for the table (default: 0, every phase boundary and ramp end, and the horizon)")  # fmt: skip
+    plan.add_argument("--until", type=_positive, default=None, metavar="STEP",
+                      help="last step of the plot (default: 1.25 x the last boundary, or 1000)")  # fmt: skip
+    plan.add_argument("--tokens-per-step", type=float, default=None, metavar="T",
+                      help="tokens seen per global step, over all ranks (default: batching.max_tokens)")  # fmt: skip
+    plan.add_argument("--plot", default=None, metavar="FILE.png", help="draw the schedule over training (needs matplotlib)")
+    plan.set_defaults(func=_plan)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "tokens_per_step", None) is not None and not (math.isfinite(args.tokens_per_step) and args.tokens_per_step > 0):
+        build_parser().error(f"--tokens-per-step: expected a number > 0 (got {args.tokens_per_step!r})")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    return int(args.func(args))
+    if getattr(args, "log_every", 0):
+        logging.getLogger("mixer.stats").setLevel(logging.INFO)
+    try:
+        return int(args.func(args))
+    except MixerError as exc:
+        print(f"mixer {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Default token extraction from raw WebDataset samples, and the `Sample` record readers yield.
 
-`decode_npy` is the hot one: `np.load(io.BytesIO(...))` costs ~25 µs per small array, nearly all of
+`decode_npy` is the hot one: `np.load(io.BytesIO(...))` costs tens of µs per small array, most of
 it re-parsing a header that, across a source's token arrays, differs only in the shape. So the
 header's dtype part is parsed once and cached, the shape is read with `int()`, and the payload is
 a zero-copy `np.frombuffer`; anything that does not fit the canonical layout goes to `np.load`.
@@ -31,8 +31,8 @@ class Sample(NamedTuple):
 
 _MAGIC = b"\x93NUMPY"
 _SHAPE = b"'shape': ("
-# header text before 'shape' -> (dtype, fortran_order, itemsize). Token arrays of one source share a handful
-# of these; the bound only guards against a pathological stream of distinct dtypes.
+# Header text before 'shape' -> (dtype, fortran_order, itemsize). A source's token arrays share a
+# handful of these; the bound only guards against a pathological stream of distinct dtypes.
 _HEADER_CACHE: dict[bytes, tuple[np.dtype[Any], bool, int]] = {}
 _HEADER_CACHE_MAX = 64
 
@@ -51,9 +51,9 @@ def decode_npy(data: bytes, *, where: str = "") -> np.ndarray:
         data = bytes(data)
     if not data.startswith(_MAGIC):
         raise SampleError(f"{_at(where)}not a .npy array (starts with {data[:8]!r})")
-    major = data[6:7]
     if len(data) < 12:  # shorter than any header: np.load says why
         return _np_load(data, where)
+    major = data[6:7]
     if major == b"\x01":
         start = 10
         end = 10 + (data[8] | data[9] << 8)

@@ -963,7 +963,8 @@ class _Pump:
             return b""
 
     def close(self) -> None:
-        self._future.cancel()  # thread-safe; the task's finally closes the response on the loop
+        if not self._loop.is_closed():  # (at interpreter exit the loop may be gone: nothing to close)
+            self._future.cancel()  # thread-safe; the task's finally closes the response on the loop
 
 
 def _start(pump: _Pump) -> _Pump:

@@ -6,17 +6,21 @@ need no extra IPC: they ride along with the batches.
 
 from __future__ import annotations
 
+import multiprocessing
 import random
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from .batch import Batch
+from .device import DeviceLike, to_device
 from .mixture import Mixture
 from .source import Counters
+from .transport import SlotPool
+from .stats import DEFAULT_WINDOW, Stats
 from .world import seed_for
 
 
@@ -26,6 +30,34 @@ def _seed_worker_globals(worker_id: int) -> None:
     seed = torch.initial_seed() % 2**32
     random.seed(seed)
     np.random.seed(seed)
+
+
+class _Stream(IterableDataset[Batch]):
+    """What DataLoader iterates: the mixture's stream, with the shared slots the workers write into."""
+
+    def __init__(self, mixture: Mixture, pool: SlotPool | None) -> None:
+        self.mixture = mixture
+        self.pool = pool
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self.mixture.stream(pool=self.pool)
+
+
+def _slot_pool(mixture: Mixture, num_workers: int, prefetch_factor: int | None, context: Any) -> SlotPool | None:
+    """Shared slots for the workers' batches, when workers are forked (they inherit the mapping);
+    other start methods fall back to pickling batches by value."""
+    if num_workers <= 0:
+        return None
+    if context is None:
+        context = multiprocessing.get_context()
+    elif isinstance(context, str):
+        context = multiprocessing.get_context(context)
+    if context.get_start_method() != "fork":
+        return None
+    # At most prefetch_factor batches per worker are written but not yet received (DataLoader sends
+    # one request per batch handed out, round-robin); two spare slots on top.
+    slots = (prefetch_factor if prefetch_factor is not None else 2) + 2
+    return SlotPool(num_workers=num_workers, slots=slots, slot_elems=mixture.max_batch_elements, dtype=np.dtype(mixture.dtype))
 
 
 class Loader:
@@ -43,13 +75,21 @@ class Loader:
         persistent_workers: bool = False,
         timeout: float = 0,
         multiprocessing_context: Any = None,
+        device: DeviceLike | None = None,
+        device_prefetch: int = 2,
+        stats_window: int = DEFAULT_WINDOW,
     ) -> None:
         self.mixture = mixture
         self.num_workers = num_workers
+        self.pool = _slot_pool(mixture, num_workers, prefetch_factor, multiprocessing_context)
+        # validated now (a ConfigError for "cuda" without CUDA); each iter() builds its own feed
+        self.device = to_device((), device, prefetch=device_prefetch).device if device is not None else None
+        self.device_prefetch = device_prefetch
+        pin_memory = pin_memory or (self.device is not None and self.device.type == "cuda")
         generator = torch.Generator()
         generator.manual_seed(seed_for(mixture.seed, "dataloader", mixture.rank) % 2**63)
         self.dataloader = DataLoader(
-            mixture,
+            _Stream(mixture, self.pool),
             batch_size=None,
             num_workers=num_workers,
             pin_memory=pin_memory,
@@ -62,12 +102,16 @@ class Loader:
         )
         self._last_counters: dict[int, list[list[int]]] = {}
         self.batches = 0
+        self._stats = Stats(mixture.names, window=stats_window, num_workers=num_workers, max_tokens=mixture.batching.max_tokens)
 
     def __iter__(self) -> Iterator[Batch]:
         self._last_counters = {}
         self.batches = 0
-        for batch in self.dataloader:
+        self._stats.reset()
+        batches = self.dataloader if self.device is None else to_device(self.dataloader, self.device, prefetch=self.device_prefetch)
+        for batch in batches:
             self._last_counters[batch.info["worker"]] = batch.info["counters"]
+            self._stats.update(batch.info)
             self.batches += 1
             yield batch
 
@@ -79,6 +123,12 @@ class Loader:
             total += np.asarray(rows, dtype=np.int64)
         return {name: dict(zip(Counters.FIELDS, map(int, row))) for name, row in zip(self.mixture.names, total)}
 
+    def stats(self) -> dict[str, Any]:
+        """Per-source counters, realized vs target token share, padding efficiency and tokens/s, over the
+        whole pass and over the last ``stats_window`` batches handed out: a JSON-serialisable dict (see
+        :meth:`mixer.stats.Stats.as_dict`), computed from what the batches carry."""
+        return self._stats.as_dict()
+
 
 def make_loader(
     mixture: Mixture,
@@ -89,8 +139,14 @@ def make_loader(
     persistent_workers: bool = False,
     timeout: float = 0,
     multiprocessing_context: Any = None,
+    device: DeviceLike | None = None,
+    device_prefetch: int = 2,
+    stats_window: int = DEFAULT_WINDOW,
 ) -> Loader:
-    """A :class:`Loader` over ``mixture``."""
+    """A :class:`Loader` over ``mixture``. With ``device`` (``"cuda"``, ``"cuda:N"``, ``"cpu"``) batches
+    arrive on that device through :func:`mixer.to_device`, ``device_prefetch`` batches copied ahead;
+    a CUDA device turns ``pin_memory`` on. ``stats_window``: batches in the sliding window of
+    :meth:`Loader.stats` (and so of :func:`mixer.log_every`)."""
     return Loader(
         mixture,
         num_workers=num_workers,
@@ -99,4 +155,7 @@ def make_loader(
         persistent_workers=persistent_workers,
         timeout=timeout,
         multiprocessing_context=multiprocessing_context,
+        device=device,
+        device_prefetch=device_prefetch,
+        stats_window=stats_window,
     )

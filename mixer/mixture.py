@@ -12,15 +12,16 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 import numpy as np
-from torch.utils.data import IterableDataset
+from torch.utils.data import IterableDataset, get_worker_info
 
 from .batch import _DTYPES, Batch, collate
 from .bucket import Bucketer, TokenBudget, bucket_edges
 from .decode import Sample
 from .errors import ConfigError
-from .schedule import Schedule, SourceInfo, Static
+from .schedule import Schedule, SourceInfo, Static, check_schedule
 from .select import SELECTORS, make_selector
 from .source import Counters, Profile, Source, SourceStream, profile
+from .transport import SlotPool
 from .world import World, resolve_rank, worker_place
 
 log = logging.getLogger(__name__)
@@ -109,9 +110,9 @@ class Mixture(IterableDataset[Batch]):
             sizes=np.array([p.size for p in self.profiles], dtype=np.float64),
             groups=tuple(s.group for s in sources),
         )
-        # Evaluate the schedule once now, so a bad schedule (e.g. all-zero weights) fails here and
-        # not in a worker process.
-        self.target_at(0, 0.0)
+        # Check the whole schedule now (every phase of a curriculum, all-zero weights...), so that
+        # it fails here and not in a worker process hours into the run.
+        check_schedule(self.schedule, self.info)
         self._check_fits()
         if batching.buckets is not None:
             self.edges = [list(batching.buckets)] * len(sources)
@@ -152,13 +153,26 @@ class Mixture(IterableDataset[Batch]):
             raise ConfigError(f"schedule {self.schedule!r} returned an invalid probability vector {p.tolist()} at step {step}")
         return p / p.sum()
 
-    def reader(self, world: World) -> Reader:
-        return Reader(self, world)
+    @property
+    def max_batch_elements(self) -> int:
+        """The largest flat buffer a batch can need: ``B * L <= max_tokens`` plus ``lengths`` and
+        ``source`` (``2 * B``), with ``B`` at most the largest bucket capacity."""
+        most = max(self.batching.capacity(e) for edges in self.edges for e in edges)
+        return self.batching.max_tokens + 2 * most
 
-    def __iter__(self) -> Iterator[Batch]:
+    def reader(self, world: World, *, pool: SlotPool | None = None) -> Reader:
+        return Reader(self, world, pool=pool)
+
+    def stream(self, *, pool: SlotPool | None = None) -> Iterator[Batch]:
+        """This process's batches: as a DataLoader worker, or the main process when there are none.
+        ``pool``: shared slots the loader mapped before forking its workers (see mixer.transport)."""
         worker, num_workers = worker_place()
         world = World(rank=self.rank, world_size=self.world_size, worker=worker, num_workers=num_workers)
-        return iter(self.reader(world))
+        in_worker = get_worker_info() is not None
+        return iter(self.reader(world, pool=pool if in_worker else None))
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self.stream()
 
 
 class Reader:
@@ -167,9 +181,10 @@ class Reader:
     asks the schedule about the same global step at the same point in training. Tokens seen are
     estimated as this reader's tokens times the number of readers (readers deliver alike on average)."""
 
-    def __init__(self, mixture: Mixture, world: World) -> None:
+    def __init__(self, mixture: Mixture, world: World, *, pool: SlotPool | None = None) -> None:
         self.mixture = mixture
         self.world = world
+        self.pool = pool
         n = len(mixture.sources)
         finite = mixture.stop != "never"
         self.counters = [Counters() for _ in range(n)]
@@ -190,12 +205,23 @@ class Reader:
         self.active = np.ones(n, dtype=bool)
         self.batches = 0
         self.tokens = 0
+        self._probs_key: tuple[int, int] | None = None
+        self._probs_cache = np.zeros(n)
 
     @property
     def step(self) -> int:
         return self.batches * self.world.num_workers + self.world.worker
 
     def _probs(self) -> np.ndarray:
+        # Progress moves once per batch: with mix="sample" the schedule is asked once per batch,
+        # not once per sample.
+        key = (self.batches, int(self.active.sum()))
+        if key != self._probs_key:
+            self._probs_key = key
+            self._probs_cache = self._target()
+        return self._probs_cache
+
+    def _target(self) -> np.ndarray:
         p = self.mixture.target_at(self.step, float(self.tokens * self.world.readers))
         p = np.where(self.active, p, 0.0)
         total = p.sum()
@@ -282,8 +308,27 @@ class Reader:
             "worker": self.world.worker,
             "tokens": n_tokens,
             "counters": [c.as_list() for c in self.counters],
+            # The schedule's share at this step, with the same progress the selector used (for stats).
+            "target": self.mixture.target_at(self.step, float(self.tokens * self.world.readers)).tolist(),
         }
         self.batches += 1
         self.tokens += n_tokens
         m = self.mixture
-        return collate(tokens, lengths, sources, keys, pad_id=m.pad_id, dtype=m.dtype, info=info)
+        if self.pool is None:
+            return collate(tokens, lengths, sources, keys, pad_id=m.pad_id, dtype=m.dtype, info=info)
+        pool, worker = self.pool, self.world.worker
+        claimed: list[tuple[int, int]] = []
+
+        def into_slot(n: int) -> np.ndarray | None:
+            got = pool.claim(worker, n)
+            if got is None:
+                return None
+            claimed.append(got[:2])
+            return got[2]
+
+        batch = collate(tokens, lengths, sources, keys, pad_id=m.pad_id, dtype=m.dtype, info=info, out=into_slot)
+        if claimed:
+            slot, stamp = claimed[0]
+            pool.seal(worker, slot, stamp)
+            batch.slot = (pool.id, worker, slot, stamp)
+        return batch

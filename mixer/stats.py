@@ -1,95 +1,376 @@
-"""Run statistics built in the main process from the batches themselves (no extra IPC).
+"""Run statistics, built in the main process from what the batches carry (no extra IPC).
 
-``target`` per source is the schedule's share integrated over the run: each batch adds
-``p(step) * batch tokens``, so with a moving schedule the realized share is compared with what the
-schedule asked for over the same tokens.
+Every batch's ``info`` holds its reader's cumulative per-source :class:`~mixer.source.Counters`, the
+global ``step`` and the schedule's ``target`` share at that step, as computed in the worker. The main
+process keeps the last counters of each worker and, per batch handed out, one snapshot of their sum
+in a ring buffer; a window's counters are then the difference of two snapshots, so the per-batch
+cost is a few small numpy operations whatever the window size, and no tensor is touched (a batch
+may already be on the GPU).
+
+Targets are integrated: each batch adds ``target(step) * batch tokens``, so with a moving schedule
+the realized share is compared with what the schedule asked for over the same tokens.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .batch import Batch
-from .mixture import Mixture
+from .errors import ConfigError
+from .source import Counters
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from .batch import Batch
+    from .loader import Loader
+
+log = logging.getLogger(__name__)
+
+FIELDS = Counters.FIELDS
+_F = {name: i for i, name in enumerate(FIELDS)}
+DEFAULT_WINDOW = 1000
+#: A source is *starved* over a window when its realized share is below this fraction of its target.
+STARVED_BELOW = 0.5
 
 
-class RunStats:
-    """Cumulative per-source tallies: real tokens, samples, padded slots, batches, target tokens."""
+class Stats:
+    """Per-source counters, cumulative and over the last ``window`` batches, fed one batch ``info``
+    at a time by :class:`~mixer.Loader` (see :meth:`as_dict` for what comes out).
 
-    def __init__(self, mixture: Mixture) -> None:
-        self.mixture = mixture
-        n = len(mixture.sources)
-        self.tokens = np.zeros(n, dtype=np.int64)
-        self.samples = np.zeros(n, dtype=np.int64)
-        self.padded = np.zeros(n, dtype=np.int64)
-        self.batches = np.zeros(n, dtype=np.int64)
-        self.target = np.zeros(n, dtype=np.float64)
+    ``epochs`` is the number of source-epochs completed by *every* reader of this rank (the minimum
+    over the DataLoader workers): each reader reads its own part of a source-epoch. All the other
+    counters are sums over the workers.
+
+    A source is reported ``starved`` over the window when its realized token share is below half of
+    its (integrated) target *and* the shortfall exceeds ``2 * readers * max_tokens`` tokens: the
+    deficit selector keeps each reader within about a batch of its target, so a shortfall that large
+    cannot come from batch granularity at the start of a run or of a window.
+    """
+
+    def __init__(self, names: Sequence[str], *, window: int = DEFAULT_WINDOW, num_workers: int = 0, max_tokens: int = 0) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ConfigError(f"stats_window must be an int >= 1 (got {window!r})")
+        self.names = tuple(names)
+        self.window = window
+        self.readers = max(1, int(num_workers))
+        self.slack = 2.0 * self.readers * max(int(max_tokens), 0)
+        self.reset()
+
+    def reset(self) -> None:
+        """Start over (a new pass of the loader)."""
+        n, k = len(self.names), self.window + 1
+        self.batches = 0
+        self.step = -1
+        self.target_now = np.zeros(n)
+        self._last = np.zeros((self.readers, n, len(FIELDS)), dtype=np.int64)
+        self._sum = np.zeros((n, len(FIELDS)), dtype=np.int64)
+        self._target = np.zeros(n)
+        # Slot b % (window + 1) holds the state after b batches; slot 0 starts as "before any batch".
+        self._ring_counters = np.zeros((k, n, len(FIELDS)), dtype=np.int64)
+        self._ring_target = np.zeros((k, n))
+        self._ring_time = np.zeros(k)
         self.started = time.perf_counter()
-        self.num_batches = 0
+        self._ring_time[0] = self.started
 
-    def update(self, batch: Batch) -> None:
-        n = len(self.tokens)
-        src = batch.source.numpy().astype(np.int64, copy=False)
-        lengths = batch.lengths.numpy()
-        per_source = np.bincount(src, weights=lengths, minlength=n).astype(np.int64)
-        counts = np.bincount(src, minlength=n)
-        self.tokens += per_source
-        self.samples += counts
-        self.padded += counts * batch.seq_len
-        self.batches += counts > 0
-        total = int(per_source.sum())
-        step = int(batch.info.get("step", self.num_batches))
-        self.target += self.mixture.target_at(step, float(self.tokens.sum())) * total
-        self.num_batches += 1
+    def update(self, info: dict[str, Any]) -> None:
+        """Account one batch handed out, from its ``info``."""
+        rows = np.asarray(info["counters"], dtype=np.int64)
+        worker = int(info.get("worker", 0))
+        self._sum += rows - self._last[worker]
+        self._last[worker] = rows
+        tokens = int(info["tokens"])
+        target = info.get("target")
+        if target is not None:
+            self.target_now = np.asarray(target, dtype=np.float64)
+            self._target += self.target_now * tokens
+        self.step = int(info.get("step", self.batches))
+        self.batches += 1
+        slot = self.batches % (self.window + 1)
+        snap = self._ring_counters[slot]
+        snap[:] = self._sum
+        snap[:, _F["epochs"]] = self._last[:, :, _F["epochs"]].min(axis=0)
+        self._ring_target[slot] = self._target
+        self._ring_time[slot] = time.perf_counter()
 
-    def summary(self) -> dict[str, Any]:
-        """A JSON-ready dict: per-source realized vs target share, padding efficiency, throughput."""
-        elapsed = max(time.perf_counter() - self.started, 1e-9)
-        total = max(int(self.tokens.sum()), 1)
-        target_total = max(float(self.target.sum()), 1e-9)
-        per_source = {}
-        for i, name in enumerate(self.mixture.names):
-            realized = self.tokens[i] / total
-            target = self.target[i] / target_total
-            per_source[name] = {
-                "target_share": float(target),
-                "realized_share": float(realized),
-                "error": float(realized - target),
-                "tokens": int(self.tokens[i]),
-                "samples": int(self.samples[i]),
-                "batches": int(self.batches[i]),
-                "padding_efficiency": float(self.tokens[i] / self.padded[i]) if self.padded[i] else 1.0,
+    def _at(self, batches: int) -> tuple[np.ndarray, np.ndarray, float]:
+        slot = batches % (self.window + 1)
+        return self._ring_counters[slot], self._ring_target[slot], float(self._ring_time[slot])
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable snapshot (plain ints, floats, strings, lists and dicts)::
+
+            {"batches", "step", "seconds", "window_size",
+             "total":  {"batches", "tokens", "samples", "padded", "padding_efficiency",
+                        "tokens_per_second", "samples_per_second"},
+             "window": {the same, over the last min(batches, window_size) batches},
+             "sources": {name: {"target_now", "starved",
+                                "total":  {"target", "realized", "error", "padding_efficiency",
+                                           <every Counters field>},
+                                "window": {the same}}},
+             "starved": [names of the sources starved over the window]}
+
+        ``target`` is the schedule's share integrated over the same tokens, ``realized`` the share of
+        real tokens delivered, ``error = realized - target``; ``target_now`` is the schedule's share at
+        the last step handed out."""
+        now_c, now_t, now_time = self._at(self.batches)
+        start = max(self.batches - self.window, 0)
+        old_c, old_t, old_time = self._at(start)
+        total = self._section(now_c, now_t, self.batches, now_time - self.started)
+        window = self._section(now_c - old_c, now_t - old_t, self.batches - start, now_time - old_time)
+        starved = window.pop("_starved")
+        total.pop("_starved")
+        sources = {}
+        for i, name in enumerate(self.names):
+            sources[name] = {
+                "target_now": float(self.target_now[i]),
+                "starved": bool(starved[i]),
+                "total": total["_sources"][i],
+                "window": window["_sources"][i],
             }
+        del total["_sources"], window["_sources"]
         return {
-            "batches": self.num_batches,
-            "tokens": int(self.tokens.sum()),
-            "samples": int(self.samples.sum()),
-            "padding_efficiency": float(self.tokens.sum() / max(int(self.padded.sum()), 1)),
-            "seconds": elapsed,
-            "tokens_per_second": float(self.tokens.sum()) / elapsed,
-            "samples_per_second": float(self.samples.sum()) / elapsed,
-            "sources": per_source,
+            "batches": self.batches,
+            "step": self.step,
+            "seconds": now_time - self.started,
+            "window_size": self.window,
+            "total": total,
+            "window": window,
+            "sources": sources,
+            "starved": [n for n, s in zip(self.names, starved) if s],
+        }
+
+    def _section(self, counters: np.ndarray, target: np.ndarray, batches: int, seconds: float) -> dict[str, Any]:
+        tokens = counters[:, _F["tokens"]]
+        padded = counters[:, _F["padded"]]
+        total_tokens = int(tokens.sum())
+        realized = tokens / total_tokens if total_tokens else np.zeros(len(tokens))
+        target_sum = float(target.sum())
+        share = target / target_sum if target_sum > 0 else np.zeros(len(tokens))
+        shortfall = share * total_tokens - tokens
+        starved = (realized < STARVED_BELOW * share) & (shortfall > self.slack)
+        per_source = []
+        for i in range(len(self.names)):
+            row = {
+                "target": float(share[i]),
+                "realized": float(realized[i]),
+                "error": float(realized[i] - share[i]),
+                "padding_efficiency": float(tokens[i] / padded[i]) if padded[i] else 1.0,
+            }
+            row.update(zip(FIELDS, map(int, counters[i])))
+            per_source.append(row)
+        samples = int(counters[:, _F["samples"]].sum())
+        seconds = max(seconds, 1e-9)
+        return {
+            "batches": int(batches),
+            "tokens": total_tokens,
+            "samples": samples,
+            "padded": int(padded.sum()),
+            "padding_efficiency": total_tokens / int(padded.sum()) if padded.sum() else 1.0,
+            "tokens_per_second": total_tokens / seconds,
+            "samples_per_second": samples / seconds,
+            "_sources": per_source,
+            "_starved": starved,
         }
 
 
-def format_table(summary: dict[str, Any]) -> str:
-    """The per-source table printed at the end of ``mixer demo`` / ``mixer run``."""
-    rows = [("source", "target", "realized", "error", "tokens", "samples", "batches", "pad eff")]
-    for name, s in summary["sources"].items():
+def format_line(stats: dict[str, Any]) -> str:
+    """One compact line: step, throughput, padding, and per source realized/target share over the window."""
+    w = stats["window"]
+    shares = " ".join(
+        f"{name} {s['window']['realized']:.3f}/{s['window']['target']:.3f}" for name, s in stats["sources"].items()
+    )
+    return (
+        f"step {stats['step']} | {w['tokens_per_second']:,.0f} tok/s | pad eff {w['padding_efficiency']:.3f} | "
+        f"realized/target over {w['batches']} batches: {shares}"
+    )
+
+
+def log_every(loader: Iterable[Batch], n: int, *, logger: logging.Logger | None = None) -> Iterator[Batch]:
+    """Iterate ``loader`` (a :class:`~mixer.Loader`), logging :func:`format_line` of ``loader.stats()``
+    at INFO every ``n`` batches, and a WARNING for each source starved over the stats window (realized
+    share below half its target; see :class:`Stats`)::
+
+        for batch in mixer.log_every(loader, 100):
+            ...
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"log_every: n must be an int >= 1 (got {n!r})")
+    stats_of = getattr(loader, "stats", None)
+    if not callable(stats_of):
+        raise ConfigError(f"log_every: needs a mixer.Loader (with stats()), got {type(loader).__name__}")
+    out = logger if logger is not None else log
+    for k, batch in enumerate(loader, 1):
+        if k % n == 0:
+            stats = stats_of()
+            out.info("%s", format_line(stats))
+            for name in stats["starved"]:
+                s = stats["sources"][name]["window"]
+                out.warning(
+                    "source %r is starved: realized token share %.4f over the last %d batches, below half its "
+                    "target %.4f (exhausted, too few samples for its share, or too few shards for the readers?)",
+                    name, s["realized"], stats["window"]["batches"], s["target"],
+                )  # fmt: skip
+        yield batch
+
+
+# --------------------------------------------------------------------------------------- reports
+
+
+TABLE_COLUMNS = (
+    ("target", "target"), ("realized", "realized"), ("error", "error"), ("tokens", "tokens"), ("samples", "samples"),
+    ("padding_efficiency", "pad eff"), ("epochs", "epochs"), ("skipped_samples", "skipped"),
+    ("skipped_shards", "bad shards"),
+)  # fmt: skip
+
+
+def report(stats: dict[str, Any]) -> dict[str, Any]:
+    """The end-of-run report: per source the table's columns (over the whole run), plus totals."""
+    t = stats["total"]
+    return {
+        "batches": t["batches"],
+        "tokens": t["tokens"],
+        "samples": t["samples"],
+        "padding_efficiency": t["padding_efficiency"],
+        "seconds": stats["seconds"],
+        "tokens_per_second": t["tokens_per_second"],
+        "samples_per_second": t["samples_per_second"],
+        "sources": {
+            name: {key: s["total"][key] for key, _ in TABLE_COLUMNS} | {"target_now": s["target_now"]}
+            for name, s in stats["sources"].items()
+        },
+    }
+
+
+def format_table(rep: dict[str, Any]) -> str:
+    """The per-source table printed at the end of ``mixer demo`` / ``mixer run`` (from :func:`report`)."""
+    rows = [("source",) + tuple(title for _, title in TABLE_COLUMNS)]
+    for name, s in rep["sources"].items():
         rows.append((
-            name, f"{s['target_share']:.4f}", f"{s['realized_share']:.4f}", f"{s['error']:+.4f}",
-            f"{s['tokens']:,}", f"{s['samples']:,}", f"{s['batches']:,}", f"{s['padding_efficiency']:.3f}",
-        ))
+            name, f"{s['target']:.4f}", f"{s['realized']:.4f}", f"{s['error']:+.4f}", f"{s['tokens']:,}",
+            f"{s['samples']:,}", f"{s['padding_efficiency']:.3f}", f"{s['epochs']:,}", f"{s['skipped_samples']:,}",
+            f"{s['skipped_shards']:,}",
+        ))  # fmt: skip
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.append("")
     lines.append(
-        f"{summary['batches']:,} batches, {summary['samples']:,} samples, {summary['tokens']:,} real tokens in "
-        f"{summary['seconds']:.1f} s: {summary['tokens_per_second']:,.0f} tokens/s, "
-        f"{summary['samples_per_second']:,.0f} samples/s, padding efficiency {summary['padding_efficiency']:.3f}"
+        f"{rep['batches']:,} batches, {rep['samples']:,} samples, {rep['tokens']:,} real tokens in "
+        f"{rep['seconds']:.1f} s: {rep['tokens_per_second']:,.0f} tokens/s, "
+        f"{rep['samples_per_second']:,.0f} samples/s, padding efficiency {rep['padding_efficiency']:.3f}"
     )
     return "\n".join(lines)
+
+
+class History:
+    """Per batch handed out: its global step, real tokens per source and the worker's target share;
+    what :func:`plot_run` draws. Reads ``batch.source``/``batch.lengths`` (keep it on host batches)."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = tuple(names)
+        self.steps: list[int] = []
+        self.tokens: list[np.ndarray] = []
+        self.targets: list[Sequence[float]] = []
+
+    def update(self, batch: Batch) -> None:
+        n = len(self.names)
+        src = batch.source.numpy().astype(np.int64, copy=False)
+        self.tokens.append(np.bincount(src, weights=batch.lengths.numpy(), minlength=n))
+        self.steps.append(int(batch.info["step"]))
+        self.targets.append(batch.info["target"])
+
+    def realized(self, width: int) -> np.ndarray:
+        """Realized token share per source over a centred window of ``width`` batches, ``[batches, sources]``."""
+        tokens = np.asarray(self.tokens, dtype=np.float64).reshape(-1, len(self.names))
+        cum = np.vstack([np.zeros((1, tokens.shape[1])), np.cumsum(tokens, axis=0)])
+        b = np.arange(len(tokens))
+        lo = np.clip(b - width // 2, 0, len(tokens))
+        hi = np.clip(lo + width, 0, len(tokens))
+        lo = np.clip(hi - width, 0, None)
+        span = cum[hi] - cum[lo]
+        return span / np.maximum(span.sum(axis=1, keepdims=True), 1.0)
+
+
+def human(x: float) -> str:
+    """``2e11`` → ``"200B"``, ``65536`` → ``"65.54K"``: counts of tokens or steps for tables and axes."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(x) >= scale:
+            return f"{x / scale:.4g}{suffix}"
+    return f"{x:.4g}"
+
+
+def _figure() -> Figure:
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise ConfigError(
+            f"plotting needs matplotlib, which is not installed ({exc}); install the extra: pip install 'wds-mixer[plot]'"
+        ) from None
+    return Figure(figsize=(9, 4.8), layout="constrained")
+
+
+def check_plotting() -> None:
+    """Raise a clear :class:`~mixer.ConfigError` now if matplotlib is missing (before a long run)."""
+    _figure()
+
+
+def plot_run(history: History, path: str | None = None, *, width: int | None = None) -> Figure:
+    """Target (dashed, as computed in the workers) and realized token share (solid, over a centred
+    window of ``width`` batches, default 1/15 of the run) per source against the global step: two
+    series per source. Saved as PNG to ``path`` if given."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    steps = np.asarray(history.steps)
+    if width is None:
+        width = max(1, len(steps) // 15)
+    realized = history.realized(width) if len(steps) else np.zeros((0, len(history.names)))
+    target = np.asarray(history.targets, dtype=np.float64).reshape(-1, len(history.names))
+    for i, name in enumerate(history.names):
+        (line,) = ax.plot(steps, target[:, i], linestyle="--", label=f"{name} target")
+        ax.plot(steps, realized[:, i], color=line.get_color(), label=f"{name} realized")
+    ax.set_xlabel("global step")
+    ax.set_ylabel("token share")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"target vs realized token share (realized over {width} batches)")
+    ax.legend(loc="best", fontsize="small", ncols=2)
+    if path is not None:
+        fig.savefig(path, format="png", dpi=100)
+    return fig
+
+
+def plot_schedule(
+    names: Sequence[str], steps: np.ndarray, probs: np.ndarray, path: str | None = None, *,
+    tokens_per_step: float | None = None, boundaries: Sequence[float] = (), title: str = "",
+) -> Figure:  # fmt: skip
+    """The target share of every source (one series each) over global steps; with ``tokens_per_step``
+    a second x axis on top gives the tokens seen. ``boundaries`` (steps) are marked with thin vertical
+    lines (unlabelled)."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    for i, name in enumerate(names):
+        ax.plot(steps, probs[:, i], label=name)
+    for b in boundaries:
+        ax.axvline(b, color="0.7", linewidth=0.8, linestyle=":", label="_boundary")
+    ax.set_xlabel("global step")
+    ax.set_ylabel("target share")
+    ax.set_ylim(0, 1)
+    ax.set_xlim(float(steps[0]), float(steps[-1]))
+    from matplotlib.ticker import FuncFormatter
+
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: human(x)))
+    if tokens_per_step:
+        tps = float(tokens_per_step)
+        top = ax.secondary_xaxis("top", functions=(lambda s: s * tps, lambda t: t / tps))
+        top.xaxis.set_major_formatter(FuncFormatter(lambda x, _: human(x)))
+        top.set_xlabel(f"tokens seen (at {tps:,.0f} tokens per step)")
+    if title:
+        ax.set_title(title)
+    ax.legend(loc="best", fontsize="small")
+    if path is not None:
+        fig.savefig(path, format="png", dpi=100)
+    return fig

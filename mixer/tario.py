@@ -278,8 +278,9 @@ def group_samples(members: Iterable[Member], *, url: str) -> Iterator[dict[str, 
 
     A member named ``__x__`` (no slash), or matching ``__…__`` / ``__…__/…`` at the start, is
     skipped; the key is everything up to the first dot of the last path component, the extension
-    (lower-cased) everything after it; a member whose name has no such dot is skipped; a new sample
-    starts whenever the key changes. A repeated extension within a sample is a `SampleError` (an
+    (lower-cased) everything after it (odd names such as ``dir/.x.y`` go through webdataset's own
+    regex); a member whose name has no such dot is skipped; a new sample starts whenever the key
+    changes (so a key that comes back later starts a second sample, as in webdataset). A repeated extension within a sample is a `SampleError` (an
     extension spelled like one of the four ``__…__`` keys below counts as repeated).
 
     Each sample holds ``__key__``, ``__url__`` (= `url`), ``__offset__`` (its first member's
@@ -290,7 +291,7 @@ def group_samples(members: Iterable[Member], *, url: str) -> Iterator[dict[str, 
     no extension headers.
     """
     it = iter(members)
-    sample: dict[str, Any] | None = None
+    sample: dict[str, Any] = {}  # empty until the first member
     key = None
     split = _BASE_PLUS_EXT.match
     while True:
@@ -315,15 +316,15 @@ def group_samples(members: Iterable[Member], *, url: str) -> Iterator[dict[str, 
             prefix = match.group(1)
             suffix = match.group(2).lower()
         if prefix != key:
-            if sample is not None:
+            if sample:
                 sample["__end__"] = offset
                 yield sample
             key = prefix
             sample = {"__key__": prefix, "__url__": url, "__offset__": offset, "__end__": None}
-        if suffix in sample:  # type: ignore[operator]
-            raise _duplicate(url, key, name, suffix, offset)
-        sample[suffix] = data  # type: ignore[index]
-    if sample is not None:
+        if suffix in sample:
+            raise _duplicate(url, prefix, name, suffix, offset)
+        sample[suffix] = data
+    if sample:
         if not isinstance(last_end, int):
             last_end = offset + _BLOCK + ((len(data) + 511) & -512)
         sample["__end__"] = last_end

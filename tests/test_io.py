@@ -140,6 +140,7 @@ def aws_env() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def s3(aws_env: None, root: Path, files: dict[str, bytes]) -> Iterator[dict[str, Any]]:
     """moto with bucket ``shards``: ``data/...`` as in `files`; yields storage_options for it."""
+    pytest.importorskip("moto.server", reason="the S3 tests need the test extra (moto[server])")
     before = {t.ident for t in threading.enumerate()}
     with s3_server() as endpoint:
         make_bucket(endpoint, "shards", {k: v for k, v in files.items()})
@@ -528,6 +529,20 @@ def test_http_not_found_mid_shard_names_the_byte(http: FaultyHTTPServer) -> None
             stream.read()
 
 
+def test_reading_on_after_an_error_skips_nothing(http: FaultyHTTPServer, files: dict[str, bytes]) -> None:
+    # read() fails after K bytes arrived; a caller that goes on reading still gets every byte, once.
+    http.fail("data/a.tar", "close", after=K, pause=0.05)
+    http.fail("data/a.tar", "status", status=503, times=None)
+    with mio.open_shard(http.url("data/a.tar"), retries=1, **FAST) as stream:
+        with pytest.raises(ShardError, match=f"at byte {K}: HTTP 503; gave up"):
+            stream.read(SIZE)
+        assert stream.tell() == 0
+        http.clear()
+        assert stream.read(7) == files["data/a.tar"][:7]
+        assert stream.read() == files["data/a.tar"][7:]
+    assert _ranges(http, "data/a.tar") == [(K, 206)]
+
+
 def test_http_shard_replaced_while_read(http: FaultyHTTPServer, files: dict[str, bytes]) -> None:
     # The resume carries If-Match with the first response's ETag: a changed file is an error, never
     # a splice of two versions.
@@ -601,6 +616,29 @@ def test_retries_use_no_global_rng(
     http.fail("data/b.tar", "status", status=503, times=2)
     with mio.open_shard(http.url("data/b.tar"), **FAST) as stream:
         assert stream.read() == files["data/b.tar"]
+
+
+def test_real_shard_over_faulty_http(http: FaultyHTTPServer, root: Path) -> None:
+    # A real WebDataset shard read through tario: a reset, a 503 and a stall in the middle of it change
+    # nothing in the samples (same keys, same bytes, same offsets as from local disk).
+    from mixer.tario import read_samples
+    from shardutil import write_token_shards
+
+    write_token_shards(root / "real", "web", [[300] * 40])
+    path = root / "real" / "web-000000.tar"
+    size = path.stat().st_size
+    http.fail("real/web-000000.tar", "reset", after=size // 3, pause=0.05)
+    http.fail("real/web-000000.tar", "status", status=503)
+    http.fail("real/web-000000.tar", "stall", after=size // 3, seconds=5)
+    url = http.url("real/web-000000.tar")
+
+    def samples(stream: Any) -> list[tuple[Any, ...]]:
+        return [tuple(sorted((k, v) for k, v in s.items() if k != "__url__")) for s in read_samples(stream, url=url)]
+
+    with mio.open_shard(str(path)) as local, mio.open_shard(url, block_size=4096, **FAST) as remote:
+        expected, got = samples(local), samples(remote)
+        assert remote.retries == 3  # type: ignore[attr-defined]
+    assert len(expected) == 40 and got == expected
 
 
 # ------------------------------------------------------------------------------------ S3 faults

@@ -1,0 +1,72 @@
+"""Batches cross from workers through shared slots (fork) or by value (other start methods)."""
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+import mixer
+from mixer.batch import collate
+from mixer.errors import MixerError
+from mixer.transport import SlotPool
+
+
+def batch_in_slot(pool, worker=0):
+    claimed = []
+
+    def into_slot(n):
+        got = pool.claim(worker, n)
+        if got is None:
+            return None
+        claimed.append(got[:2])
+        return got[2]
+
+    b = collate([np.array([1, 2, 3]), np.array([4])], np.array([3, 1]), np.array([0, 1]), ["a", "b"], out=into_slot, info={"step": 0})
+    if claimed:
+        slot, stamp = claimed[0]
+        pool.seal(worker, slot, stamp)
+        b.slot = (pool.id, worker, slot, stamp)
+    return b
+
+
+def test_slot_round_trip_copies_the_batch_out():
+    pool = SlotPool(num_workers=2, slots=3, slot_elems=64, dtype=np.dtype(np.int32))
+    b = batch_in_slot(pool, worker=1)
+    assert b.slot is not None
+    c = pickle.loads(pickle.dumps(b))
+    assert c.slot is None  # a private copy, no longer tied to the slot
+    assert c.tokens.tolist() == [[1, 2, 3], [4, 0, 0]] and c.lengths.tolist() == [3, 1] and c.source.tolist() == [0, 1]
+    assert c.buffer.untyped_storage().data_ptr() != b.buffer.untyped_storage().data_ptr()
+
+
+def test_a_reused_slot_is_an_error_not_wrong_data():
+    pool = SlotPool(num_workers=1, slots=2, slot_elems=64, dtype=np.dtype(np.int32))
+    first = pickle.dumps(batch_in_slot(pool))
+    batch_in_slot(pool)
+    batch_in_slot(pool)  # the ring wrapped: slot 0 now holds the third batch
+    with pytest.raises(MixerError, match="reused before it was read"):
+        pickle.loads(first)
+
+
+def test_a_batch_larger_than_a_slot_travels_by_value():
+    pool = SlotPool(num_workers=1, slots=2, slot_elems=4, dtype=np.dtype(np.int32))
+    b = batch_in_slot(pool)
+    assert b.slot is None
+    assert pickle.loads(pickle.dumps(b)).tokens.tolist() == [[1, 2, 3], [4, 0, 0]]
+
+
+def keys_and_tokens(loader):
+    return [(k, row[:n].tolist()) for b in loader for k, row, n in zip(b.keys, b.tokens, b.lengths.tolist())]
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_workers_deliver_the_same_samples_by_either_path(three_sources, context):
+    def run(workers, ctx=None):
+        srcs = [mixer.Source(n, three_sources[n][0]) for n in ("web", "code")]
+        mix = mixer.Mixture(srcs, batching=mixer.TokenBudget(max_tokens=4096, max_length=4096), stop="all_exhausted")
+        loader = mixer.make_loader(mix, num_workers=workers, multiprocessing_context=ctx)
+        assert (loader.pool is not None) == (workers > 0 and ctx == "fork")
+        return sorted(keys_and_tokens(loader))
+
+    assert run(2, context) == run(0)

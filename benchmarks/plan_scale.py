@@ -15,9 +15,9 @@ For each scenario: the time one reader takes to compute its plan (`plan(...)` fo
 median and max over a few readers spread over the world; every reader computes the whole assignment
 and keeps its part), and the load imbalance max/mean of bytes per reader, from the full assignment
 (every shard has exactly one owner; the sampled readers' plans are checked against it). Beside the
-imbalance: a lower bound that no whole-shard assignment can beat, max(largest shard, two of the
-`readers + 1` largest shards on one reader) / mean: when the plan sits on the bound, the shards,
-not the split, limit the balance.
+imbalance: a lower bound that no whole-shard assignment can beat, max(mean, largest shard, two of
+the `readers + 1` largest shards on one reader, the ceil(shards / readers) smallest shards on one
+reader) / mean: when the plan sits on the bound, the shards, not the split, limit the balance.
 """
 
 from __future__ import annotations
@@ -71,7 +71,9 @@ def lower_bound(sizes: np.ndarray, readers: int) -> float:
     bound = max(float(s.sum()) / readers, float(s[0]))
     if len(s) > readers:
         bound = max(bound, float(s[readers - 1] + s[readers]))
-    return bound
+    # some reader holds at least ceil(n / readers) shards, at least the smallest ones
+    k = -(-len(s) // readers)
+    return max(bound, float(s[len(s) - k :].sum()))
 
 
 def simulate(sc: Scenario, *, timed_readers: int = 5, seed: int = 0) -> dict:

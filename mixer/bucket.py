@@ -11,9 +11,9 @@ import bisect
 import heapq
 from collections import deque
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import numpy as np
 
@@ -198,3 +198,26 @@ class Bucketer(Generic[T]):
 
     def __len__(self) -> int:
         return sum(len(b) for b in self.buffers) + sum(len(r) for r in self.ready)
+
+    def items(self) -> Iterator[T]:
+        """Every buffered item (waiting or ready)."""
+        for group in (*self.ready, *self.buffers):
+            yield from group
+
+    def state_dict(self, encode: Callable[[T], Any]) -> dict[str, Any]:
+        return {
+            "buffers": [[encode(x) for x in buf] for buf in self.buffers],
+            "ready": [[encode(x) for x in batch] for batch in self.ready],
+            "emitted": self.emitted,
+            "since": list(self._since),
+            "waiting": [list(w) for w in self._waiting],
+        }
+
+    def load_state_dict(self, state: dict[str, Any], decode: Callable[[Any], T]) -> None:
+        if len(state["buffers"]) != len(self.edges):
+            raise ConfigError(f"bucketer state has {len(state['buffers'])} buckets, this mixture {len(self.edges)}")
+        self.buffers = [[decode(x) for x in buf] for buf in state["buffers"]]
+        self.ready = deque([decode(x) for x in batch] for batch in state["ready"])
+        self.emitted = int(state["emitted"])
+        self._since = [int(x) for x in state["since"]]
+        self._waiting = [(int(a), int(b)) for a, b in state["waiting"]]

@@ -221,8 +221,11 @@ def _plan(args: argparse.Namespace) -> int:
     names = list(info.names)
 
     print(f"{args.config}: {len(names)} sources, schedule {_describe(spec.schedule)}")
-    source = "--tokens-per-step" if args.tokens_per_step else "batching.max_tokens, an upper bound; pass --tokens-per-step"
-    print(f"tokens seen = step x {tps:,.0f} tokens per step ({source} for real tokens per step over all ranks)")
+    source = (
+        "from --tokens-per-step" if args.tokens_per_step
+        else "batching.max_tokens: an upper bound for one rank; pass --tokens-per-step with the real tokens per step over all ranks"
+    )  # fmt: skip
+    print(f"tokens seen = step x {tps:,.0f} tokens per step ({source})")
     if missing:
         print(f"no size given for {', '.join(missing)} (not needed: this schedule does not use sizes)")
     probs = _evaluate(schedule, info, table_steps, tps)

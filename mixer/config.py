@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from .errors import ConfigError
+from .io import IOOptions
 from .schedule import Curriculum, Floored, Hierarchical, Phase, Schedule, Static, Temperature
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = ["BatchingSpec", "MixtureSpec", "SourceSpec", "build_mixture", "load_config", "parse_config"]
 
-SOURCE_KEYS = ("name", "urls", "weight", "size", "decode", "length", "on_error", "storage_options", "group", "allow_pipe")
+SOURCE_KEYS = ("name", "urls", "weight", "size", "decode", "length", "on_error", "storage_options", "group", "io_options")
 BATCHING_KEYS = (
     "max_tokens", "buckets", "max_batch_size", "multiple_of", "max_length", "overlong", "num_buckets", "max_bucket_ratio",
 )  # fmt: skip
@@ -86,7 +87,7 @@ class SourceSpec:
     on_error: str = "raise"
     storage_options: Mapping[str, Any] | None = None
     group: str | None = None
-    allow_pipe: bool = False
+    io_options: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,8 +141,8 @@ def _source_to_dict(s: SourceSpec) -> dict[str, Any]:
         out["storage_options"] = dict(s.storage_options)
     if s.on_error != "raise":
         out["on_error"] = s.on_error
-    if s.allow_pipe:
-        out["allow_pipe"] = True
+    if s.io_options:
+        out["io_options"] = dict(s.io_options)
     return out
 
 
@@ -280,6 +281,11 @@ def _opt(m: Mapping[str, Any], key: str, default: Any, check: Callable[[Any, str
 def _parse_source(value: Any, path: str) -> tuple[SourceSpec, bool]:
     """The source and whether it set ``weight`` explicitly."""
     m = _mapping(value, path)
+    if "allow_pipe" in m:
+        raise ConfigError(
+            f"{_at(path, 'allow_pipe')}: not a config key: 'pipe:' URLs run shell commands, so only code can allow them "
+            "(build_mixture(spec, allow_pipe=True) or load_config(path, allow_pipe=True)), never a config file alone"
+        )
     _keys(m, path, SOURCE_KEYS, required=("name", "urls"))
     name = _string(m["name"], _at(path, "name"))
     urls_value = m["urls"]
@@ -299,6 +305,13 @@ def _parse_source(value: Any, path: str) -> tuple[SourceSpec, bool]:
     def options(v: Any, p: str) -> dict[str, Any]:
         return dict(_mapping(v, p))
 
+    def io_options(v: Any, p: str) -> dict[str, Any]:
+        try:
+            IOOptions.of(_mapping(v, p))
+        except ConfigError as exc:
+            raise ConfigError(f"{p}: {str(exc).removeprefix('io_options: ')}") from None
+        return dict(v)
+
     spec = SourceSpec(
         name=name,
         urls=urls,
@@ -309,7 +322,7 @@ def _parse_source(value: Any, path: str) -> tuple[SourceSpec, bool]:
         on_error=_opt(m, "on_error", "raise", lambda v, p: _choice(v, p, ON_ERROR), path),
         storage_options=_opt(m, "storage_options", None, options, path),
         group=_opt(m, "group", None, _string, path),
-        allow_pipe=_opt(m, "allow_pipe", False, _bool, path),
+        io_options=_opt(m, "io_options", None, io_options, path),
     )
     return spec, "weight" in m
 
@@ -675,9 +688,11 @@ def resolve_import(path: str, where: str) -> Callable[..., Any]:
     return obj
 
 
-def build_mixture(spec: MixtureSpec, *, rank: int | None = None, world_size: int | None = None, dp_group: Any = None) -> Mixture:
+def build_mixture(spec: MixtureSpec, *, rank: int | None = None, world_size: int | None = None, dp_group: Any = None,
+                  allow_pipe: bool = False) -> Mixture:  # fmt: skip
     """Create the sources (listing their shards) and the :class:`~mixer.Mixture` of ``spec``.
-    ``rank``/``world_size``/``dp_group`` are deployment, not configuration; see ``Mixture``."""
+    ``rank``/``world_size``/``dp_group`` are deployment, not configuration; see ``Mixture``.
+    ``allow_pipe=True`` lets every source use ``pipe:`` URLs (shell commands): code only, never a file."""
     from .bucket import TokenBudget
     from .mixture import Mixture
     from .source import Source
@@ -689,7 +704,7 @@ def build_mixture(spec: MixtureSpec, *, rank: int | None = None, world_size: int
         sources.append(
             Source(
                 s.name, list(s.urls), weight=s.weight, size=s.size, decode=decode, length=length, on_error=s.on_error,  # type: ignore[arg-type]
-                storage_options=s.storage_options, group=s.group, allow_pipe=s.allow_pipe,
+                storage_options=s.storage_options, group=s.group, allow_pipe=allow_pipe, io_options=s.io_options,
             )  # fmt: skip
         )
     b = spec.batching
@@ -706,6 +721,6 @@ def build_mixture(spec: MixtureSpec, *, rank: int | None = None, world_size: int
 
 
 def load_config(config: Mapping[str, Any] | str | os.PathLike[str], *, rank: int | None = None,
-                world_size: int | None = None, dp_group: Any = None) -> Mixture:  # fmt: skip
+                world_size: int | None = None, dp_group: Any = None, allow_pipe: bool = False) -> Mixture:  # fmt: skip
     """``build_mixture(parse_config(config))``: a YAML file's path or a dict → a ready Mixture."""
-    return build_mixture(parse_config(config), rank=rank, world_size=world_size, dp_group=dp_group)
+    return build_mixture(parse_config(config), rank=rank, world_size=world_size, dp_group=dp_group, allow_pipe=allow_pipe)

@@ -17,12 +17,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import difflib
 import errno
 import functools
 import glob as globmod
 import importlib.util
 import io
+import itertools
 import logging
+import math
 import os
 import random
 import re
@@ -30,12 +33,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, BinaryIO, TypeVar, cast
 
 from braceexpand import braceexpand
 
-from .errors import ConfigError, ShardError
+from .errors import ConfigError, MixerError, ShardError
 
 log = logging.getLogger(__name__)
 
@@ -511,6 +515,65 @@ def _expand_local(pattern: str, original: str) -> list[tuple[str, int]]:
 # ------------------------------------------------------------------------------------------ opening
 
 
+@dataclass(frozen=True, kw_only=True)
+class IOOptions:
+    """How a source reads its remote shards (local files ignore these options).
+
+    ``timeout``: seconds a request may wait for an answer, and a response for its next byte, before
+    the attempt counts as a (transient) failure. ``retries``: transient faults in a row, without a
+    byte of progress in between, before the shard fails. ``backoff``: the first retry waits about
+    this many seconds, doubling each time (with jitter, at most 30 s). ``block_size``: bytes asked of
+    the network per read; each open stream buffers up to about 3 x ``block_size``. ``read_ahead``:
+    how many of the reader's next shards start downloading while it reads the current one (see
+    `open_ahead`); 0 turns read-ahead off.
+    """
+
+    timeout: float = 60.0
+    retries: int = 5
+    backoff: float = 0.5
+    block_size: int = DEFAULT_BLOCK_SIZE
+    read_ahead: int = 2
+
+    def __post_init__(self) -> None:
+        for name, lo, strict, integer in (
+            ("timeout", 0.0, True, False),
+            ("retries", 0, False, True),
+            ("backoff", 0.0, False, False),
+            ("block_size", 1, False, True),
+            ("read_ahead", 0, False, True),
+        ):
+            value = getattr(self, name)
+            kind = int if integer else (int, float)
+            ok = isinstance(value, kind) and not isinstance(value, bool) and math.isfinite(value)
+            if not ok or value < lo or (strict and value == lo):
+                what = "an integer" if integer else "a number"
+                raise ConfigError(f"io_options: {name} must be {what} {'>' if strict else '>='} {lo:g} (got {value!r})")
+
+    @classmethod
+    def of(cls, value: IOOptions | Mapping[str, Any] | None) -> IOOptions:
+        """``value`` itself, the options a mapping names (unknown keys are a `ConfigError` with a
+        hint), or the defaults for None."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"io_options: must be a mapping of {', '.join(IO_OPTIONS)} (got {value!r})")
+        for key in value:
+            if key not in IO_OPTIONS:
+                close = difflib.get_close_matches(str(key), IO_OPTIONS, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(IO_OPTIONS)}"
+                raise ConfigError(f"io_options: unknown key {key!r}{hint}")
+        return cls(**value)
+
+    def open_kwargs(self) -> dict[str, Any]:
+        """The keywords of `open_shard` these options set."""
+        return {"timeout": self.timeout, "retries": self.retries, "backoff": self.backoff, "block_size": self.block_size}
+
+
+IO_OPTIONS = ("timeout", "retries", "backoff", "block_size", "read_ahead")
+
+
 def open_shard(
     url: str,
     *,
@@ -529,6 +592,42 @@ def open_shard(
     from the exact byte where the stream broke (see there). The stream is opened eagerly, so a missing
     or forbidden shard raises `ShardError` here. ``pipe:`` commands need ``allow_pipe=True``.
     """
+    stream = _new_stream(
+        url,
+        start_offset=start_offset,
+        storage_options=storage_options,
+        timeout=timeout,
+        retries=retries,
+        backoff=backoff,
+        block_size=block_size,
+        allow_pipe=allow_pipe,
+    )
+    if isinstance(stream, RemoteStream):
+        _open_remote(stream)
+    return stream
+
+
+def _open_remote(stream: RemoteStream) -> None:
+    try:
+        stream._open_body()
+    except BaseException:
+        stream.close()
+        raise
+
+
+def _new_stream(
+    url: str,
+    *,
+    start_offset: int,
+    storage_options: dict[str, Any] | None,
+    timeout: float,
+    retries: int,
+    backoff: float,
+    block_size: int,
+    allow_pipe: bool,
+) -> BinaryIO:
+    """`open_shard` up to, not including, the first request of a remote shard (local files and pipes
+    are opened)."""
     if start_offset < 0:
         raise ConfigError(f"{redact(url)}: start_offset must be >= 0 (got {start_offset})")
     if block_size < 1:
@@ -555,12 +654,83 @@ def open_shard(
     stream = RemoteStream(
         url, remote, start_offset=start_offset, retries=retries, backoff=backoff, block_size=block_size
     )
-    try:
-        stream._open_body()
-    except BaseException:
-        stream.close()
-        raise
     return cast(BinaryIO, stream)
+
+
+class ReadAhead:
+    """Opens one reader's shards one after another, with the next ``options.read_ahead`` remote
+    shards already downloading while the current one is read: several shards of one reader are
+    open at once, so the latency of each request and the first ``block_size`` bytes of each body
+    overlap with the decoding of the shard before.
+
+    ``open(url, start_offset, upcoming)`` returns the shard's stream exactly as `open_shard` would
+    (raising what it would: a shard begun ahead that turned out missing is a `ShardError` here, at
+    its turn, under its retry policy and the caller's error policy), using the download begun ahead
+    when it starts at that offset; then it begins the first ``read_ahead`` of ``upcoming`` (the URLs
+    that follow, consumed lazily) and drops begun downloads no longer among them. Memory stays
+    bounded: a shard begun ahead holds at most about 3 x ``block_size`` bytes until it is opened
+    (its response then waits, flow-controlled). Local files and pipes are opened on demand. A
+    `ShardError` from a remote open carries ``retries``, the retries made before it gave up.
+    Not thread-safe; ``close()`` drops every download begun ahead (the streams handed out are the
+    caller's to close).
+    """
+
+    def __init__(
+        self,
+        *,
+        options: IOOptions | Mapping[str, Any] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        allow_pipe: bool = False,
+    ) -> None:
+        self.options = IOOptions.of(options)
+        self._kwargs: dict[str, Any] = {
+            "storage_options": storage_options,
+            "allow_pipe": allow_pipe,
+            **self.options.open_kwargs(),
+        }
+        self._begun: dict[str, RemoteStream] = {}
+
+    def open(self, url: str, start_offset: int = 0, upcoming: Iterable[str] = ()) -> BinaryIO:
+        stream = self._begun.pop(url, None)
+        if stream is not None and start_offset != 0:
+            stream.close()
+            stream = None
+        if stream is None:
+            stream = cast(RemoteStream, _new_stream(url, start_offset=start_offset, **self._kwargs))
+            if isinstance(stream, RemoteStream) and isinstance(stream._remote, _PumpRemote):
+                stream._remote.begin(start_offset)  # its request goes out before those of the next ones
+        nxt = [u for u in itertools.islice(upcoming, self.options.read_ahead) if u != url]
+        for u in [u for u in self._begun if u not in nxt]:
+            self._begun.pop(u).close()
+        for u in nxt:
+            if u not in self._begun and _scheme(u) in _PUMPED:
+                self._begin(u)
+        if isinstance(stream, RemoteStream):
+            try:
+                _open_remote(stream)
+            except ShardError as exc:
+                exc.retries = stream.retries  # type: ignore[attr-defined]
+                raise
+        return cast(BinaryIO, stream)
+
+    def _begin(self, url: str) -> None:
+        try:
+            stream = cast(RemoteStream, _new_stream(url, start_offset=0, **self._kwargs))
+        except MixerError:
+            return  # open() raises it again, at this shard's turn
+        cast(_PumpRemote, stream._remote).begin(0)
+        self._begun[url] = stream
+
+    def close(self) -> None:
+        begun, self._begun = self._begun, {}
+        for stream in begun.values():
+            stream.close()
+
+    def __repr__(self) -> str:
+        return f"<ReadAhead {len(self._begun)} begun: {[redact(u) for u in self._begun]}>"
+
+
+_PUMPED = {"http", "https", "s3", "s3a"}
 
 
 def shard_nbytes(
@@ -976,22 +1146,59 @@ def _start(pump: _Pump) -> _Pump:
     return pump
 
 
-class _HTTPRemote(_Remote):
-    """GET with ``Range: bytes=pos-`` through the aiohttp session of fsspec's HTTP filesystem (so its
-    ``storage_options``, e.g. ``headers`` or ``client_kwargs``, apply), with the status checked here."""
+class _PumpRemote(_Remote):
+    """A remote whose responses are opened and read ahead by a `_Pump` on fsspec's event loop.
+
+    ``begin(pos)`` sends the request without waiting for it (read-ahead of a shard not yet needed:
+    see `open_ahead`); a later ``open(pos)`` at the same position then only waits for what is already
+    under way, and anything that went wrong meanwhile surfaces there, in the consumer's thread, under
+    the stream's retry policy."""
 
     def __init__(self, fs: Any, url: str, timeout: float, block_size: int) -> None:
         super().__init__(fs, url, timeout)
         self.block_size = block_size
         self._pump: _Pump | None = None
-        self._warned_no_range = False
+        self._begun: int | None = None  # position of a pump started by begin() and not yet waited for
+
+    async def _aopen(self, pos: int) -> tuple[_Reader, Callable[[bool], None]]:
+        raise NotImplementedError
+
+    def _new_pump(self, pos: int) -> _Pump:
+        return _Pump(self.fs.loop, lambda: self._aopen(pos), timeout=self.timeout, block_size=self.block_size)
+
+    def begin(self, pos: int) -> None:
+        if self._pump is None and (self.size is None or pos < self.size):
+            self._pump, self._begun = self._new_pump(pos), pos
 
     def open(self, pos: int) -> None:
+        pump, begun = self._pump, self._begun
+        self._pump = self._begun = None
+        if pump is not None and begun != pos:
+            pump.close()
+            pump = None
         if self.size is not None and pos >= self.size:
+            if pump is not None:
+                pump.close()
             self._past_end(pos, self.size)
-        self._pump = _start(
-            _Pump(self.fs.loop, lambda: self._aopen(pos), timeout=self.timeout, block_size=self.block_size)
-        )
+        self._pump = _start(pump if pump is not None else self._new_pump(pos))
+
+    def read(self, n: int) -> bytes:
+        assert self._pump is not None
+        return self._pump.take()
+
+    def close(self, finished: bool = False) -> None:
+        pump, self._pump, self._begun = self._pump, None, None
+        if pump is not None:
+            pump.close()
+
+
+class _HTTPRemote(_PumpRemote):
+    """GET with ``Range: bytes=pos-`` through the aiohttp session of fsspec's HTTP filesystem (so its
+    ``storage_options``, e.g. ``headers`` or ``client_kwargs``, apply), with the status checked here."""
+
+    def __init__(self, fs: Any, url: str, timeout: float, block_size: int) -> None:
+        super().__init__(fs, url, timeout, block_size)
+        self._warned_no_range = False
 
     async def _aopen(self, pos: int) -> tuple[_Reader, Callable[[bool], None]]:
         import aiohttp
@@ -1054,34 +1261,16 @@ class _HTTPRemote(_Remote):
 
         return resp.content.read, cleanup
 
-    def read(self, n: int) -> bytes:
-        assert self._pump is not None
-        return self._pump.take()
 
-    def close(self, finished: bool = False) -> None:
-        pump, self._pump = self._pump, None
-        if pump is not None:
-            pump.close()
-
-
-class _S3Remote(_Remote):
+class _S3Remote(_PumpRemote):
     """GetObject with ``Range=bytes=pos-`` on s3fs's aiobotocore client (credentials, endpoint, region,
     requester-pays as s3fs resolves them: env vars, profiles, ``AWS_ENDPOINT_URL``, storage_options)."""
 
     def __init__(self, fs: Any, url: str, timeout: float, block_size: int) -> None:
-        super().__init__(fs, url, timeout)
+        super().__init__(fs, url, timeout, block_size)
         self.bucket, self.key, self.version = fs.split_path(url)
         if not self.key:
             raise ConfigError(f"{redact(url)}: an s3:// shard URL needs a key after the bucket")
-        self.block_size = block_size
-        self._pump: _Pump | None = None
-
-    def open(self, pos: int) -> None:
-        if self.size is not None and pos >= self.size:
-            self._past_end(pos, self.size)
-        self._pump = _start(
-            _Pump(self.fs.loop, lambda: self._aopen(pos), timeout=self.timeout, block_size=self.block_size)
-        )
 
     async def _aopen(self, pos: int) -> tuple[_Reader, Callable[[bool], None]]:
         from botocore.exceptions import ClientError
@@ -1113,15 +1302,6 @@ class _S3Remote(_Remote):
             body.close()
             raise
         return body.read, lambda finished: body.close()
-
-    def read(self, n: int) -> bytes:
-        assert self._pump is not None
-        return self._pump.take()
-
-    def close(self, finished: bool = False) -> None:
-        pump, self._pump = self._pump, None
-        if pump is not None:
-            pump.close()
 
 
 class _FsspecRemote(_Remote):

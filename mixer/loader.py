@@ -6,6 +6,7 @@ need no extra IPC: they ride along with the batches.
 
 from __future__ import annotations
 
+import copy
 import multiprocessing
 import random
 from collections.abc import Iterator
@@ -18,6 +19,8 @@ from torch.utils.data import DataLoader, IterableDataset
 from .batch import Batch
 from .device import DeviceLike, to_device
 from .mixture import Mixture
+from . import state
+from .errors import StateError
 from .source import Counters
 from .transport import SlotPool
 from .stats import DEFAULT_WINDOW, Stats
@@ -33,14 +36,16 @@ def _seed_worker_globals(worker_id: int) -> None:
 
 
 class _Stream(IterableDataset[Batch]):
-    """What DataLoader iterates: the mixture's stream, with the shared slots the workers write into."""
+    """What DataLoader iterates: the mixture's stream, with the shared slots the workers write into
+    and, for one iteration after ``load_state_dict``, where each reader resumes."""
 
     def __init__(self, mixture: Mixture, pool: SlotPool | None) -> None:
         self.mixture = mixture
         self.pool = pool
+        self.resume: dict[str, Any] | None = None
 
     def __iter__(self) -> Iterator[Batch]:
-        return self.mixture.stream(pool=self.pool)
+        return self.mixture.stream(pool=self.pool, resume=self.resume)
 
 
 def _slot_pool(mixture: Mixture, num_workers: int, prefetch_factor: int | None, context: Any) -> SlotPool | None:
@@ -102,18 +107,74 @@ class Loader:
         )
         self._last_counters: dict[int, list[list[int]]] = {}
         self.batches = 0
+        self.persistent_workers = persistent_workers and num_workers > 0
+        self._started = False
+        self._resume: dict[str, Any] | None = None
+        self._reset_bookkeeping(None)
         self._stats = Stats(mixture.names, window=stats_window, num_workers=num_workers, max_tokens=mixture.batching.max_tokens)
 
     def __iter__(self) -> Iterator[Batch]:
         self._last_counters = {}
         self.batches = 0
         self._stats.reset()
+        resume, self._resume = self._resume, None
+        self._reset_bookkeeping(resume)
+        stream = self.dataloader.dataset
+        assert isinstance(stream, _Stream)
+        stream.resume = None if resume is None else {"shift": resume["delivered"] % self._readers, "readers": resume["readers"]}
+        self._started = True
         batches = self.dataloader if self.device is None else to_device(self.dataloader, self.device, prefetch=self.device_prefetch)
         for batch in batches:
-            self._last_counters[batch.info["worker"]] = batch.info["counters"]
-            self._stats.update(batch.info)
+            info = batch.info
+            reader = info["worker"]
+            self._last_counters[reader] = info["counters"]
+            self._stats.update(info)
             self.batches += 1
+            # The state of each reader as of the last batch handed out: its latest snapshot, how
+            # many batches it produced since, and the skip decisions taken since.
+            saved = self._saved[reader]
+            if "state" in info:
+                saved["state"], saved["since"], saved["skips"] = info.pop("state"), 0, []
+            else:
+                saved["since"] += 1
+                saved["skips"].extend(info.get("skips", ()))
+            self._delivered += 1
             yield batch
+
+    @property
+    def _readers(self) -> int:
+        return max(self.num_workers, 1)
+
+    def _reset_bookkeeping(self, resume: dict[str, Any] | None) -> None:
+        if resume is None:
+            self._delivered = 0
+            self._saved = [{"state": None, "since": 0, "skips": []} for _ in range(self._readers)]
+        else:
+            self._delivered = int(resume["delivered"])
+            self._saved = [dict(r, skips=list(r["skips"])) for r in resume["readers"]]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The stream's position as of the last batch handed out: small, plain (JSON-able), and
+        enough for :meth:`load_state_dict` to continue batch for batch as if never stopped."""
+        return {
+            "kind": state.KIND,
+            "version": state.STATE_VERSION,
+            "fingerprint": state.fingerprint(self.mixture),
+            "rank": self.mixture.rank,
+            "world_size": self.mixture.world_size,
+            "num_workers": self._readers,
+            "delivered": self._delivered,
+            "readers": copy.deepcopy(self._saved),
+        }
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Continue from ``saved`` on the next iteration. Refused (``StateError``) for a state of another
+        mixture, version or topology (rank, world_size, num_workers)."""
+        state.check(saved, self.mixture, num_workers=self.num_workers)
+        if self.persistent_workers and self._started:
+            raise StateError("load_state_dict must come before the first iteration when persistent_workers=True (the workers already run)")
+        self._resume = copy.deepcopy(saved)
+        self._reset_bookkeeping(self._resume)
 
     def counters(self) -> dict[str, dict[str, int]]:
         """Cumulative per-source counters summed over the workers, as of the last batch handed out."""

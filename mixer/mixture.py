@@ -20,7 +20,7 @@ from .decode import Sample
 from .errors import ConfigError
 from .schedule import Schedule, SourceInfo, Static, check_schedule
 from .select import SELECTORS, make_selector
-from .source import Counters, Profile, Source, SourceStream, profile
+from .source import Counters, Profile, Source, SourceStream, profile, reread
 from .transport import SlotPool
 from .world import World, resolve_rank, worker_place
 
@@ -44,7 +44,11 @@ class Mixture(IterableDataset[Batch]):
     ends when any source has delivered its whole pass; ``"all_exhausted"`` drops exhausted sources
     and renormalises the rest, so one pass delivers every sample of every source exactly once.
 
-    Each ``iter()`` starts the stream from the beginning: same seed, same batches.
+    Each ``iter()`` starts the stream from the beginning: same seed, same batches. For exact resume
+    use the loader's ``state_dict()`` / ``load_state_dict()``: every ``state_every`` batches a
+    reader attaches its full state (where it reads, and the shard and byte offset of every buffered
+    sample) to a batch; a resumed reader seeks back there and re-runs at most ``state_every - 1``
+    batches in-process, so resuming costs the same at any point of an epoch.
     """
 
     def __init__(
@@ -64,6 +68,7 @@ class Mixture(IterableDataset[Batch]):
         rank: int | None = None,
         world_size: int | None = None,
         dp_group: Any = None,
+        state_every: int = 16,
     ) -> None:
         super().__init__()
         sources = list(sources)
@@ -88,6 +93,8 @@ class Mixture(IterableDataset[Batch]):
             raise ConfigError(f"stop must be one of {STOPS} (got {stop!r})")
         if dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {tuple(_DTYPES)} (got {dtype!r})")
+        if not isinstance(state_every, int) or state_every < 1:
+            raise ConfigError(f"state_every must be an int >= 1 (got {state_every!r})")
         if not isinstance(shuffle_buffer, int) or shuffle_buffer < 0:
             raise ConfigError(f"shuffle_buffer must be an int >= 0 (got {shuffle_buffer!r})")
         self.sources = sources
@@ -101,6 +108,7 @@ class Mixture(IterableDataset[Batch]):
         self.shuffle_buffer = shuffle_buffer
         self.pad_id = int(pad_id)
         self.dtype = dtype
+        self.state_every = state_every
         self.rank, self.world_size = resolve_rank(rank, world_size, dp_group)
 
         self.profiles: list[Profile] = [profile(s) for s in sources]
@@ -163,13 +171,25 @@ class Mixture(IterableDataset[Batch]):
     def reader(self, world: World, *, pool: SlotPool | None = None) -> Reader:
         return Reader(self, world, pool=pool)
 
-    def stream(self, *, pool: SlotPool | None = None) -> Iterator[Batch]:
+    def stream(self, *, pool: SlotPool | None = None, resume: dict[str, Any] | None = None) -> Iterator[Batch]:
         """This process's batches: as a DataLoader worker, or the main process when there are none.
-        ``pool``: shared slots the loader mapped before forking its workers (see mixer.transport)."""
+        ``pool``: shared slots the loader mapped before forking its workers (see mixer.transport).
+        ``resume``: ``{"shift": s, "readers": [...]}`` from a loader state: DataLoader always starts
+        with worker 0, so worker ``w`` continues reader ``(w + s) % num_workers``, which keeps the
+        order of batches exactly that of the uninterrupted run."""
         worker, num_workers = worker_place()
+        if resume is not None:
+            worker = (worker + resume["shift"]) % num_workers
         world = World(rank=self.rank, world_size=self.world_size, worker=worker, num_workers=num_workers)
         in_worker = get_worker_info() is not None
-        return iter(self.reader(world, pool=pool if in_worker else None))
+        reader = self.reader(world, pool=pool if in_worker else None)
+        if resume is None:
+            return iter(reader)
+        saved = resume["readers"][worker]
+        if saved["state"] is not None:
+            reader.load_state_dict(saved["state"])
+        reader.add_skips(saved["skips"])
+        return reader.fast_forward(saved["since"])
 
     def __iter__(self) -> Iterator[Batch]:
         return self.stream()
@@ -236,6 +256,82 @@ class Reader:
         else:
             yield from self._batch_mix()
 
+    def fast_forward(self, batches: int) -> Iterator[Batch]:
+        """The stream after producing and dropping ``batches`` batches (to reach the exact point of
+        a saved state from the snapshot before it)."""
+        pool, self.pool = self.pool, None
+        it = iter(self)
+        for _ in range(batches):
+            next(it)
+        self.pool = pool
+        return it
+
+    def _finish(self, batch: Batch) -> Batch:
+        """Attach what the loader's bookkeeping needs: skip decisions always, the full state every
+        ``state_every`` batches (taken after the selector has counted the batch)."""
+        skips = [[i, *sk] for i, st in enumerate(self.streams) for sk in st.new_skips]
+        if skips:
+            batch.info["skips"] = skips
+            for st in self.streams:
+                st.new_skips.clear()
+        if self.batches % self.mixture.state_every == 0:
+            batch.info["state"] = self.state_dict()
+        return batch
+
+    # ---- state ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        shared = self.mixture.mix == "sample"
+        bucketers = self.bucketers[:1] if shared else self.bucketers
+        return {
+            "batches": self.batches,
+            "tokens": self.tokens,
+            "active": self.active.tolist(),
+            "counters": [c.as_list() for c in self.counters],
+            "selector": self.selector.state_dict(),
+            "streams": [st.state_dict() for st in self.streams],
+            "bucketers": [
+                b.state_dict(_encode_pair if shared else _encode_sample)
+                for b in bucketers
+            ],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a reader saved by :meth:`state_dict`, re-reading every buffered sample by seeking
+        to its (shard, byte offset)."""
+        shared = self.mixture.mix == "sample"
+        n = len(self.streams)
+        wanted: list[set[tuple[int, int]]] = [set() for _ in range(n)]
+        for i, st in enumerate(state["streams"]):
+            wanted[i].update((int(a), int(b)) for a, b in st["buffer"])
+        for i, bs in enumerate(state["bucketers"]):
+            for group in (*bs["ready"], *bs["buffers"]):
+                for item in group:
+                    if shared:
+                        wanted[item[0]].add((item[1], item[2]))
+                    else:
+                        wanted[i].add((item[0], item[1]))
+        samples = [reread(src, self.mixture.batching, sorted(w)) for src, w in zip(self.mixture.sources, wanted)]
+        for st, saved, found in zip(self.streams, state["streams"], samples):
+            st.load_state_dict(saved, found)
+        if shared:
+            self.bucketers[0].load_state_dict(state["bucketers"][0], lambda x: (int(x[0]), samples[x[0]][(x[1], x[2])]))
+        else:
+            for i, (b, bs) in enumerate(zip(self.bucketers, state["bucketers"])):
+                b.load_state_dict(bs, lambda x, i=i: samples[i][(x[0], x[1])])
+        self.selector.load_state_dict(state["selector"])
+        self.active = np.asarray(state["active"], dtype=bool)
+        for c, row in zip(self.counters, state["counters"]):
+            for field, value in zip(Counters.FIELDS, row):
+                setattr(c, field, int(value))
+        self.batches = int(state["batches"])
+        self.tokens = int(state["tokens"])
+        self._probs_key = None
+
+    def add_skips(self, skips: Sequence[Sequence[int]]) -> None:
+        for source, *decision in skips:
+            self.streams[int(source)].add_skips([decision])
+
     def _retire(self, i: int) -> bool:
         """Source ``i`` has no more samples for this reader; returns whether the stream goes on."""
         self.active[i] = False
@@ -256,7 +352,7 @@ class Reader:
             batch = self._collate(samples, np.full(len(samples), i, dtype=np.int64))
             n_tokens = int(batch.info["tokens"])
             self.selector.update(i, n_tokens if unit_tokens else len(samples), probs)
-            yield batch
+            yield self._finish(batch)
 
     def _next_batch(self, i: int) -> list[Sample] | None:
         bucketer = self.bucketers[i]
@@ -284,10 +380,10 @@ class Reader:
             if shared.add((i, sample), sample.length):
                 while shared.ready:
                     full = shared.ready.popleft()
-                    yield self._collate([s for _, s in full], np.array([j for j, _ in full], dtype=np.int64))
+                    yield self._finish(self._collate([s for _, s in full], np.array([j for j, _ in full], dtype=np.int64)))
         if self.mixture.stop == "all_exhausted":
             for rest in shared.drain():
-                yield self._collate([s for _, s in rest], np.array([j for j, _ in rest], dtype=np.int64))
+                yield self._finish(self._collate([s for _, s in rest], np.array([j for j, _ in rest], dtype=np.int64)))
 
     def _collate(self, samples: list[Sample], sources: np.ndarray) -> Batch:
         lengths = np.fromiter((s.length for s in samples), dtype=np.int64, count=len(samples))
@@ -332,3 +428,11 @@ class Reader:
             pool.seal(worker, slot, stamp)
             batch.slot = (pool.id, worker, slot, stamp)
         return batch
+
+
+def _encode_sample(sample: Sample) -> list[int]:
+    return [sample.shard, sample.offset]
+
+
+def _encode_pair(item: tuple[int, Sample]) -> list[int]:
+    return [item[0], item[1].shard, item[1].offset]

@@ -19,7 +19,7 @@ import numpy as np
 from . import io
 from .bucket import TokenBudget
 from .decode import Sample, default_tokens
-from .errors import ConfigError, MixerError, SampleError, ShardError
+from .errors import ConfigError, MixerError, SampleError, ShardError, StateError
 from .shards import ShardSlice, plan
 from .tario import read_samples
 from .world import World, seed_for
@@ -57,6 +57,7 @@ class Source:
         storage_options: Mapping[str, Any] | None = None,
         group: str | None = None,
         allow_pipe: bool = False,
+        io_options: Mapping[str, Any] | io.IOOptions | None = None,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"source name must be a non-empty string (got {name!r})")
@@ -83,7 +84,9 @@ class Source:
         self.on_error: OnError = on_error
         self.storage_options = dict(storage_options or {})
         self.group = group
+        self.allow_pipe = bool(allow_pipe)
         try:
+            self.io_options = io.IOOptions.of(io_options)
             for p in patterns:
                 io.check_url(p, allow_pipe=allow_pipe)
             listed = io.expand_urls(patterns, storage_options=self.storage_options)
@@ -116,22 +119,35 @@ def profile(source: Source, *, max_samples: int = 2048, max_shards: int = 3) -> 
     per_shard = max(1, max_samples // len(picks))
     lengths: list[int] = []
     nbytes = 0
+    told: list[int] = []  # shard sizes the servers gave while we read (remote shards listed without sizes)
     for shard in picks:
         url = source.shards[shard]
         start = None
         end = 0
-        with io.open_shard(url, storage_options=source.storage_options) as stream:
-            for i, raw in enumerate(read_samples(stream, url=url)):
-                if i >= per_shard:
-                    break
-                if start is None:
-                    start = raw["__offset__"]
-                end = raw["__end__"]
-                try:
-                    lengths.append(_length_of(source, raw, _decode(source, raw)))
-                except SampleError:
-                    if source.on_error == "raise":
-                        raise
+        got: list[int] = []
+        try:
+            with io.open_shard(url, storage_options=source.storage_options, allow_pipe=source.allow_pipe, **source.io_options.open_kwargs()) as stream:
+                for i, raw in enumerate(read_samples(stream, url=io.redact(url))):
+                    if i >= per_shard:
+                        break
+                    if start is None:
+                        start = raw["__offset__"]
+                    end = raw["__end__"]
+                    try:
+                        got.append(_length_of(source, raw, _decode(source, raw)))
+                    except SampleError:
+                        if source.on_error == "raise":
+                            raise
+                size_told = getattr(stream, "size", None)
+        except ShardError as exc:
+            # The readers meet this shard again and apply (and count) the policy there.
+            if source.on_error == "raise":
+                raise ShardError(f"source {source.name!r}: {exc}") from exc
+            warnings.warn(f"source {source.name!r}: profiling skips shard {io.redact(url)}: {exc}", RuntimeWarning, stacklevel=2)
+            continue
+        lengths += got
+        if size_told is not None:
+            told.append(int(size_told))
         nbytes += end - (start or 0)
     if not lengths:
         raise ShardError(f"source {source.name!r}: no samples found in shards {[io.redact(source.shards[p]) for p in picks]}")
@@ -141,8 +157,8 @@ def profile(source: Source, *, max_samples: int = 2048, max_shards: int = 3) -> 
         return Profile(arr, tpb, source.size, False)
     known = [b for b in source.shard_bytes if b is not None]
     if len(known) < n:
-        sampled = [io.shard_nbytes(source.shards[p], storage_options=source.storage_options) for p in picks]
-        mean = (sum(known) + sum(sampled)) / (len(known) + len(sampled))
+        pool = known + told or [nbytes / len(picks)]
+        mean = sum(pool) / len(pool)
         total = sum(known) + mean * (n - len(known))
     else:
         total = float(sum(known))
@@ -189,7 +205,12 @@ class Counters:
 class SourceStream:
     """One reader's samples of one source: its shard slices, epoch after epoch (or one epoch when
     ``finite``), through a shuffle buffer. Over one source-epoch the readers of all ranks and workers
-    together yield every sample exactly once (barring skips, which are counted)."""
+    together yield every sample exactly once (barring skips, which are counted).
+
+    The stream is an explicit state machine so that :meth:`state_dict` can capture it at any sample
+    boundary as a few integers plus the locations (shard, byte offset) of the buffered samples;
+    :meth:`load_state_dict` seeks back there instead of replaying the epoch.
+    """
 
     def __init__(
         self,
@@ -211,113 +232,257 @@ class SourceStream:
         self.shuffle_buffer = shuffle_buffer
         self.finite = finite
         self.counters = counters
+        # Where reading stands: the epoch, the slice of this epoch's plan, and inside that slice's
+        # shard the index and byte offset of the next tar sample.
         self.epoch = 0
+        self.slice_pos = 0
+        self.next_index = 0
+        self.next_offset = 0
+        self.got_in_epoch = 0
+        self.exhausted = False
+        self.buffer: list[Sample] = []
         # A private generator (never the global one): cheap per-sample draws for the shuffle buffer.
         self.rng = random.Random(seed_for(seed, "shuffle", source.name, world.reader))
+        # Shards given up under on_error="skip": (epoch, slice position) -> samples read before, so
+        # that a resumed run makes the same decision whatever the network does then.
+        self.skips: dict[tuple[int, int], int] = {}
+        self.new_skips: list[tuple[int, int, int]] = []
+        self._plans: dict[int, list[ShardSlice]] = {}
+        self._samples: Iterator[dict[str, Any]] | None = None
+        self._handle: Any = None
+        self._ahead = io.ReadAhead(options=source.io_options, storage_options=source.storage_options, allow_pipe=source.allow_pipe)
+        self._opened_at = 0
         self._warned_shards: set[int] = set()
-        self._iter = self._shuffled()
+
+    # ---- iteration --------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Sample]:
-        return self._iter
+        return self
 
     def __next__(self) -> Sample:
-        return next(self._iter)
-
-    def _slices(self, epoch: int) -> list[ShardSlice]:
-        return plan(len(self.source.shards), self.world, seed=self.seed, source=self.source.name, epoch=epoch, sizes=self.source.shard_bytes)
-
-    def _epochs(self) -> Iterator[Sample]:
+        buf, size = self.buffer, self.shuffle_buffer
         while True:
-            slices = self._slices(self.epoch)
-            got = False
-            for sl in slices:
-                for sample in self._read_slice(sl):
-                    got = True
-                    yield sample
-            self.counters.epochs += 1
-            self.epoch += 1
-            if self.finite:
-                return
-            if not got:
-                # This reader's part of an epoch was empty (e.g. fewer samples in a shared shard than
-                # readers sharing it): stop rather than spin reopening shards; the mixture drops the
-                # source for this reader and says so.
-                log.warning("source %r: reader %d got no samples in epoch %d", self.source.name, self.world.reader, self.epoch - 1)
-                return
-
-    def _shuffled(self) -> Iterator[Sample]:
-        size = self.shuffle_buffer
-        if size <= 1:
-            yield from self._epochs()
-            return
-        buf: list[Sample] = []
-        rand = self.rng.random
-        for sample in self._epochs():
+            sample = self._read()
+            if sample is None:
+                if not buf:
+                    raise StopIteration
+                # The pass is over: hand out what the buffer holds, in random order.
+                j = int(self.rng.random() * len(buf))
+                out = buf[j]
+                buf[j] = buf[-1]
+                buf.pop()
+                return out
+            if size <= 1:
+                return sample
             if len(buf) < size:
                 buf.append(sample)
                 continue
-            j = int(rand() * size)
+            j = int(self.rng.random() * size)
             out, buf[j] = buf[j], sample
-            yield out
-        self.rng.shuffle(buf)
-        yield from buf
+            return out
 
-    def _read_slice(self, sl: ShardSlice) -> Iterator[Sample]:
-        source, counters = self.source, self.counters
-        url = source.shards[sl.shard]
-        decode = source.decode
-        length_fn = source.length
-        longest = self.budget.longest
-        cap_explicit = self.budget.max_length is not None
-        drop = self.budget.overlong == "drop"
-        part, parts = sl.part, sl.parts
-        counters.shards_opened += 1
-        pos = 0
+    def _plan(self, epoch: int) -> list[ShardSlice]:
+        if epoch not in self._plans:
+            self._plans = {epoch: plan(len(self.source.shards), self.world, seed=self.seed, source=self.source.name, epoch=epoch, sizes=self.source.shard_bytes)}
+        return self._plans[epoch]
+
+    def _read(self) -> Sample | None:
+        """The next sample of this reader's part, in shard order; None when there is no more."""
+        while not self.exhausted:
+            if self._samples is None and not self._open_next():
+                return None
+            sl = self._plan(self.epoch)[self.slice_pos]
+            limit = self.skips.get((self.epoch, self.slice_pos))
+            try:
+                for raw in self._samples:  # type: ignore[union-attr]
+                    i = self.next_index
+                    if limit is not None and i >= limit:
+                        break
+                    self.next_index = i + 1
+                    self.next_offset = raw["__end__"]
+                    if sl.parts > 1 and i % sl.parts != sl.part:
+                        continue
+                    sample = make_sample(self.source, self.budget, self.counters, raw, sl.shard, warn=self._warn_once)
+                    if sample is not None:
+                        self.counters.read += 1
+                        self.got_in_epoch += 1
+                        return sample
+            except ShardError as exc:
+                self._close()
+                if self.source.on_error == "raise":
+                    raise ShardError(f"source {self.source.name!r}: {exc}") from exc
+                self.counters.skipped_shards += 1
+                self.skips[(self.epoch, self.slice_pos)] = self.next_index
+                self.new_skips.append((self.epoch, self.slice_pos, self.next_index))
+                self._warn_once(sl.shard, f"source {self.source.name!r}: skipping the rest of shard {io.redact(self.source.shards[sl.shard])}: {exc}")
+            else:
+                self._close()
+                self.counters.shards_finished += 1
+            self.slice_pos += 1
+            self.next_index = 0
+            self.next_offset = 0
+        return None
+
+    def _open_next(self) -> bool:
+        """Open the shard of the current slice, moving to the next epoch at the end of one."""
+        while self.slice_pos >= len(self._plan(self.epoch)):
+            self.counters.epochs += 1
+            if self.finite or self.got_in_epoch == 0:
+                if not self.finite:
+                    # This reader's part of an epoch was empty (e.g. fewer samples in a shared
+                    # shard than readers sharing it): stop rather than spin reopening shards; the
+                    # mixture drops the source for this reader and says so.
+                    log.warning("source %r: reader %d got no samples in epoch %d", self.source.name, self.world.reader, self.epoch)
+                self.exhausted = True
+                return False
+            self.epoch += 1
+            self.slice_pos = 0
+            self.next_index = 0
+            self.next_offset = 0
+            self.got_in_epoch = 0
+            self.skips = {k: v for k, v in self.skips.items() if k[0] >= self.epoch}
+        sl = self._plan(self.epoch)[self.slice_pos]
+        url = self.source.shards[sl.shard]
+        if self.next_offset == 0:
+            self.counters.shards_opened += 1
+        self._opened_at = self.next_offset
         try:
-            with io.open_shard(url, storage_options=source.storage_options) as stream:
-                for i, raw in enumerate(read_samples(stream, url=url)):
-                    pos = raw["__end__"]
-                    if parts > 1 and i % parts != part:
-                        continue
-                    try:
-                        if decode is None and length_fn is None:
-                            tokens = default_tokens(raw)
-                            n = len(tokens)
-                        else:
-                            tokens = _decode(source, raw)
-                            n = _length_of(source, raw, tokens)
-                        if n > longest:
-                            if not cap_explicit:
-                                raise SampleError(
-                                    f"shard {io.redact(url)}, key {raw['__key__']!r}: length {n} exceeds max_tokens="
-                                    f"{self.budget.max_tokens}; set TokenBudget(max_length=...) to truncate or drop such samples"
-                                )
-                            if drop or length_fn is not None:
-                                counters.dropped += 1
-                                continue
-                            tokens = tokens[:longest]
-                            n = longest
-                            counters.truncated += 1
-                    except SampleError as exc:
-                        if source.on_error == "raise":
-                            raise SampleError(f"source {source.name!r}: {exc}") from exc
-                        counters.skipped_samples += 1
-                        self._warn_once(sl.shard, f"source {source.name!r}: skipping bad sample(s) in shard {io.redact(url)}: {exc}")
-                        continue
-                    counters.read += 1
-                    yield Sample(raw["__key__"], tokens, n, sl.shard, raw["__offset__"])
-                counters.retries += getattr(stream, "retries", 0)
+            upcoming = (self.source.shards[s.shard] for s in self._plan(self.epoch)[self.slice_pos + 1 :])
+            self._handle = self._ahead.open(url, self.next_offset, upcoming)
         except ShardError as exc:
-            if source.on_error == "raise":
-                raise ShardError(f"source {source.name!r}: {exc}") from exc
-            counters.skipped_shards += 1
-            self._warn_once(sl.shard, f"source {source.name!r}: skipping the rest of shard {io.redact(url)}: {exc}")
+            self.counters.retries += getattr(exc, "retries", 0)
+            # Raised from inside the sample loop, where the on_error policy applies.
+            self._handle = None
+            self._samples = _raising(exc)
         else:
-            counters.shards_finished += 1
-        finally:
-            counters.bytes += pos
+            self._samples = read_samples(self._handle, url=io.redact(url), start_offset=self.next_offset)
+        return True
+
+    def _close(self) -> None:
+        if self._handle is not None:
+            self.counters.retries += getattr(self._handle, "retries", 0)
+            self.counters.bytes += self.next_offset - self._opened_at
+            self._handle.close()
+        self._handle = None
+        self._samples = None
+
+    def close(self) -> None:
+        self._close()
+        self._ahead.close()
 
     def _warn_once(self, shard: int, message: str) -> None:
         if shard not in self._warned_shards:
             self._warned_shards.add(shard)
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    # ---- state ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where reading stands and where every buffered sample lives: small and JSON-able."""
+        return {
+            "epoch": self.epoch,
+            "slice_pos": self.slice_pos,
+            "next_index": self.next_index,
+            "next_offset": self.next_offset,
+            "got_in_epoch": self.got_in_epoch,
+            "exhausted": self.exhausted,
+            "rng": _rng_state(self.rng),
+            "buffer": locations(self.buffer),
+            "skips": [[e, p, n] for (e, p), n in sorted(self.skips.items())],
+        }
+
+    def load_state_dict(self, state: dict[str, Any], samples: Mapping[tuple[int, int], Sample]) -> None:
+        """Restore from :meth:`state_dict`; ``samples`` maps (shard, offset) to the re-read samples."""
+        self._close()
+        self.epoch = int(state["epoch"])
+        self.slice_pos = int(state["slice_pos"])
+        self.next_index = int(state["next_index"])
+        self.next_offset = int(state["next_offset"])
+        self.got_in_epoch = int(state["got_in_epoch"])
+        self.exhausted = bool(state["exhausted"])
+        self.rng.setstate(_rng_tuple(state["rng"]))
+        self.buffer = [samples[(shard, offset)] for shard, offset in state["buffer"]]
+        self.skips = {(int(e), int(p)): int(n) for e, p, n in state["skips"]}
+
+    def add_skips(self, skips: Sequence[Sequence[int]]) -> None:
+        """Skip decisions taken after the state was saved, to be taken again at the same points."""
+        for e, p, n in skips:
+            self.skips[(int(e), int(p))] = int(n)
+
+
+def _raising(exc: BaseException) -> Iterator[dict[str, Any]]:
+    raise exc
+    yield  # a generator that raises when first advanced
+
+
+def make_sample(source: Source, budget: TokenBudget, counters: Counters, raw: dict[str, Any], shard: int, *, warn: Callable[[int, str], None] | None = None) -> Sample | None:
+    """Decode one tar sample into a :class:`Sample`, applying the length policy (truncate/drop,
+    counted) and the source's ``on_error`` policy; None when it is dropped or skipped."""
+    try:
+        if source.decode is None and source.length is None:
+            tokens = default_tokens(raw)
+            n = len(tokens)
+        else:
+            tokens = _decode(source, raw)
+            n = _length_of(source, raw, tokens)
+        if n > budget.longest:
+            if budget.max_length is None:
+                raise SampleError(
+                    f"shard {io.redact(raw['__url__'])}, key {raw['__key__']!r}: length {n} exceeds max_tokens="
+                    f"{budget.max_tokens}; set TokenBudget(max_length=...) to truncate or drop such samples"
+                )
+            if budget.overlong == "drop" or source.length is not None:
+                counters.dropped += 1
+                return None
+            tokens = tokens[: budget.longest]
+            n = budget.longest
+            counters.truncated += 1
+    except SampleError as exc:
+        if source.on_error == "raise":
+            raise SampleError(f"source {source.name!r}: {exc}") from exc
+        counters.skipped_samples += 1
+        if warn is not None:
+            warn(shard, f"source {source.name!r}: skipping bad sample(s) in shard {io.redact(raw.get('__url__', '?'))}: {exc}")
+        return None
+    return Sample(raw["__key__"], tokens, n, shard, raw["__offset__"])
+
+
+def locations(samples: Sequence[Sample]) -> list[list[int]]:
+    return [[s.shard, s.offset] for s in samples]
+
+
+def reread(source: Source, budget: TokenBudget, wanted: Sequence[tuple[int, int]]) -> dict[tuple[int, int], Sample]:
+    """Read the samples at (shard, byte offset) locations again, each shard once from its lowest
+    wanted offset up to its highest (a ranged read for remote shards), for a resumed stream."""
+    by_shard: dict[int, set[int]] = {}
+    for shard, offset in wanted:
+        by_shard.setdefault(int(shard), set()).add(int(offset))
+    out: dict[tuple[int, int], Sample] = {}
+    scratch = Counters()
+    for shard, offsets in sorted(by_shard.items()):
+        url = source.shards[shard]
+        start, last = min(offsets), max(offsets)
+        with io.open_shard(url, start_offset=start, storage_options=source.storage_options, allow_pipe=source.allow_pipe, **source.io_options.open_kwargs()) as stream:
+            for raw in read_samples(stream, url=io.redact(url), start_offset=start):
+                off = raw["__offset__"]
+                if off in offsets:
+                    sample = make_sample(source, budget, scratch, raw, shard)
+                    if sample is None:
+                        raise StateError(f"source {source.name!r}: the sample at byte {off} of {io.redact(url)} no longer decodes as it did")
+                    out[(shard, off)] = sample
+                if off >= last:
+                    break
+        missing = offsets - {off for sh, off in out if sh == shard}
+        if missing:
+            raise StateError(f"source {source.name!r}: no sample starts at byte(s) {sorted(missing)[:5]} of {io.redact(url)}: the shard changed since the state was saved")
+    return out
+
+
+def _rng_state(rng: random.Random) -> list[Any]:
+    version, internal, gauss = rng.getstate()
+    return [version, list(internal), gauss]
+
+
+def _rng_tuple(state: Sequence[Any]) -> tuple[Any, ...]:
+    version, internal, gauss = state
+    return (int(version), tuple(int(x) for x in internal), gauss)

@@ -1,0 +1,171 @@
+"""Exact checkpoint/resume: batch-for-batch identical continuation, cheap and bounded state."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import mixer
+from mixer.select import Deficit, RandomPick, RoundRobin
+from resume_oracle import assert_resumes_exactly, batch_view, take
+from shardutil import key_lengths, lognormal_lengths, split_evenly, write_token_shards
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """'tiny' turns over its epoch every few batches, so cuts land right after epoch restarts."""
+    folder = tmp_path_factory.mktemp("resume")
+    spec = {"web": (6, 900, 120, 0.8), "code": (3, 300, 400, 1.0), "tiny": (2, 40, 60, 0.5)}
+    out = {}
+    for seed, (name, (n_shards, n, median, sigma)) in enumerate(spec.items()):
+        per = split_evenly(lognormal_lengths(n, median=median, sigma=sigma, lo=2, hi=2048, seed=seed), n_shards)
+        out[name] = (write_token_shards(folder, name, per), key_lengths(name, per))
+    return out
+
+
+def mixture(shards, **kwargs):
+    weights = {"web": 0.5, "code": 0.3, "tiny": 0.2}
+    srcs = [mixer.Source(n, shards[n][0], weight=w) for n, w in weights.items()]
+    kwargs.setdefault("batching", mixer.TokenBudget(max_tokens=2048))
+    kwargs.setdefault("state_every", 8)
+    kwargs.setdefault("shuffle_buffer", 64)
+    return mixer.Mixture(srcs, **kwargs)
+
+
+def oracle(mix, *, num_workers=0, cuts, window=12, reference=None):
+    return assert_resumes_exactly(
+        lambda: mixer.make_loader(mix, num_workers=num_workers),
+        cuts=cuts, window=window, view=batch_view, reference=reference,
+    )
+
+
+def test_fifty_random_cut_points_with_the_uninterrupted_run_as_oracle(shards):
+    mix = mixture(shards)
+    reference = [batch_view(b) for b in take(mixer.make_loader(mix), 260)]
+    # Cuts right after 'tiny' restarted an epoch: find them from the counters the batches carry.
+    epochs = [b.info["counters"][2][mixer.source.Counters.FIELDS.index("epochs")] for b in take(mixer.make_loader(mix), 240)]
+    after_restart = [i + 1 for i in range(1, len(epochs)) if epochs[i] != epochs[i - 1]][:8]
+    assert after_restart, "the fixture should make 'tiny' restart its epoch"
+    rng = random.Random(0)
+    cuts = sorted(set(after_restart) | set(rng.sample(range(1, 240), 50 - len(after_restart))))
+    oracle(mix, cuts=cuts, window=10, reference=reference)
+
+
+@pytest.mark.parametrize("num_workers", [1, 3])
+def test_resume_with_workers(shards, num_workers):
+    mix = mixture(shards)
+    oracle(mix, num_workers=num_workers, cuts=[1, 7, 8, 9, 31, 50])
+
+
+@pytest.mark.parametrize("selector", ["deficit", "random", "round_robin"])
+@pytest.mark.parametrize("stop", ["never", "first_exhausted", "all_exhausted"])
+def test_every_selector_and_stop_policy(shards, selector, stop):
+    mix = mixture(shards, selector=selector, stop=stop)
+    # Finite passes can be short (the tiny source ends first_exhausted early): cut inside them,
+    # including one batch before the end.
+    length = len(take(mixer.make_loader(mix), 200))
+    cuts = sorted({3, length // 3, (2 * length) // 3, max(length - 1, 1)})
+    oracle(mix, cuts=cuts, window=8)
+
+
+def test_sample_level_mixing(shards):
+    oracle(mixture(shards, mix="sample", stop="all_exhausted"), cuts=[2, 11, 29, 60], num_workers=2)
+
+
+def test_time_varying_schedule_resumes_at_the_same_step(shards):
+    schedule = mixer.Curriculum(
+        [mixer.Phase(weights={"web": 1.0}, until=30), mixer.Phase(weights={"code": 1.0, "tiny": 1.0}, until=None, ramp=20)],
+        unit="steps",
+    )
+    mix = mixture(shards, schedule=schedule)
+    reference = oracle(mix, cuts=[10, 29, 30, 41, 55], window=10)
+    assert [r[-1] for r in reference[:5]] == [0, 1, 2, 3, 4]  # global steps
+
+
+def test_resume_of_a_resumed_run(shards):
+    mix = mixture(shards)
+    reference = [batch_view(b) for b in take(mixer.make_loader(mix, num_workers=2), 60)]
+    first = mixer.make_loader(mix, num_workers=2)
+    take(first, 13)
+    second = mixer.make_loader(mix, num_workers=2)
+    second.load_state_dict(first.state_dict())
+    take(second, 20)  # now at 33
+    third = mixer.make_loader(mix, num_workers=2)
+    third.load_state_dict(second.state_dict())
+    got = [batch_view(b) for b in take(third, 20)]
+    assert all(oracle_equal(a, b) for a, b in zip(reference[33:53], got))
+
+
+def oracle_equal(a, b):
+    from resume_oracle import _equal
+
+    return _equal(a, b)
+
+
+def test_state_is_plain_small_and_torch_saveable(shards, tmp_path):
+    mix = mixture(shards, shuffle_buffer=1000, state_every=16, batching=mixer.TokenBudget(max_tokens=16384))
+    loader = mixer.make_loader(mix, num_workers=2)
+    take(loader, 40)
+    state = loader.state_dict()
+    text = json.dumps(state)
+    assert mixer.state.size_bytes(state) < 1 << 20 * 2  # two readers, each well under 1 MiB
+    torch.save({"data": state}, tmp_path / "ckpt.pt")
+    back = torch.load(tmp_path / "ckpt.pt", weights_only=True)["data"]
+    assert json.dumps(back) == text
+
+
+def test_state_from_a_different_mixture_is_refused(shards):
+    loader = mixer.make_loader(mixture(shards))
+    take(loader, 5)
+    state = loader.state_dict()
+    for other in (mixture(shards, seed=1), mixture(shards, shuffle_buffer=65), mixture(shards, selector="random")):
+        with pytest.raises(mixer.StateError, match="different mixture"):
+            mixer.make_loader(other).load_state_dict(state)
+
+
+def test_state_of_another_topology_or_version_is_refused(shards):
+    mix = mixture(shards)
+    loader = mixer.make_loader(mix, num_workers=2)
+    take(loader, 5)
+    state = loader.state_dict()
+    with pytest.raises(mixer.StateError, match="num_workers or world_size"):
+        mixer.make_loader(mix, num_workers=3).load_state_dict(state)
+    with pytest.raises(mixer.StateError, match="version"):
+        mixer.make_loader(mix, num_workers=2).load_state_dict(dict(state, version=999))
+    with pytest.raises(mixer.StateError, match="not a mixer loader state"):
+        mixer.make_loader(mix, num_workers=2).load_state_dict({"step": 3})
+
+
+# ---- the same oracle on the smaller stateful parts ---------------------------------------------
+
+
+class _Picks:
+    """A selector driven with fixed amounts, as an iterable with state (for the oracle)."""
+
+    def __init__(self, selector):
+        self.selector = selector
+        self.probs = np.array([0.5, 0.3, 0.2])
+
+    def __iter__(self):
+        active = np.ones(3, dtype=bool)
+        k = 0
+        while True:
+            i = self.selector.choose(self.probs, active)
+            self.selector.update(i, 100 + 37 * i, self.probs)
+            k += 1
+            yield i
+
+    def state_dict(self):
+        return self.selector.state_dict()
+
+    def load_state_dict(self, state):
+        self.selector.load_state_dict(state)
+
+
+@pytest.mark.parametrize("make", [lambda: Deficit(3), lambda: RandomPick(3, seed=4, stream=(0,)), lambda: RoundRobin(3)])
+def test_selectors_resume_exactly(make):
+    assert_resumes_exactly(lambda: _Picks(make()), cuts=[1, 5, 33], window=50)

@@ -241,6 +241,9 @@ class SourceStream:
         self.got_in_epoch = 0
         self.exhausted = False
         self.buffer: list[Sample] = []
+        # The shuffle buffer's size; shrunk to one epoch's worth when a reader's part of an epoch is
+        # smaller, so that the buffer never mixes several epochs of a small source.
+        self.buffer_size = shuffle_buffer
         # A private generator (never the global one): cheap per-sample draws for the shuffle buffer.
         self.rng = random.Random(seed_for(seed, "shuffle", source.name, world.reader))
         # Shards given up under on_error="skip": (epoch, slice position) -> samples read before, so
@@ -260,9 +263,10 @@ class SourceStream:
         return self
 
     def __next__(self) -> Sample:
-        buf, size = self.buffer, self.shuffle_buffer
+        buf = self.buffer
         while True:
             sample = self._read()
+            size = self.buffer_size
             if sample is None:
                 if not buf:
                     raise StopIteration
@@ -335,6 +339,8 @@ class SourceStream:
                     log.warning("source %r: reader %d got no samples in epoch %d", self.source.name, self.world.reader, self.epoch)
                 self.exhausted = True
                 return False
+            if len(self.buffer) < self.buffer_size:
+                self.buffer_size = len(self.buffer)
             self.epoch += 1
             self.slice_pos = 0
             self.next_index = 0
@@ -386,6 +392,7 @@ class SourceStream:
             "next_offset": self.next_offset,
             "got_in_epoch": self.got_in_epoch,
             "exhausted": self.exhausted,
+            "buffer_size": self.buffer_size,
             "rng": _rng_state(self.rng),
             "buffer": locations(self.buffer),
             "skips": [[e, p, n] for (e, p), n in sorted(self.skips.items())],
@@ -400,6 +407,7 @@ class SourceStream:
         self.next_offset = int(state["next_offset"])
         self.got_in_epoch = int(state["got_in_epoch"])
         self.exhausted = bool(state["exhausted"])
+        self.buffer_size = int(state["buffer_size"])
         self.rng.setstate(_rng_tuple(state["rng"]))
         self.buffer = [samples[(shard, offset)] for shard, offset in state["buffer"]]
         self.skips = {(int(e), int(p)): int(n) for e, p, n in state["skips"]}

@@ -307,3 +307,21 @@ def test_error_bad_enums(three_sources):
     ):
         with pytest.raises(mixer.ConfigError, match=msg):
             mixer.Mixture(srcs, batching=budget, **kwargs)
+
+
+def test_shuffle_buffer_never_spans_several_epochs_of_a_small_source(small_sources):
+    # 'few' has 37 samples, far fewer than the buffer: the buffer shrinks to one epoch, so reading
+    # never runs more than about one epoch ahead of what was handed out.
+    from mixer.source import Counters, SourceStream
+    from mixer.world import World
+
+    stream = SourceStream(mixer.Source("few", small_sources["few"][0]), 0, World(), seed=0, budget=mixer.TokenBudget(max_tokens=512),
+                          shuffle_buffer=1000, finite=False, counters=Counters())
+    keys = [next(stream).key for _ in range(10 * 37)]
+    # Without the shrink the buffer would read ~27 epochs ahead and some keys would be handed out
+    # far more often than others over ten epochs' worth.
+    assert stream.buffer_size == 37 and stream.epoch <= 11
+    # A sample stays in a random-replacement buffer for a geometric number of draws (mean: one
+    # buffer), so a few lag by two or three epochs; none runs ahead.
+    counts = Counter(keys).values()
+    assert min(counts) >= 6 and max(counts) <= 11

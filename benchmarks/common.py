@@ -282,6 +282,36 @@ def reap_children(timeout: float = 60.0) -> int:
     return len(alive)
 
 
+def peak_rss(pid: int | str = "self") -> int | None:
+    """Peak resident set (VmHWM) of a process in bytes; None where /proc cannot tell. A forked
+    worker's figure includes the pages it shares with the main process."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak_rss() -> None:
+    """Restart this process's VmHWM from its current RSS (Linux >= 4.0), so each method gets its own peak."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def record_worker_rss(tally: Tally) -> None:
+    """Note the peak RSS of every live child process (call while the DataLoader workers still run)."""
+    for child in multiprocessing.active_children():
+        rss = peak_rss(child.pid) if child.pid is not None else None
+        if rss is not None:
+            tally.worker_rss.append(rss)
+
+
 class Tally:
     """What one method delivered: samples, real tokens, padded slots, token share per source.
 
@@ -303,6 +333,7 @@ class Tally:
         self.window_err = 0.0
         self.first_batch_s: float | None = None
         self.notes: list[str] = []
+        self.worker_rss: list[int] = []
         self.t0 = time.perf_counter()
 
     def add_samples(self, samples: int, tokens: int) -> None:
@@ -345,6 +376,8 @@ class Measurement:
     window_err: float
     first_batch_s: float | None
     notes: list[str]
+    peak_rss: int | None = None  # main process, bytes
+    worker_rss: list[int] = dataclasses.field(default_factory=list)  # each worker's peak, bytes
 
     @property
     def samples_per_s(self) -> float:
@@ -392,6 +425,7 @@ class Outcome:
 
 def measure(method: Method, targets: np.ndarray, window_tokens: int) -> Measurement:
     gc.collect()
+    reset_peak_rss()
     tally = Tally(targets, window_tokens)
     c0 = cpu_seconds()
     t0 = time.perf_counter()
@@ -412,6 +446,8 @@ def measure(method: Method, targets: np.ndarray, window_tokens: int) -> Measurem
         window_err=tally.window_err,
         first_batch_s=tally.first_batch_s,
         notes=tally.notes,
+        peak_rss=peak_rss(),
+        worker_rss=tally.worker_rss,
     )
 
 
@@ -486,6 +522,8 @@ def summarize(bench: str, outcome: Outcome, shards: ShardSet) -> dict[str, Any]:
             cpu_s=_median([r.cpu_s for r in runs]),
             samples=last.samples,
             tokens=last.tokens,
+            peak_rss_mb=_median([r.peak_rss / 1e6 for r in runs if r.peak_rss is not None]),
+            worker_rss_mb=_median([max(r.worker_rss) / 1e6 for r in runs if r.worker_rss]),
             per_round=[dataclasses.asdict(r) if r else None for r in outcome.rounds],
         )
         if m.kind == "raw":
@@ -628,6 +666,7 @@ def rows_table(results: Sequence[BenchResult]) -> str:
         "worst window err",
         "CPU-µs/sample",
         "1st batch ms",
+        "peak RSS MB main / worker",
         "wall s",
         "note",
     ]
@@ -653,6 +692,7 @@ def rows_table(results: Sequence[BenchResult]) -> str:
                     _fmt(r.get("window_err"), ".4f"),
                     _fmt(r.get("cpu_us_per_sample"), ".1f"),
                     _fmt(r.get("first_batch_ms"), ".0f"),
+                    _fmt(r.get("peak_rss_mb"), ".0f") + " / " + _fmt(r.get("worker_rss_mb"), ".0f"),
                     _fmt(r.get("wall_s"), ".2f"),
                     r.get("note", ""),
                 ]

@@ -105,9 +105,10 @@ class Step:
         self.matmuls = 0
         self.matmul_ms = math.nan
         if device.type == "cuda":
-            n = 4096
+            n = 8192  # ~1 ms per matmul on an H100/H200: a 200 ms step is ~200 launches, not thousands
             self.a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
             self.b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+            self.c = torch.empty(n, n, device=device, dtype=torch.bfloat16)
             self.acc = torch.zeros((), device=device, dtype=torch.float64)
             self.matmul_ms = self._calibrate()
             self.matmuls = max(0, round(step_ms / self.matmul_ms))
@@ -116,13 +117,13 @@ class Step:
 
     def _calibrate(self) -> float:
         for _ in range(3):
-            torch.mm(self.a, self.b)
+            torch.mm(self.a, self.b, out=self.c)
         torch.cuda.synchronize(self.device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         reps = 20
         start.record()
         for _ in range(reps):
-            torch.mm(self.a, self.b)
+            torch.mm(self.a, self.b, out=self.c)
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / reps
@@ -132,7 +133,7 @@ class Step:
         self.acc += batch.tokens[:, :1].sum()
         if self.device.type == "cuda":
             for _ in range(self.matmuls):
-                torch.mm(self.a, self.b)
+                torch.mm(self.a, self.b, out=self.c)
             torch.cuda.synchronize(self.device)
         elif self.step_ms > 0:
             time.sleep(self.step_ms / 1e3)

@@ -19,6 +19,7 @@ Methods (alternating within each round, order rotated per round):
 * `mixer` — `mixer.Mixture(..., TokenBudget(65536), seed=0)` through `mixer.make_loader(num_workers=0)`,
   stop="never" (default), stopped after the same number of real tokens as `randommix`.
 * `mixer_all_exhausted` — the same with stop="all_exhausted": one pass over everything.
+* `torchdata`, `torchdata_tokprobs`, `mixer_w1`, `mixer_w2` — see `benchmarks/peers.py`.
 
 Mixing methods stop after `--budget` x (all tokens in the shard set) real tokens; readers read every
 shard once and must see every sample. Beside each wall-clock ratio the checks give the same ratio per
@@ -34,7 +35,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from . import common
+from . import common, peers
 from .common import Method, ShardSet, Tally
 
 # the baselines' cheap decode yields read-only views; torch warns once when wrapping them (harmless here:
@@ -44,7 +45,7 @@ warnings.filterwarnings("ignore", message="The given NumPy array is not writable
 NAME = "throughput"
 BATCH_SIZE = 32
 MAX_TOKENS = 65_536
-METHODS = ("raw", "wds", "randommix", "randommix_tokprobs", "mixer_reader", "mixer", "mixer_all_exhausted")
+METHODS = ("raw", "wds", "randommix", "randommix_tokprobs", "mixer_reader", "mixer", "mixer_all_exhausted", *peers.METHODS)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -252,6 +253,7 @@ def build_methods(shards: ShardSet, opts: argparse.Namespace) -> list[Method]:
             note=f"TokenBudget({MAX_TOKENS}); one pass",
         ),
     }
+    table.update(peers.methods(shards, opts, budget, BATCH_SIZE, MAX_TOKENS))  # issue 7: torchdata, 1-2 workers
     names = opts.methods or list(METHODS)
     unknown = [n for n in names if n not in table]
     if unknown:
@@ -306,6 +308,7 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchRes
         common.ratio_check(NAME, "webdataset / raw read, samples/s", get("wds"), get("raw"), "samples_per_s", None),
         common.ratio_check(NAME, "mixer reader / raw read, samples/s", get("mixer_reader"), get("raw"), "samples_per_s", None),
         common.ratio_check(NAME, "mixer / RandomMix pipeline, samples/s", get("mixer"), get("randommix"), "samples_per_s", None),
+        *peers.checks(NAME, get, by, window),
     ]
     config = {
         "profile": opts.profile,

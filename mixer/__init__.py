@@ -3,10 +3,12 @@
 The distribution is named ``wds-mixer`` on PyPI; the import package is ``mixer``.
 """
 
+from .audio import SpeechDecode
 from .batch import Batch
 from .bucket import TokenBudget, bucket_edges
 from .device import to_device
 from .errors import ConfigError, MixerError, SampleError, ShardError, StateError
+from .layout import Field, FieldBatch, Packed, PackedBatch
 from .loader import Loader, make_loader
 from .mixture import Mixture
 from .config import MixtureSpec, build_mixture, load_config, parse_config
@@ -19,18 +21,23 @@ __all__ = [
     "Batch",
     "ConfigError",
     "Curriculum",
+    "Field",
+    "FieldBatch",
     "Floored",
     "Hierarchical",
     "Loader",
     "MixerError",
     "Mixture",
     "MixtureSpec",
+    "Packed",
+    "PackedBatch",
     "Phase",
     "SampleError",
     "Schedule",
     "ShardError",
     "Source",
     "SourceInfo",
+    "SpeechDecode",
     "StateError",
     "Static",
     "Temperature",

@@ -48,14 +48,20 @@ class Batch:
         return self.batch_size
 
     def __reduce__(self) -> tuple[Any, ...]:
+        # Subclasses (mixer.layout) share this machinery: they rebuild from (buffer, *_meta()).
+        cls, meta = type(self), self._meta()
         if self.slot is not None:
-            return (_from_slot, (*self.slot, self.buffer.numel(), self.batch_size, self.seq_len, self.keys, self.info))
+            return (_from_slot, (cls, *self.slot, self.buffer.numel(), meta))
         if self.buffer.device.type == "cpu":
-            return (_from_numpy, (self.buffer.numpy(), self.batch_size, self.seq_len, self.keys, self.info))
-        return (Batch, (self.buffer, self.batch_size, self.seq_len, self.keys, self.info))
+            return (_from_numpy, (cls, self.buffer.numpy(), meta))
+        return (cls, (self.buffer, *meta))
+
+    def _meta(self) -> tuple[Any, ...]:
+        """What the constructor takes after the buffer."""
+        return (self.batch_size, self.seq_len, self.keys, self.info)
 
     def _with_buffer(self, buffer: torch.Tensor) -> Batch:
-        return Batch(buffer, self.batch_size, self.seq_len, self.keys, self.info)
+        return type(self)(buffer, *self._meta())
 
     def pin_memory(self, device: Any = None) -> Batch:
         return self._with_buffer(self.buffer.pin_memory() if device is None else self.buffer.pin_memory(device))
@@ -80,15 +86,13 @@ class Batch:
         return f"Batch(B={self.batch_size}, L={self.seq_len}, tokens={self.num_tokens}, device={self.buffer.device})"
 
 
-def _from_slot(
-    pool_id: int, worker: int, slot: int, stamp: int, n: int, batch_size: int, seq_len: int, keys: list[str], info: dict[str, Any]
-) -> Batch:
+def _from_slot(cls: type[Batch], pool_id: int, worker: int, slot: int, stamp: int, n: int, meta: tuple[Any, ...]) -> Batch:
     data = transport.pool(pool_id).copy_out(worker, slot, stamp, n)
-    return Batch(torch.from_numpy(data), batch_size, seq_len, keys, info)
+    return cls(torch.from_numpy(data), *meta)
 
 
-def _from_numpy(buffer: np.ndarray, batch_size: int, seq_len: int, keys: list[str], info: dict[str, Any]) -> Batch:
-    return Batch(torch.from_numpy(buffer), batch_size, seq_len, keys, info)
+def _from_numpy(cls: type[Batch], buffer: np.ndarray, meta: tuple[Any, ...]) -> Batch:
+    return cls(torch.from_numpy(buffer), *meta)
 
 
 def collate(

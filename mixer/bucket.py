@@ -12,7 +12,7 @@ import heapq
 from collections import deque
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, Generic, Literal, TypeVar
 
 import numpy as np
@@ -22,7 +22,7 @@ from .errors import ConfigError
 T = TypeVar("T")
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class TokenBudget:
     """Batches whose padded size ``B * L`` stays within ``max_tokens``.
 
@@ -38,6 +38,7 @@ class TokenBudget:
     """
 
     max_tokens: int
+    _: KW_ONLY
     buckets: Sequence[int] | None = None
     max_batch_size: int | None = None
     multiple_of: int = 1
@@ -206,8 +207,8 @@ class Bucketer(Generic[T]):
 
     def state_dict(self, encode: Callable[[T], Any]) -> dict[str, Any]:
         return {
-            "buffers": [[encode(x) for x in buf] for buf in self.buffers],
-            "ready": [[encode(x) for x in batch] for batch in self.ready],
+            "buffers": [list(map(encode, buf)) for buf in self.buffers],
+            "ready": [list(map(encode, batch)) for batch in self.ready],
             "emitted": self.emitted,
             "since": list(self._since),
             "waiting": [list(w) for w in self._waiting],

@@ -35,8 +35,6 @@ from .schedule import Curriculum, Floored, Schedule, SourceInfo, Static, Tempera
 from .source import Source
 from .stats import DEFAULT_WINDOW, History, check_plotting, format_table, human, log_every, plot_run, plot_schedule, report
 
-log = logging.getLogger(__name__)
-
 DEMO_WEIGHTS = {"prose": 0.5, "code": 0.3, "books": 0.2}
 PLAN_POINTS = 600  # evaluation points of the plan plot over the whole horizon
 

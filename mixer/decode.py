@@ -23,7 +23,7 @@ class Sample(NamedTuple):
     """One decoded sample, with where it came from (enough to find it again)."""
 
     key: str
-    tokens: np.ndarray  # 1-D
+    tokens: Any  # a 1-D array, or a dict of named 1-D arrays (multi-field, see mixer.layout)
     length: int
     shard: int  # index into the source's sorted shard list
     offset: int  # the raw sample's ``__offset__`` in that shard

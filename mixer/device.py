@@ -73,8 +73,6 @@ class DeviceFeed(Generic[T]):
         return len(self.batches)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[T]:
-        if self.device.type == "cpu":
-            return iter(self.batches)
         if self.device.type == "cuda":
             return self._side_stream_feed(_CudaOps(self.device))
         return self._blocking_feed()
@@ -92,8 +90,13 @@ class DeviceFeed(Generic[T]):
             self._copy_seconds += start.elapsed_time(end) / 1e3
 
     def _blocking_feed(self) -> Iterator[T]:
-        # Devices without a stream API here (mps, xpu, meta...): an ordinary synchronous copy.
+        # The CPU, and devices without a stream API here (mps, xpu, meta...): an ordinary synchronous
+        # copy, and none at all for what is already there (host batches to "cpu": the same objects).
+        device = self.device
         for item in self.batches:
+            if all(t.device == device for t in _tensors(item)):
+                yield item
+                continue
             moved, tensors = _move(item, self.device, non_blocking=False)
             self.copies += 1
             self.bytes_copied += sum(t.numel() * t.element_size() for t in tensors)
@@ -156,7 +159,7 @@ def to_device(batches: Iterable[T], device: DeviceLike, *, prefetch: int = 2, ti
     * ``"cuda"`` / ``"cuda:N"``: copies from pinned memory on a side stream, ``prefetch`` (>= 1)
       batches ahead, synchronised as the module docstring says. Without CUDA this is a
       :class:`~mixer.ConfigError` at the call, not a silent fallback.
-    * ``"cpu"``: batches pass through unchanged (the same objects).
+    * ``"cpu"``: host batches pass through unchanged (the same objects; device tensors are copied).
     * any other device: a synchronous ``.to(device)`` per batch.
 
     Counters that a :class:`~mixer.Loader` keeps (what the last batch handed out carried) run ahead

@@ -318,6 +318,8 @@ def _classify(exc: BaseException) -> _Fault | None:
     if aiohttp is not None:
         if isinstance(exc, aiohttp.ClientResponseError):
             return _http_status(exc.status)
+        if isinstance(exc, aiohttp.ServerTimeoutError):  # a stalled connection: say so, as for other timeouts
+            return _Fault(f"timed out ({_describe(exc)})", transient=True)
         if isinstance(exc, (aiohttp.ClientSSLError, aiohttp.InvalidURL)):
             return _Fault(_describe(exc), transient=False)
         if isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)):
@@ -697,20 +699,20 @@ class ReadAhead:
             stream = None
         if stream is None:
             stream = cast(RemoteStream, _new_stream(url, start_offset=start_offset, **self._kwargs))
-            if isinstance(stream, RemoteStream) and isinstance(stream._remote, _PumpRemote):
-                stream._remote.begin(start_offset)  # its request goes out before those of the next ones
         nxt = [u for u in itertools.islice(upcoming, self.options.read_ahead) if u != url]
         for u in [u for u in self._begun if u not in nxt]:
             self._begun.pop(u).close()
-        for u in nxt:
-            if u not in self._begun and _scheme(u) in _PUMPED:
-                self._begin(u)
-        if isinstance(stream, RemoteStream):
-            try:
+        try:
+            if isinstance(stream, RemoteStream):
                 _open_remote(stream)
-            except ShardError as exc:
-                exc.retries = stream.retries  # type: ignore[attr-defined]
-                raise
+        except ShardError as exc:
+            exc.retries = stream.retries  # type: ignore[attr-defined]
+            raise
+        finally:
+            # Only now: the shard needed first gets its answer before the ones after it compete.
+            for u in nxt:
+                if u not in self._begun and _scheme(u) in _PUMPED:
+                    self._begin(u)
         return cast(BinaryIO, stream)
 
     def _begin(self, url: str) -> None:
@@ -1208,6 +1210,7 @@ class _HTTPRemote(_PumpRemote):
         kw.pop("timeout", None)
         headers = dict(kw.pop("headers", None) or {})
         headers["Accept-Encoding"] = "identity"  # byte offsets must be offsets into the file itself
+        headers["Connection"] = "close"  # one connection per response: see cleanup() below
         if pos:
             headers["Range"] = f"bytes={pos}-"
             if self.etag:
@@ -1253,11 +1256,12 @@ class _HTTPRemote(_PumpRemote):
             raise
 
         def cleanup(finished: bool) -> None:
-            # A fully read response goes back to the pool; a cut one takes its connection with it.
-            if finished:
-                resp.release()
-            else:
-                resp.close()
+            # Never back to the keep-alive pool (the request asked the server to close, too): aiohttp
+            # 3.14.0-3.14.5 re-arms sock_read on a connection released while its body is drained
+            # (aio-libs/aiohttp#12953), so the next request on it fails at once with a false timeout;
+            # and servers close idle pooled connections. Either would show as a spurious retry. A
+            # new connection per response costs one TCP (TLS) handshake per shard.
+            resp.close()
 
         return resp.content.read, cleanup
 

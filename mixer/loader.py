@@ -25,6 +25,7 @@ from .source import Counters
 from .transport import SlotPool
 from .stats import DEFAULT_WINDOW, Stats
 from .world import seed_for
+from .distributed import StopSync, stop_sync
 
 
 def _seed_worker_globals(worker_id: int) -> None:
@@ -83,6 +84,8 @@ class Loader:
         device: DeviceLike | None = None,
         device_prefetch: int = 2,
         stats_window: int = DEFAULT_WINDOW,
+        sync_stop: bool | None = None,
+        sync_group: Any = None,
     ) -> None:
         self.mixture = mixture
         self.num_workers = num_workers
@@ -112,18 +115,22 @@ class Loader:
         self._resume: dict[str, Any] | None = None
         self._reset_bookkeeping(None)
         self._stats = Stats(mixture.names, window=stats_window, num_workers=num_workers, max_tokens=mixture.batching.max_tokens)
+        # Equal batch counts over the data-parallel ranks in finite modes (see mixer.distributed).
+        self.sync: StopSync | None = stop_sync(mixture, sync_stop=sync_stop, sync_group=sync_group)
 
     def __iter__(self) -> Iterator[Batch]:
         self._last_counters = {}
         self.batches = 0
-        self._stats.reset()
+        self._stats.reset(resumed=self._resume is not None)
         resume, self._resume = self._resume, None
         self._reset_bookkeeping(resume)
         stream = self.dataloader.dataset
         assert isinstance(stream, _Stream)
         stream.resume = None if resume is None else {"shift": resume["delivered"] % self._readers, "readers": resume["readers"]}
         self._started = True
-        batches = self.dataloader if self.device is None else to_device(self.dataloader, self.device, prefetch=self.device_prefetch)
+        # Inside the device feed: a look-ahead batch the ranks agree to drop is never copied.
+        source = self.dataloader if self.sync is None else self.sync.agreed(self.dataloader)
+        batches = source if self.device is None else to_device(source, self.device, prefetch=self.device_prefetch)
         for batch in batches:
             info = batch.info
             reader = info["worker"]
@@ -176,6 +183,14 @@ class Loader:
         self._resume = copy.deepcopy(saved)
         self._reset_bookkeeping(self._resume)
 
+    def dropped(self) -> dict[str, Any]:
+        """Batches this rank read but did not hand out in the latest pass, because another rank's finite
+        stream ended first (equal batch counts, see :mod:`mixer.distributed`): ``{"batches": n,
+        "sources": {name: {"samples": n, "tokens": n}}}``; all zero when the ranks are not synced."""
+        if self.sync is None:
+            return {"batches": 0, "sources": {n: {"samples": 0, "tokens": 0} for n in self.mixture.names}}
+        return self.sync.dropped()
+
     def counters(self) -> dict[str, dict[str, int]]:
         """Cumulative per-source counters summed over the workers, as of the last batch handed out."""
         n = len(self.mixture.sources)
@@ -203,11 +218,18 @@ def make_loader(
     device: DeviceLike | None = None,
     device_prefetch: int = 2,
     stats_window: int = DEFAULT_WINDOW,
+    sync_stop: bool | None = None,
+    sync_group: Any = None,
 ) -> Loader:
     """A :class:`Loader` over ``mixture``. With ``device`` (``"cuda"``, ``"cuda:N"``, ``"cpu"``) batches
     arrive on that device through :func:`mixer.to_device`, ``device_prefetch`` batches copied ahead;
     a CUDA device turns ``pin_memory`` on. ``stats_window``: batches in the sliding window of
-    :meth:`Loader.stats` (and so of :func:`mixer.log_every`)."""
+    :meth:`Loader.stats` (and so of :func:`mixer.log_every`).
+
+    ``sync_stop`` (default None: on when the mixture is finite, has several ranks and a process group
+    is initialized) makes every data-parallel rank hand out the same number of batches, with an
+    ``all_reduce(MIN)`` per batch over ``sync_group`` (default: the default group); what a rank then
+    cannot hand out is counted in :meth:`Loader.dropped`. See :mod:`mixer.distributed`."""
     return Loader(
         mixture,
         num_workers=num_workers,
@@ -219,4 +241,6 @@ def make_loader(
         device=device,
         device_prefetch=device_prefetch,
         stats_window=stats_window,
+        sync_stop=sync_stop,
+        sync_group=sync_group,
     )

@@ -8,14 +8,16 @@ random numbers and its share of the global step from it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+import operator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
 from .batch import _DTYPES, Batch, collate
-from .bucket import Bucketer, TokenBudget, bucket_edges
+from .bucket import TokenBudget, bucket_edges
+from .layout import Field, Packed, check_fits, count, level2, make_layout, unpair
 from .decode import Sample
 from .errors import ConfigError
 from .schedule import Schedule, SourceInfo, Static, check_schedule
@@ -38,7 +40,10 @@ class Mixture(IterableDataset[Batch]):
     Level 1 (``selector``) picks the source of the next batch (``mix="batch"``: every batch comes
     from one source) or of the next sample (``mix="sample"``: buckets shared across sources) so that
     the realized share of ``unit`` (real tokens by default) tracks ``schedule``'s target. Level 2
-    (``batching``) groups a source's samples by length so that padding stays small.
+    (``batching``) groups a source's samples by length so that padding stays small
+    (:class:`~mixer.TokenBudget`), or packs them back to back (:class:`~mixer.Packed`: batches are
+    :class:`~mixer.layout.PackedBatch`). ``fields``: samples whose ``decode`` returns named arrays
+    are collated per field (batches are :class:`~mixer.layout.FieldBatch`; see :mod:`mixer.layout`).
 
     ``stop``: ``"never"`` restarts an exhausted source with a reshuffled epoch; ``"first_exhausted"``
     ends when any source has delivered its whole pass; ``"all_exhausted"`` drops exhausted sources
@@ -55,7 +60,7 @@ class Mixture(IterableDataset[Batch]):
         self,
         sources: Sequence[Source],
         *,
-        batching: TokenBudget,
+        batching: TokenBudget | Packed,
         schedule: Schedule | None = None,
         selector: str = "deficit",
         unit: Unit = "tokens",
@@ -68,7 +73,8 @@ class Mixture(IterableDataset[Batch]):
         rank: int | None = None,
         world_size: int | None = None,
         dp_group: Any = None,
-        state_every: int = 16,
+        state_every: int = 64,
+        fields: Mapping[str, Field] | None = None,
     ) -> None:
         super().__init__()
         sources = list(sources)
@@ -81,8 +87,8 @@ class Mixture(IterableDataset[Batch]):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ConfigError(f"sources: duplicate source names {dupes}; every source needs its own name")
-        if not isinstance(batching, TokenBudget):
-            raise ConfigError(f"batching: expected a mixer.TokenBudget (got {type(batching).__name__})")
+        if not isinstance(batching, (TokenBudget, Packed)):
+            raise ConfigError(f"batching: expected a mixer.TokenBudget or mixer.Packed (got {type(batching).__name__})")
         if selector not in SELECTORS:
             raise ConfigError(f"selector must be one of {SELECTORS} (got {selector!r})")
         if unit not in ("tokens", "samples"):
@@ -110,6 +116,11 @@ class Mixture(IterableDataset[Batch]):
         self.dtype = dtype
         self.state_every = state_every
         self.rank, self.world_size = resolve_rank(rank, world_size, dp_group)
+        # None: padded token batches (collate below); else packed or multi-field (mixer.layout).
+        self.layout = make_layout(batching, fields, dtype=dtype, pad_id=self.pad_id)
+        for s in sources:
+            if isinstance(s.length, str) and (fields is None or s.length not in fields):
+                raise ConfigError(f"source {s.name!r}: length={s.length!r} names a field, but the mixture's fields= {sorted(fields or ())} lack it")
 
         self.profiles: list[Profile] = [profile(s) for s in sources]
         self.info = SourceInfo(
@@ -122,7 +133,9 @@ class Mixture(IterableDataset[Batch]):
         # it fails here and not in a worker process hours into the run.
         check_schedule(self.schedule, self.info)
         self._check_fits()
-        if batching.buckets is not None:
+        if isinstance(batching, Packed):
+            self.edges: list[list[int]] = [[] for _ in sources]  # no buckets: the Packer places documents
+        elif batching.buckets is not None:
             self.edges = [list(batching.buckets)] * len(sources)
         elif mix == "sample":
             shared = bucket_edges(np.concatenate([p.lengths for p in self.profiles]), **self._edge_options())
@@ -132,9 +145,12 @@ class Mixture(IterableDataset[Batch]):
 
     def _edge_options(self) -> dict[str, Any]:
         b = self.batching
+        assert isinstance(b, TokenBudget)
         return {"longest": b.longest, "num_buckets": b.num_buckets, "max_ratio": b.max_bucket_ratio}
 
     def _check_fits(self) -> None:
+        if isinstance(self.batching, Packed):
+            return check_fits(self.batching, self.sources, self.profiles)
         if self.batching.max_length is not None:
             return
         for s, p in zip(self.sources, self.profiles):
@@ -165,6 +181,9 @@ class Mixture(IterableDataset[Batch]):
     def max_batch_elements(self) -> int:
         """The largest flat buffer a batch can need: ``B * L <= max_tokens`` plus ``lengths`` and
         ``source`` (``2 * B``), with ``B`` at most the largest bucket capacity."""
+        if self.layout is not None:
+            return self.layout.max_elements(self)
+        assert isinstance(self.batching, TokenBudget)
         most = max(self.batching.capacity(e) for edges in self.edges for e in edges)
         return self.batching.max_tokens + 2 * most
 
@@ -217,16 +236,17 @@ class Reader:
             for i, s in enumerate(mixture.sources)
         ]
         if mixture.mix == "sample":
-            shared: Bucketer[tuple[int, Sample]] = Bucketer(mixture.edges[0], budget)
+            shared = level2(mixture.edges[0], budget)
             self.bucketers = [shared] * n
         else:
-            self.bucketers = [Bucketer(e, budget) for e in mixture.edges]
+            self.bucketers = [level2(e, budget) for e in mixture.edges]
         self.selector = make_selector(mixture.selector, n, seed=mixture.seed, stream=(world.rank, world.worker))
         self.active = np.ones(n, dtype=bool)
         self.batches = 0
         self.tokens = 0
         self._probs_key: tuple[int, int] | None = None
         self._probs_cache = np.zeros(n)
+        self._resumed_counters: list[list[int]] | None = None
 
     @property
     def step(self) -> int:
@@ -264,11 +284,15 @@ class Reader:
         for _ in range(batches):
             next(it)
         self.pool = pool
+        # Statistics count from the resume: the first batch tells the loader where counters stood.
+        self._resumed_counters = [c.as_list() for c in self.counters]
         return it
 
     def _finish(self, batch: Batch) -> Batch:
         """Attach what the loader's bookkeeping needs: skip decisions always, the full state every
         ``state_every`` batches (taken after the selector has counted the batch)."""
+        if self._resumed_counters is not None:
+            batch.info["resumed_counters"], self._resumed_counters = self._resumed_counters, None
         skips = [[i, *sk] for i, st in enumerate(self.streams) for sk in st.new_skips]
         if skips:
             batch.info["skips"] = skips
@@ -380,12 +404,23 @@ class Reader:
             if shared.add((i, sample), sample.length):
                 while shared.ready:
                     full = shared.ready.popleft()
-                    yield self._finish(self._collate([s for _, s in full], np.array([j for j, _ in full], dtype=np.int64)))
+                    yield self._finish(self._collate(*unpair(full)))
         if self.mixture.stop == "all_exhausted":
             for rest in shared.drain():
-                yield self._finish(self._collate([s for _, s in rest], np.array([j for j, _ in rest], dtype=np.int64)))
+                yield self._finish(self._collate(*unpair(rest)))
 
     def _collate(self, samples: list[Sample], sources: np.ndarray) -> Batch:
+        m = self.mixture
+        layout = m.layout
+        if layout is not None:
+            accounted = layout.account(samples)  # type: ignore[arg-type]
+            count(self.counters, sources, accounted)
+            return self._emit(int(accounted[0].sum()), lambda info, out: layout.collate(samples, sources, info=info, out=out))  # type: ignore[arg-type]
+        if samples and isinstance(samples[0].tokens, dict):
+            raise ConfigError(
+                f"source {m.names[int(sources[0])]!r}: decode returned fields {sorted(samples[0].tokens)}; pass "
+                "Mixture(fields={name: mixer.Field(...)}) to collate them"
+            )
         lengths = np.fromiter((s.length for s in samples), dtype=np.int64, count=len(samples))
         tokens = [s.tokens for s in samples]
         keys = [s.key for s in samples]
@@ -399,6 +434,10 @@ class Reader:
             c.tokens += int(per_source[j])
             c.padded += int(per_source_n[j]) * seq_len
             c.batches += 1
+        return self._emit(n_tokens, lambda info, out: collate(tokens, lengths, sources, keys, pad_id=m.pad_id, dtype=m.dtype, info=info, out=out))
+
+    def _emit(self, n_tokens: int, build: Callable[[dict[str, Any], Callable[[int], np.ndarray | None] | None], Batch]) -> Batch:
+        """Attach the bookkeeping and build the batch, into a shared slot when there is a pool."""
         info = {
             "step": self.step,
             "worker": self.world.worker,
@@ -409,9 +448,8 @@ class Reader:
         }
         self.batches += 1
         self.tokens += n_tokens
-        m = self.mixture
         if self.pool is None:
-            return collate(tokens, lengths, sources, keys, pad_id=m.pad_id, dtype=m.dtype, info=info)
+            return build(info, None)
         pool, worker = self.pool, self.world.worker
         claimed: list[tuple[int, int]] = []
 
@@ -422,7 +460,7 @@ class Reader:
             claimed.append(got[:2])
             return got[2]
 
-        batch = collate(tokens, lengths, sources, keys, pad_id=m.pad_id, dtype=m.dtype, info=info, out=into_slot)
+        batch = build(info, into_slot)
         if claimed:
             slot, stamp = claimed[0]
             pool.seal(worker, slot, stamp)
@@ -430,9 +468,9 @@ class Reader:
         return batch
 
 
-def _encode_sample(sample: Sample) -> list[int]:
-    return [sample.shard, sample.offset]
+# Snapshots encode every buffered sample (often 10k+): a C-level getter, no Python frame per sample.
+_encode_sample = operator.attrgetter("shard", "offset")
 
 
-def _encode_pair(item: tuple[int, Sample]) -> list[int]:
-    return [item[0], item[1].shard, item[1].offset]
+def _encode_pair(item: tuple[int, Sample]) -> tuple[int, int, int]:
+    return (item[0], item[1].shard, item[1].offset)

@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import random
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
 from . import io
 from .bucket import TokenBudget
 from .decode import Sample, default_tokens
+from .layout import Packed, decoded_fields, field_length
 from .errors import ConfigError, MixerError, SampleError, ShardError, StateError
 from .shards import ShardSlice, plan
 from .tario import read_samples
@@ -27,8 +29,8 @@ from .world import World, seed_for
 log = logging.getLogger(__name__)
 
 OnError = Literal["raise", "skip"]
-Decode = Callable[[dict[str, Any]], np.ndarray]
-Length = Callable[[dict[str, Any]], int]
+Decode = Callable[[dict[str, Any]], Any]  # a 1-D int array, a mapping of named 1-D arrays, or None
+Length = Callable[[dict[str, Any]], int] | str
 
 
 class Source:
@@ -40,6 +42,9 @@ class Source:
     None it is estimated once, up front, identically for every reader (see :func:`profile`).
     ``decode(sample) -> 1-D int array`` and ``length(sample) -> int`` replace the default (tokens from
     ``tokens.npy``, else ``input_ids.npy``, else the UTF-8 bytes of ``txt``; length = token count).
+    ``decode`` may also return a mapping of named 1-D arrays (multi-field samples, collated by
+    ``Mixture(fields=...)``; ``length`` may then name the field that counts, default the first), or
+    None to drop the sample (a filter; counted in ``dropped``).
     ``on_error``: ``"raise"`` stops on a bad shard or sample with an error naming it; ``"skip"``
     skips it, counts it and warns once per shard.
     """
@@ -70,8 +75,8 @@ class Source:
             raise ConfigError(f"{where}: on_error must be 'raise' or 'skip' (got {on_error!r})")
         if decode is not None and not callable(decode):
             raise ConfigError(f"{where}: decode must be callable (got {decode!r})")
-        if length is not None and not callable(length):
-            raise ConfigError(f"{where}: length must be callable (got {length!r})")
+        if length is not None and not callable(length) and not (isinstance(length, str) and length):
+            raise ConfigError(f"{where}: length must be callable or the name of a decoded field (got {length!r})")
         patterns = [urls] if isinstance(urls, str) else list(urls)
         if not patterns or not all(isinstance(p, str) and p for p in patterns):
             raise ConfigError(f"{where}: urls must be a non-empty pattern or list of patterns (got {urls!r})")
@@ -134,7 +139,9 @@ def profile(source: Source, *, max_samples: int = 2048, max_shards: int = 3) -> 
                         start = raw["__offset__"]
                     end = raw["__end__"]
                     try:
-                        got.append(_length_of(source, raw, _decode(source, raw)))
+                        tokens = _decode(source, raw)
+                        if tokens is not None:  # None: the decode filtered the sample out
+                            got.append(_length_of(source, raw, tokens))
                     except SampleError:
                         if source.on_error == "raise":
                             raise
@@ -157,7 +164,7 @@ def profile(source: Source, *, max_samples: int = 2048, max_shards: int = 3) -> 
         return Profile(arr, tpb, source.size, False)
     known = [b for b in source.shard_bytes if b is not None]
     if len(known) < n:
-        pool = known + told or [nbytes / len(picks)]
+        pool: list[float] = [*known, *told] or [nbytes / len(picks)]
         mean = sum(pool) / len(pool)
         total = sum(known) + mean * (n - len(known))
     else:
@@ -167,9 +174,11 @@ def profile(source: Source, *, max_samples: int = 2048, max_shards: int = 3) -> 
     return Profile(arr, tpb, size, True)
 
 
-def _decode(source: Source, raw: dict[str, Any]) -> np.ndarray:
+def _decode(source: Source, raw: dict[str, Any]) -> Any:
     tokens = source.decode(raw) if source.decode is not None else default_tokens(raw)
     if source.decode is not None:
+        if tokens is None or isinstance(tokens, Mapping):
+            return None if tokens is None else decoded_fields(raw, tokens)
         tokens = np.asarray(tokens)
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
             raise SampleError(
@@ -179,24 +188,44 @@ def _decode(source: Source, raw: dict[str, Any]) -> np.ndarray:
     return tokens
 
 
-def _length_of(source: Source, raw: dict[str, Any], tokens: np.ndarray) -> int:
-    return int(source.length(raw)) if source.length is not None else len(tokens)
+def _length_of(source: Source, raw: dict[str, Any], tokens: Any) -> int:
+    length = source.length
+    if isinstance(tokens, dict):  # multi-field (see mixer.layout)
+        return int(length(raw)) if callable(length) else field_length(raw, tokens, length)
+    if isinstance(length, str):
+        raise SampleError(
+            f"shard {io.redact(raw.get('__url__', '?'))}, key {raw.get('__key__')!r}: length={length!r} names a field, "
+            "but decode returned one array, not a mapping of fields"
+        )
+    return int(length(raw)) if length is not None else len(tokens)
 
 
+@dataclass(slots=True)
 class Counters:
     """Per-source counters kept by every reader (cumulative, plain ints). ``samples``, ``tokens``
     (real), ``padded`` (slots) and ``batches`` count what was delivered in batches; ``read`` counts
     samples taken from shards, some of which may still wait in shuffle or bucket buffers."""
 
-    FIELDS = (
-        "samples", "tokens", "padded", "batches", "read", "bytes", "shards_opened", "shards_finished",
-        "epochs", "truncated", "dropped", "skipped_samples", "skipped_shards", "retries",
-    )
-    __slots__ = FIELDS
+    samples: int = 0
+    tokens: int = 0
+    padded: int = 0
+    batches: int = 0
+    read: int = 0
+    bytes: int = 0
+    shards_opened: int = 0
+    shards_finished: int = 0
+    epochs: int = 0
+    truncated: int = 0
+    dropped: int = 0
+    skipped_samples: int = 0
+    skipped_shards: int = 0
+    retries: int = 0
+    split: int = 0  # documents cut into pieces by a packed layout (mixer.Packed(split_documents=True))
 
-    def __init__(self) -> None:
-        for f in self.FIELDS:
-            setattr(self, f, 0)
+    FIELDS: ClassVar[tuple[str, ...]] = (
+        "samples", "tokens", "padded", "batches", "read", "bytes", "shards_opened", "shards_finished",
+        "epochs", "truncated", "dropped", "skipped_samples", "skipped_shards", "retries", "split",
+    )
 
     def as_list(self) -> list[int]:
         return [getattr(self, f) for f in self.FIELDS]
@@ -219,7 +248,7 @@ class SourceStream:
         world: World,
         *,
         seed: int,
-        budget: TokenBudget,
+        budget: TokenBudget | Packed,
         shuffle_buffer: int,
         finite: bool,
         counters: Counters,
@@ -423,7 +452,7 @@ def _raising(exc: BaseException) -> Iterator[dict[str, Any]]:
     yield  # a generator that raises when first advanced
 
 
-def make_sample(source: Source, budget: TokenBudget, counters: Counters, raw: dict[str, Any], shard: int, *, warn: Callable[[int, str], None] | None = None) -> Sample | None:
+def make_sample(source: Source, budget: TokenBudget | Packed, counters: Counters, raw: dict[str, Any], shard: int, *, warn: Callable[[int, str], None] | None = None) -> Sample | None:
     """Decode one tar sample into a :class:`Sample`, applying the length policy (truncate/drop,
     counted) and the source's ``on_error`` policy; None when it is dropped or skipped."""
     try:
@@ -432,14 +461,19 @@ def make_sample(source: Source, budget: TokenBudget, counters: Counters, raw: di
             n = len(tokens)
         else:
             tokens = _decode(source, raw)
+            if tokens is None:  # the decode filtered it out (e.g. a duration filter)
+                counters.dropped += 1
+                return None
             n = _length_of(source, raw, tokens)
         if n > budget.longest:
             if budget.max_length is None:
+                seq_len = getattr(budget, "seq_len", None)  # mixer.Packed rows
+                limit = f"seq_len={seq_len}" if seq_len else f"max_tokens={budget.max_tokens}"
                 raise SampleError(
-                    f"shard {io.redact(raw['__url__'])}, key {raw['__key__']!r}: length {n} exceeds max_tokens="
-                    f"{budget.max_tokens}; set TokenBudget(max_length=...) to truncate or drop such samples"
+                    f"shard {io.redact(raw['__url__'])}, key {raw['__key__']!r}: length {n} exceeds {limit}; "
+                    f"set {type(budget).__name__}(max_length=...) to truncate or drop such samples"
                 )
-            if budget.overlong == "drop" or source.length is not None:
+            if budget.overlong == "drop" or source.length is not None or isinstance(tokens, dict):
                 counters.dropped += 1
                 return None
             tokens = tokens[: budget.longest]
@@ -455,13 +489,23 @@ def make_sample(source: Source, budget: TokenBudget, counters: Counters, raw: di
     return Sample(raw["__key__"], tokens, n, shard, raw["__offset__"])
 
 
-def locations(samples: Sequence[Sample]) -> list[list[int]]:
-    return [[s.shard, s.offset] for s in samples]
+_where = operator.attrgetter("shard", "offset")
 
 
-def reread(source: Source, budget: TokenBudget, wanted: Sequence[tuple[int, int]]) -> dict[tuple[int, int], Sample]:
-    """Read the samples at (shard, byte offset) locations again, each shard once from its lowest
-    wanted offset up to its highest (a ranged read for remote shards), for a resumed stream."""
+def locations(samples: Sequence[Sample]) -> list[tuple[int, int]]:
+    """(shard, byte offset) of each sample: where a resumed stream finds it again."""
+    return list(map(_where, samples))
+
+
+# Wanted samples closer than this are read through; farther apart, the shard is opened again at the
+# next one (a seek locally, a new ranged GET remotely), so a restore reads about what it needs.
+_REREAD_GAP = 1 << 20
+
+
+def reread(source: Source, budget: TokenBudget | Packed, wanted: Sequence[tuple[int, int]]) -> dict[tuple[int, int], Sample]:
+    """Read the samples at (shard, byte offset) locations again, for a resumed stream: per shard, runs
+    of nearby offsets are read through in one ranged read, far-apart ones each from their own offset,
+    so the bytes read follow the buffered samples, not the distance between the oldest and newest."""
     by_shard: dict[int, set[int]] = {}
     for shard, offset in wanted:
         by_shard.setdefault(int(shard), set()).add(int(offset))
@@ -469,21 +513,33 @@ def reread(source: Source, budget: TokenBudget, wanted: Sequence[tuple[int, int]
     scratch = Counters()
     for shard, offsets in sorted(by_shard.items()):
         url = source.shards[shard]
-        start, last = min(offsets), max(offsets)
-        with io.open_shard(url, start_offset=start, storage_options=source.storage_options, allow_pipe=source.allow_pipe, **source.io_options.open_kwargs()) as stream:
-            for raw in read_samples(stream, url=io.redact(url), start_offset=start):
-                off = raw["__offset__"]
-                if off in offsets:
-                    sample = make_sample(source, budget, scratch, raw, shard)
-                    if sample is None:
-                        raise StateError(f"source {source.name!r}: the sample at byte {off} of {io.redact(url)} no longer decodes as it did")
-                    out[(shard, off)] = sample
-                if off >= last:
-                    break
+        for run in _runs(sorted(offsets), _REREAD_GAP):
+            start, last = run[0], run[-1]
+            with io.open_shard(url, start_offset=start, storage_options=source.storage_options, allow_pipe=source.allow_pipe, **source.io_options.open_kwargs()) as stream:
+                for raw in read_samples(stream, url=io.redact(url), start_offset=start, chunk_size=1 << 16):
+                    off = raw["__offset__"]
+                    if off in offsets:
+                        sample = make_sample(source, budget, scratch, raw, shard)
+                        if sample is None:
+                            raise StateError(f"source {source.name!r}: the sample at byte {off} of {io.redact(url)} no longer decodes as it did")
+                        out[(shard, off)] = sample
+                    if off >= last:
+                        break
         missing = offsets - {off for sh, off in out if sh == shard}
         if missing:
             raise StateError(f"source {source.name!r}: no sample starts at byte(s) {sorted(missing)[:5]} of {io.redact(url)}: the shard changed since the state was saved")
     return out
+
+
+def _runs(offsets: list[int], gap: int) -> list[list[int]]:
+    """Sorted offsets cut wherever two neighbours are more than ``gap`` bytes apart."""
+    runs: list[list[int]] = [[offsets[0]]]
+    for off in offsets[1:]:
+        if off - runs[-1][-1] > gap:
+            runs.append([off])
+        else:
+            runs[-1].append(off)
+    return runs
 
 
 def _rng_state(rng: random.Random) -> list[Any]:

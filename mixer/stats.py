@@ -5,7 +5,7 @@ global ``step`` and the schedule's ``target`` share at that step, as computed in
 process keeps the last counters of each worker and, per batch handed out, one snapshot of their sum
 in a ring buffer; a window's counters are then the difference of two snapshots, so the per-batch
 cost is a few small numpy operations whatever the window size, and no tensor is touched (a batch
-may already be on the GPU).
+may already be on the GPU; the one exception is each reader's first batch after a resume).
 
 Targets are integrated: each batch adds ``target(step) * batch tokens``, so with a moving schedule
 the realized share is compared with what the schedule asked for over the same tokens.
@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from .batch import Batch
-    from .loader import Loader
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +39,9 @@ STARVED_BELOW = 0.5
 
 class Stats:
     """Per-source counters, cumulative and over the last ``window`` batches, fed one batch ``info``
-    at a time by :class:`~mixer.Loader` (see :meth:`as_dict` for what comes out).
+    at a time by :class:`~mixer.Loader` (see :meth:`as_dict` for what comes out). Cumulative means
+    since the loader's pass began, and after ``load_state_dict`` since the resume (the readers' raw
+    counters, saved run included, are :meth:`mixer.Loader.counters`).
 
     ``epochs`` is the number of source-epochs completed by *every* reader of this rank (the minimum
     over the DataLoader workers): each reader reads its own part of a source-epoch. All the other
@@ -61,9 +62,12 @@ class Stats:
         self.slack = 2.0 * self.readers * max(int(max_tokens), 0)
         self.reset()
 
-    def reset(self) -> None:
-        """Start over (a new pass of the loader)."""
+    def reset(self, *, resumed: bool = False) -> None:
+        """Start over (a new pass of the loader). ``resumed``: the readers continue from a saved state,
+        so their counters start where the saved run left them (see :meth:`update`)."""
         n, k = len(self.names), self.window + 1
+        self.resumed = resumed
+        self._base: list[np.ndarray | None] = [None] * self.readers
         self.batches = 0
         self.step = -1
         self.target_now = np.zeros(n)
@@ -78,9 +82,18 @@ class Stats:
         self._ring_time[0] = self.started
 
     def update(self, info: dict[str, Any]) -> None:
-        """Account one batch handed out, from its ``info``."""
+        """Account one batch handed out, from its ``info``.
+
+        Everything counts from the start of this pass. After a resume the readers' counters include
+        the saved run's: a resumed reader's first batch carries its counters as they stood at the
+        resume point (``resumed_counters``), which become its baseline."""
         rows = np.asarray(info["counters"], dtype=np.int64)
         worker = int(info.get("worker", 0))
+        if self.resumed:
+            base = self._base[worker]
+            if base is None:
+                base = self._base[worker] = np.asarray(info.get("resumed_counters", np.zeros_like(rows)), dtype=np.int64)
+            rows = rows - base
         self._sum += rows - self._last[worker]
         self._last[worker] = rows
         tokens = int(info["tokens"])

@@ -345,6 +345,6 @@ def _is_meta(name: str) -> bool:
     return _SKIP_META.match(name) is not None
 
 
-def read_samples(stream: BinaryIO, *, url: str, start_offset: int = 0) -> Iterator[dict[str, Any]]:
+def read_samples(stream: BinaryIO, *, url: str, start_offset: int = 0, chunk_size: int = 1 << 20) -> Iterator[dict[str, Any]]:
     """`iter_members` then `group_samples`: the samples of one shard stream (see both)."""
-    return group_samples(iter_members(stream, url=url, start_offset=start_offset), url=url)
+    return group_samples(iter_members(stream, url=url, start_offset=start_offset, chunk_size=chunk_size), url=url)

@@ -287,6 +287,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Accept-Ranges", "bytes")
         self.send_header("ETag", etag)
+        if self.headers.get("Connection", "").lower() == "close":
+            self.send_header("Connection", "close")  # as HTTP/1.1 servers answer such a request
         if status == 206:
             self.send_header("Content-Range", f"bytes {first}-{last}/{size}")
         self.end_headers()
@@ -410,3 +412,48 @@ def make_bucket(endpoint: str, bucket: str, files: Mapping[str, bytes | os.PathL
             client.put_object(Bucket=bucket, Key=key, Body=body)
     finally:
         client.close()
+
+
+# ------------------------------------------------------------------------------------------ guards
+
+
+@contextlib.contextmanager
+def loopback_only() -> Iterator[None]:
+    """Fail any attempt to connect anywhere but 127.0.0.1 / ::1 (e.g. the EC2 metadata service)."""
+    original_connect, original_connect_ex = socket.socket.connect, socket.socket.connect_ex
+
+    def check(sock: socket.socket, address: Any) -> None:
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and address[0] not in ("127.0.0.1", "::1"):
+            raise AssertionError(f"test tried to connect to {address!r}")
+
+    def connect(self: socket.socket, address: Any) -> None:
+        check(self, address)
+        return original_connect(self, address)
+
+    def connect_ex(self: socket.socket, address: Any) -> int:
+        check(self, address)
+        return original_connect_ex(self, address)
+
+    socket.socket.connect = connect  # type: ignore[method-assign]
+    socket.socket.connect_ex = connect_ex  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        socket.socket.connect, socket.socket.connect_ex = original_connect, original_connect_ex  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def no_aws_config() -> Iterator[None]:
+    """No real AWS configuration may leak in (keys, profiles, endpoints, the metadata service)."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+    for key in saved:
+        del os.environ[key]
+    os.environ.update(
+        {"AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+    )
+    try:
+        yield
+    finally:
+        for key in [k for k in os.environ if k.startswith("AWS_")]:
+            del os.environ[key]
+        os.environ.update(saved)

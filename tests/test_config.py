@@ -134,7 +134,7 @@ ROUND_TRIP = {
             {
                 "name": "a", "urls": ["s3://b/a-{0..3}.tar", "s3://b/x/"], "weight": 2, "size": 1e9, "decode": "json:loads",
                 "length": "pkg.mod:obj.length", "on_error": "skip", "storage_options": {"anon": True}, "group": "g",
-                "allow_pipe": True,
+                "io_options": {"timeout": 30, "retries": 3, "read_ahead": 0},
             },  # fmt: skip
             {"name": "b", "urls": "/d/b.tar", "weight": 0},
         ],
@@ -275,7 +275,10 @@ ERRORS = [
     (_set("sources[0].on_error", "ignore"), "sources[0].on_error: must be one of 'raise', 'skip', got 'ignore'"),
     (_set("sources[0].storage_options", "anon"), "sources[0].storage_options: must be a mapping, got 'anon'"),
     (_set("sources[0].group", 3), "sources[0].group: must be a non-empty string, got 3"),
-    (_set("sources[0].allow_pipe", "yes"), "sources[0].allow_pipe: must be true or false, got 'yes'"),
+    (_set("sources[0].allow_pipe", True), "sources[0].allow_pipe: not a config key: 'pipe:' URLs run shell commands, so only code can allow them "
+     "(build_mixture(spec, allow_pipe=True) or load_config(path, allow_pipe=True)), never a config file alone"),
+    (_set("sources[0].io_options", {"timout": 1}), "sources[0].io_options: unknown key 'timout'; did you mean 'timeout'?"),
+    (_set("sources[0].io_options", {"retries": -1}), "sources[0].io_options: retries must be an integer >= 0 (got -1)"),
     (lambda c: [s.update(weight=0) for s in c["sources"]], "sources: every weight is 0; at least one must be > 0"),
     # batching
     (_set("batching", 4096), "batching: must be a mapping, got 4096"),

@@ -333,3 +333,11 @@ def test_cuda_make_loader_matches_the_cpu_loader(three_sources, num_workers):
     assert all(torch.equal(g.buffer.cpu(), c.buffer) for g, c in zip(gpu, cpu))
     assert gpu_counters == cpu_counters
     assert Counter(int(s) for b in gpu for s in b.source.cpu()) == Counter(int(s) for b in cpu for s in b.source)
+
+
+@needs_cuda
+def test_cuda_batches_sent_to_cpu_come_back_to_the_host():
+    on_gpu = [make_batch(k).to("cuda") for k in range(3)]
+    got = list(mixer.to_device(on_gpu, "cpu"))
+    assert all(b.buffer.device.type == "cpu" for b in got)
+    assert [torch.equal(b.tokens, expected_tokens(k)) for k, b in enumerate(got)] == [True] * 3

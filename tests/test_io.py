@@ -673,3 +673,111 @@ def test_s3_permanent(fake_s3: FaultyHTTPServer) -> None:
         with pytest.raises(ShardError, match=f"s3://data/a.tar at byte 0: {words}"):
             mio.open_shard("s3://data/a.tar", storage_options=options, **FAST)
         assert len(fake_s3.requests("data/a.tar")) == 1
+
+
+# ------------------------------------------------------------------------------------ read-ahead
+
+SHARDS = ["data/a.tar", "data/b.tar", "data/c.tar", "data/sub/d.tar"]
+
+
+def _wait_for(condition: Any, seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def test_read_ahead_opens_the_next_shards_early(http: FaultyHTTPServer, files: dict[str, bytes]) -> None:
+    # Opening shard k sends the requests of shards k+1 and k+2 (read_ahead=2) without waiting for them;
+    # opening those later uses those very responses (one GET per shard), and every byte is exact.
+    urls = [http.url(p) for p in SHARDS]
+    ahead = mio.ReadAhead(options={"read_ahead": 2, "block_size": 16384, "timeout": 10})  # no fault to time
+    for k, url in enumerate(urls):
+        stream = ahead.open(url, 0, iter(urls[k + 1 :]))
+        # the next two are requested while this one is still unread
+        assert _wait_for(lambda: all(http.requests(p) for p in SHARDS[k + 1 : k + 3]))
+        assert [len(http.requests(p)) for p in SHARDS] == [1] * min(k + 3, 4) + [0] * max(4 - k - 3, 0)
+        assert _read_all(stream, 7001) == files[SHARDS[k]]
+        stream.close()
+    assert [_ranges(http, p) for p in SHARDS] == [[(None, 200)]] * 4
+    ahead.close()
+
+
+def test_read_ahead_is_bounded(http: FaultyHTTPServer, files: dict[str, bytes]) -> None:
+    # a.tar (300 kB) begun ahead with 16 kB blocks holds at most one block in its queue (plus at most
+    # two in aiohttp's buffer) until it is opened: the rest waits, flow-controlled, in the network.
+    ahead = mio.ReadAhead(options={"read_ahead": 1, "block_size": 16384, "timeout": 10})
+    with ahead.open(http.url("data/b.tar"), 0, [http.url("data/a.tar")]) as first:
+        begun = ahead._begun[http.url("data/a.tar")]
+        pump = begun._remote._pump  # type: ignore[attr-defined]
+        assert _wait_for(lambda: pump._queued >= 16384)
+        time.sleep(0.2)  # time to overfill, were it unbounded
+        assert pump._queued <= 16384 + 16384  # the last chunk may land on a queue just under the bound
+        assert first.read() == files["data/b.tar"]
+    with ahead.open(http.url("data/a.tar")) as second:
+        assert _read_all(second, 65536) == files["data/a.tar"]
+    assert _ranges(http, "data/a.tar") == [(None, 200)]
+
+
+def test_read_ahead_faults_surface_at_their_turn(http: FaultyHTTPServer, files: dict[str, bytes]) -> None:
+    a, b, c = (http.url(p) for p in SHARDS[:3])
+    http.fail("data/b.tar", "status", status=404, times=None)
+    http.fail("data/c.tar", "status", status=503, times=2)
+    ahead = mio.ReadAhead(options={"read_ahead": 2, **FAST})
+    with ahead.open(a, 0, [b, c]) as stream:  # b's 404 is not a's problem
+        assert stream.read() == files["data/a.tar"]
+    with pytest.raises(ShardError, match=r"data/b\.tar at byte 0: not found \(HTTP 404\)") as info:
+        ahead.open(b, 0, [c])
+    assert info.value.retries == 0  # type: ignore[attr-defined]
+    with ahead.open(c) as stream:  # the 503s of the request begun ahead are retried at c's turn
+        assert stream.read() == files["data/c.tar"]
+        assert stream.retries == 2  # type: ignore[attr-defined]
+    assert _ranges(http, "data/c.tar") == [(None, 503), (None, 503), (None, 200)]
+    # a shard that gives up after retries says how many it made
+    http.fail("data/a.tar", "status", status=503, times=None)
+    with pytest.raises(ShardError, match="gave up after 2 retries") as info:
+        mio.ReadAhead(options={**FAST, "retries": 2}).open(a)
+    assert info.value.retries == 2  # type: ignore[attr-defined]
+
+
+def test_read_ahead_drops_what_is_no_longer_next(http: FaultyHTTPServer, files: dict[str, bytes]) -> None:
+    a, b, c, d = (http.url(p) for p in SHARDS)
+    ahead = mio.ReadAhead(options={"read_ahead": 2, **FAST})
+    with ahead.open(a, 0, [b, c]):
+        assert sorted(ahead._begun) == sorted([b, c])
+    with ahead.open(d, 0, []):  # b and c are not next any more: dropped
+        assert ahead._begun == {}
+    with ahead.open(a, 0, [b]):
+        pass
+    with ahead.open(b, 1000) as stream:  # begun from byte 0, wanted from 1000: a fresh ranged GET
+        assert stream.read() == files["data/b.tar"][1000:]
+    assert _ranges(http, "data/b.tar")[-1] == (1000, 206)
+    # read_ahead=0 begins nothing; local files are opened on demand
+    none = mio.ReadAhead(options={"read_ahead": 0})
+    with none.open(a, 0, [b, c]):
+        assert none._begun == {}
+
+
+def test_read_ahead_local_files(root: Path, files: dict[str, bytes]) -> None:
+    paths = [str(root / p) for p in SHARDS]
+    ahead = mio.ReadAhead()
+    for k, path in enumerate(paths):
+        with ahead.open(path, 0, paths[k + 1 :]) as stream:
+            assert ahead._begun == {} and stream.read() == files[SHARDS[k]]
+    with pytest.raises(ShardError, match="cannot open shard"):
+        ahead.open(str(root / "missing.tar"))
+
+
+def test_no_false_timeout_after_an_idle_pause(http: FaultyHTTPServer, files: dict[str, bytes]) -> None:
+    # aiohttp 3.14.0-3.14.5 re-arms its read timer on a keep-alive connection released to the pool
+    # while the body is drained (aio-libs/aiohttp#12953): the next request on that connection, a
+    # timeout later, failed at once with a false "timed out" (a spurious retry). Responses are not
+    # pooled, so a pause longer than the timeout between two shards costs nothing.
+    with mio.open_shard(http.url("data/a.tar"), **FAST) as stream:
+        assert stream.read() == files["data/a.tar"]
+    time.sleep(0.8)
+    with mio.open_shard(http.url("data/b.tar"), **FAST) as stream:
+        assert stream.read() == files["data/b.tar"]
+        assert stream.retries == 0  # type: ignore[attr-defined]

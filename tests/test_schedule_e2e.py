@@ -53,9 +53,10 @@ def test_progress_is_global_and_consistent(three_sources, num_workers):
 def test_tokens_seen_are_estimated_as_documented(three_sources, num_workers):
     # A token-based schedule sees, in every worker, "tokens seen" = that worker's tokens before this
     # batch x the number of readers (workers x ranks); recomputed here from the batches themselves.
-    # Its error against the true count of tokens delivered so far: up to a batch per reader at the
-    # start (the readers' batches in flight), then the drift between the readers' mean batch sizes,
-    # a random walk: about 1% of the tokens seen on this data (measured over 3,000 steps).
+    # Its error against the true count of tokens delivered so far is the drift between the readers'
+    # batch sizes, a random walk: O(readers * max_tokens * sqrt(steps / readers)), so the relative
+    # error shrinks like 1/sqrt(steps). Measured on this data with 3 workers: at most 9 batches'
+    # worth in the first 300 steps (seeds 4-6; up to 10% of the tokens seen), under 1% by 3,000 steps.
     per_step = 6000  # about a batch
     tokens_curriculum = mixer.Curriculum(
         [mixer.Phase({"web": 1, "code": 0, "books": 0}, until=20 * per_step), mixer.Phase({"web": 0, "code": 1, "books": 1}, ramp=30 * per_step)],
@@ -69,7 +70,7 @@ def test_tokens_seen_are_estimated_as_documented(three_sources, num_workers):
         info = batch.info
         estimate = mine[info["worker"]] * readers
         assert info["target"] == mix.target_at(info["step"], float(estimate)).tolist()
-        assert abs(estimate - delivered) <= readers * mix.batching.max_tokens + 0.03 * delivered
+        assert abs(estimate - delivered) <= readers * mix.batching.max_tokens * (1 + np.sqrt(info["step"] / readers))
         mine[info["worker"]] += info["tokens"]
         delivered += int(batch.lengths.sum())
         if info["step"] == 300:

@@ -17,7 +17,7 @@ import pytest
 import mixer
 from mixer.source import Counters
 from mixer.stats import History, Stats, format_line, format_table, plot_run, plot_schedule, report
-from shardutil import lognormal_lengths, split_evenly, write_token_shards
+from shardutil import write_token_shards
 
 WEIGHTS = {"web": 0.6, "code": 0.3, "books": 0.1}
 DELIVERED = ("samples", "tokens", "padded", "batches")  # the counters a test can recount from batches
@@ -112,6 +112,36 @@ def test_counters_equal_what_the_batches_hold_and_the_window_moves(three_sources
         assert got["skipped_samples"] == got["skipped_shards"] == got["retries"] == 0
     # Every Counters field is reported, in both sections.
     assert set(Counters.FIELDS) <= set(stats["sources"]["web"]["window"])
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_after_a_resume_stats_count_from_the_resume(three_sources, num_workers):
+    # The readers' counters come back with the state (the saved run included); loader.stats() counts
+    # from the resume, exactly, while loader.counters() keeps the readers' raw totals.
+    mix = mixer.Mixture(
+        sources_from(three_sources), batching=mixer.TokenBudget(max_tokens=8192, max_length=8192), schedule=STEP_CURRICULUM, seed=3
+    )
+    first = mixer.make_loader(mix, num_workers=num_workers)
+    before = Tally(mix)
+    for k, batch in enumerate(first, 1):
+        before.add(batch)
+        if k == 17:
+            break
+    second = mixer.make_loader(mix, num_workers=num_workers, stats_window=6)
+    second.load_state_dict(first.state_dict())
+    after = Tally(mix)
+    for k, batch in enumerate(second, 1):
+        after.add(batch)
+        after.expect(second.stats(), None)
+        after.expect(second.stats(), min(k, 6))
+        if k == 15:
+            break
+    assert after.steps == list(range(17, 32))
+    raw = second.counters()
+    whole = np.sum(before.rows + after.rows, axis=0)
+    for i, name in enumerate(mix.names):
+        assert [raw[name][f] for f in DELIVERED] == whole[i].tolist()
+    assert second.stats()["starved"] == []
 
 
 def test_window_spans_source_epochs(tmp_path):

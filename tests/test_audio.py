@@ -1,0 +1,192 @@
+"""The speech decode (mixer.audio): real FLAC and WAV written with soundfile, transcripts, sample
+rates, duration filters, and what happens without soundfile."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import sys
+
+import numpy as np
+import pytest
+
+import mixer
+import mixer.audio
+from mixer.audio import SpeechDecode
+from shardutil import npy_bytes, write_samples
+
+sf = pytest.importorskip("soundfile")
+
+RATE = 16000
+
+
+def pcm(key: str, frames: int, *, channels: int = 1) -> np.ndarray:
+    """Deterministic int16 PCM for ``key``: a tone whose pitch comes from the key, with a fade in
+    and out (exactly representable, so lossless codecs give it back bit for bit)."""
+    digest = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=4).digest(), "little")
+    t = np.arange(frames) / RATE
+    wave = np.sin(2 * np.pi * (200 + digest % 800) * t) * np.minimum(1.0, np.minimum(t, t[::-1] if frames else t) * 50)
+    out = np.rint(12000 * wave).astype(np.int16)
+    return np.stack([out, out // 2], axis=1) if channels == 2 else out
+
+
+def encode(audio: np.ndarray, fmt: str, rate: int = RATE) -> bytes:
+    buf = io.BytesIO()
+    sf.write(buf, audio, rate, format=fmt, subtype="PCM_16")
+    return buf.getvalue()
+
+
+def text_tokens(key: str, n: int) -> np.ndarray:
+    digest = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=4).digest(), "little")
+    return ((np.arange(n) * 7919 + digest) % 5000 + 1).astype(np.int32)
+
+
+def speech_sample(key: str, frames: int, *, fmt: str = "flac", words: int | None = None, rate: int = RATE) -> dict:
+    """A tar sample as ShardWriter writes it: ``flac``/``wav`` bytes and ``tokens.npy``."""
+    words = words if words is not None else 1 + frames // 2000
+    return {"__key__": key, fmt: encode(pcm(key, frames), fmt.upper(), rate), "tokens.npy": text_tokens(key, words)}
+
+
+def write_speech_shards(folder, name: str, frames_per_shard: list[list[int]], *, fmt: str = "flac") -> tuple[str, dict[str, int]]:
+    """Shards of speech samples, key ``f"{name}-{shard}-{i}"``; returns (pattern, {key: frames})."""
+    shards, frames = [], {}
+    for s, lengths in enumerate(frames_per_shard):
+        samples = []
+        for i, n in enumerate(lengths):
+            key = f"{name}-{s:03d}-{i:04d}"
+            samples.append(speech_sample(key, n, fmt=fmt))
+            frames[key] = n
+        shards.append(samples)
+    return write_samples(folder, name, shards), frames
+
+
+def raw(sample: dict) -> dict:
+    """A sample as the tar reader hands it to decode (bytes members)."""
+    out = {k: (npy_bytes(v) if k.endswith(".npy") else v) for k, v in sample.items()}
+    out.setdefault("__url__", "mem://shard.tar")
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["flac", "wav"])
+def test_real_flac_and_wav_decode_to_the_written_samples(fmt):
+    key = "utt-1"
+    x = pcm(key, 12345)
+    sample = {"__key__": key, "__url__": "u", fmt: encode(x, fmt.upper()), "tokens.npy": npy_bytes(text_tokens(key, 9))}
+    got = SpeechDecode()(sample)
+    assert list(got) == ["audio", "text"]  # audio first: it is what a sample's length counts by default
+    assert got["audio"].dtype == np.float32 and np.array_equal(got["audio"], x.astype(np.float32) / 32768)
+    assert np.array_equal(got["text"], text_tokens(key, 9))
+    as_int = SpeechDecode(dtype="int16")(sample)["audio"]
+    assert as_int.dtype == np.int16 and np.array_equal(as_int, x)
+
+
+def test_flac_and_wav_of_the_same_audio_agree_and_flac_is_smaller():
+    x = pcm("same", 40000)
+    flac = SpeechDecode()({"__key__": "a", "flac": encode(x, "FLAC"), "txt": "hi"})
+    wav = SpeechDecode()({"__key__": "a", "wav": encode(x, "WAV"), "txt": "hi"})
+    assert np.array_equal(flac["audio"], wav["audio"])
+    assert len(encode(x, "FLAC")) < len(encode(x, "WAV"))
+
+
+def test_member_order_and_stereo_downmix():
+    x = pcm("st", 1000, channels=2)
+    sample = {"__key__": "st", "wav": encode(x, "WAV"), "flac": encode(x[:, 0], "FLAC"), "txt": "a"}
+    # flac comes first in audio_members: the mono flac member is read
+    assert np.array_equal(SpeechDecode()(sample)["audio"], x[:, 0].astype(np.float32) / 32768)
+    stereo = SpeechDecode(audio_members=("wav",))(sample)["audio"]
+    assert np.allclose(stereo, x.astype(np.float32).mean(axis=1) / 32768, atol=1e-7)
+
+
+def test_transcripts_tokens_npy_first_then_txt_through_the_tokenizer():
+    audio = encode(pcm("k", 100), "FLAC")
+    both = {"__key__": "k", "flac": audio, "txt": b"ignored", "tokens.npy": npy_bytes(np.array([4, 5], dtype=np.int64))}
+    assert SpeechDecode()(both)["text"].tolist() == [4, 5]
+    words = {"__key__": "k", "flac": audio, "txt": "hello wide world".encode()}
+    vocab = {"hello": 1, "wide": 2, "world": 3}
+    assert SpeechDecode(tokenizer=lambda s: [vocab[w] for w in s.split()])(words)["text"].tolist() == [1, 2, 3]
+    assert SpeechDecode()(words)["text"].tolist() == list(b"hello wide world")  # default: UTF-8 bytes
+
+
+@pytest.mark.parametrize(
+    "sample, match",
+    [
+        ({"__key__": "k", "txt": "x"}, r"key 'k': no audio member: expected one of \['flac', 'wav'\] \(members: \['txt'\]\)"),
+        ({"__key__": "k", "flac": b"not audio at all", "txt": "x"}, r"key 'k': cannot decode audio member 'flac'"),
+        ({"__key__": "k", "flac": encode(pcm("k", 10), "FLAC")}, r"key 'k': no transcript: expected 'tokens.npy' or 'txt'"),
+        ({"__key__": "k", "flac": encode(pcm("k", 10), "FLAC"), "tokens.npy": npy_bytes(np.ones((2, 2), np.int32))}, r"1-D integer"),
+    ],
+)
+def test_bad_samples_are_sample_errors_naming_the_key(sample, match):
+    with pytest.raises(mixer.SampleError, match=match):
+        SpeechDecode()(sample)
+
+
+def test_a_mismatched_sample_rate_is_refused_unless_a_resampler_is_given():
+    sample = {"__key__": "k", "__url__": "s.tar", "flac": encode(pcm("k", 2205), "FLAC", rate=22050), "txt": "x"}
+    with pytest.raises(mixer.SampleError, match=r"s.tar, key 'k': audio member 'flac' is sampled at 22050 Hz, the decode expects 16000 Hz"):
+        SpeechDecode()(sample)
+    calls = []
+
+    def halve(audio, src, dst):
+        calls.append((len(audio), src, dst))
+        return audio[::2]
+
+    got = SpeechDecode(resample=halve)(sample)["audio"]
+    assert calls == [(2205, 22050, 16000)] and len(got) == 1103
+
+
+def test_duration_filters_read_the_header_and_return_none():
+    short = {"__key__": "s", "flac": encode(pcm("s", 1600), "FLAC"), "txt": "x"}  # 0.1 s
+    long = {"__key__": "l", "flac": encode(pcm("l", 48000), "FLAC"), "txt": "x"}  # 3 s
+    decode = SpeechDecode(min_seconds=0.5, max_seconds=2.0)
+    assert decode(short) is None and decode(long) is None
+    assert len(SpeechDecode(min_seconds=0.1, max_seconds=3.0)(short)["audio"]) == 1600  # bounds are inclusive
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"sample_rate": 0}, "sample_rate must be a positive int"),
+        ({"min_seconds": -1}, "min_seconds must be a number of seconds >= 0"),
+        ({"min_seconds": 3, "max_seconds": 2}, "min_seconds=3 exceeds max_seconds=2"),
+        ({"tokenizer": "bpe"}, "tokenizer must be callable"),
+        ({"dtype": "uint8"}, "dtype must be one of"),
+        ({"audio_members": "flac"}, "audio_members must be a non-empty tuple"),
+    ],
+)
+def test_configuration_is_checked_at_the_door(kwargs, match):
+    with pytest.raises(mixer.ConfigError, match=match):
+        SpeechDecode(**kwargs)
+
+
+def test_without_soundfile_the_error_says_how_to_install_it(monkeypatch):
+    monkeypatch.setattr(mixer.audio, "_soundfile", None)
+    monkeypatch.setitem(sys.modules, "soundfile", None)  # makes `import soundfile` raise ImportError
+    with pytest.raises(mixer.ConfigError, match=r"pip install 'wds-mixer\[audio\]'"):
+        SpeechDecode()
+
+
+def tokenize(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+def test_repr_is_stable_across_processes_for_the_state_fingerprint():
+    text = repr(SpeechDecode(tokenizer=tokenize, max_seconds=20.0))
+    assert "0x" not in text and "test_audio.tokenize" in text and "max_seconds=20.0" in text
+
+
+def test_bad_sample_rate_in_a_mixture_follows_on_error(tmp_path):
+    good = [speech_sample(f"g{i}", 1600 + 100 * i) for i in range(6)]
+    bad = [speech_sample(f"b{i}", 2205, rate=22050) for i in range(2)]
+    pattern = write_samples(tmp_path, "mixed", [good[:3] + bad + good[3:]])
+    fields = {"audio": mixer.Field("float32"), "text": mixer.Field("int32")}
+    src = mixer.Source("s", pattern, decode=SpeechDecode(), on_error="skip")
+    mix = mixer.Mixture([src], batching=mixer.TokenBudget(max_tokens=64000), fields=fields, stop="all_exhausted")
+    with pytest.warns(RuntimeWarning, match="22050 Hz"):
+        loader = mixer.make_loader(mix)
+        keys = sorted(k for b in loader for k in b.keys)
+    assert keys == sorted(s["__key__"] for s in good)
+    assert loader.counters()["s"]["skipped_samples"] == 2
+    strict = mixer.Source("s", pattern, decode=SpeechDecode())
+    with pytest.raises(mixer.SampleError, match="22050 Hz"):
+        mixer.Mixture([strict], batching=mixer.TokenBudget(max_tokens=64000), fields=fields)

@@ -1,0 +1,248 @@
+"""Real multi-process runs under `torchrun` (gloo on CPU, 127.0.0.1): disjoint and complete data per
+rank, equal batch counts in finite modes, and exact resume per rank (issue 6, item 5).
+
+Each world size costs two launches (a run that saves a state on every rank, then a resume from it):
+tests/dist_worker.py runs every case of the spec in one process group and writes per-rank JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import mixer
+from shardutil import key_lengths, lognormal_lengths, write_token_shards
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "dist_worker.py"
+
+# Shard sizes (samples per shard) chosen so that ranks naturally end after different numbers of
+# batches: 'web' and 'code' are split unevenly by bytes, and only one shard of 'tiny' holds data, so
+# with 2 or 3 ranks (and 2 workers each) some ranks get no 'tiny' at all. In 'empty' only the first
+# shard of each source holds data: it goes to reader 0 (rank 0), so the other ranks have no data.
+SKEW = {"web": ([90, 50, 30, 20, 12, 6], 80, 0.6), "code": ([40, 25, 10], 200, 0.3), "tiny": ([12, 0, 0, 0, 0, 0], 60, 0.03)}
+EMPTY = {"a": ([30, 0, 0, 0, 0, 0], 80, 0.7), "b": ([10, 0, 0, 0, 0, 0], 150, 0.3)}
+MAX_TOKENS = 1024
+
+
+def _write(folder: Path, spec: dict[str, tuple[list[int], int, float]]) -> dict[str, Any]:
+    out = {}
+    for seed, (name, (sizes, median, weight)) in enumerate(spec.items()):
+        lengths = lognormal_lengths(sum(sizes), median=median, sigma=0.6, lo=4, hi=MAX_TOKENS, seed=seed)
+        per, i = [], 0
+        for n in sizes:
+            per.append(lengths[i : i + n])
+            i += n
+        out[name] = {"pattern": write_token_shards(folder, name, per), "weight": weight, "keys": sorted(key_lengths(name, per))}
+    return out
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    folder = tmp_path_factory.mktemp("dist_shards")
+    return {"skew": _write(folder, SKEW), "empty": _write(folder, EMPTY)}
+
+
+def _cases(datasets: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    def sources(name: str) -> list[dict[str, Any]]:
+        return [{"name": n, "pattern": d["pattern"], "weight": d["weight"]} for n, d in datasets[name].items()]
+
+    cases = []
+    for stop, save_at in (("all_exhausted", 7), ("first_exhausted", 3)):
+        short = stop.split("_")[0]
+        for nw in (0, 2):
+            cases.append({"name": f"{short}-w{nw}", "data": "skew", "sources": sources("skew"), "stop": stop, "num_workers": nw, "save_at": save_at})
+        # the same without the sync: what each rank's stream naturally holds
+        cases.append({"name": f"{short}-nosync", "data": "skew", "sources": sources("skew"), "stop": stop, "num_workers": 0, "sync_stop": False})
+    # the group given explicitly, and a gloo side group (what an NCCL-only group gets)
+    for group in ("explicit", "side"):
+        cases.append({"name": f"all-{group}", "data": "skew", "sources": sources("skew"), "stop": "all_exhausted", "num_workers": 0, "group": group})
+    for nw in (0, 2):
+        cases.append({"name": f"empty-w{nw}", "data": "empty", "sources": sources("empty"), "stop": "all_exhausted", "num_workers": nw})
+    # rank 0's reading fails after 120 samples, a few batches in: every rank must stop, none may hang
+    cases.append({"name": "fail", "data": "skew", "sources": sources("skew"), "stop": "all_exhausted", "num_workers": 0, "fail_rank": 0, "fail_after": 120})
+    for c in cases:
+        c["max_tokens"] = MAX_TOKENS
+    return cases
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def torchrun(nproc: int, spec: Path, out: Path, phase: str) -> None:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
+        "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(WORKER), str(spec), str(out), phase,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=HERE.parent)
+    assert proc.returncode == 0, f"torchrun {phase} x{nproc} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2proc", "3proc"])
+def runs(request: pytest.FixtureRequest, datasets: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """``{"world": N, "cases": {name: case}, "run": {name: [rank results]}, "resume": {...}}``."""
+    nproc = request.param
+    out = tmp_path_factory.mktemp(f"dist{nproc}")
+    cases = _cases(datasets)
+    spec = out / "spec.json"
+    spec.write_text(json.dumps({"cases": cases}))
+    torchrun(nproc, spec, out, "run")
+    torchrun(nproc, spec, out, "resume")
+
+    def load(phase: str, name: str) -> list[dict[str, Any]]:
+        return [json.loads((out / f"{name}-{phase}-rank{r}.json").read_text()) for r in range(nproc)]
+
+    return {
+        "world": nproc,
+        "cases": {c["name"]: c for c in cases},
+        "run": {c["name"]: load("run", c["name"]) for c in cases},
+        "resume": {c["name"]: load("resume", c["name"]) for c in cases if c.get("save_at")},
+    }
+
+
+def _keys(rank_result: dict[str, Any]) -> list[str]:
+    return [k for b in rank_result["batches"] for k in b["keys"]]
+
+
+def _by_source(keys: list[str], names: list[str]) -> Counter[str]:
+    return Counter(k.rsplit("-", 2)[0] for k in keys if k.rsplit("-", 2)[0] in names)
+
+
+def _assert_disjoint(per_rank: list[dict[str, Any]]) -> None:
+    seen: dict[str, int] = {}
+    for r, res in enumerate(per_rank):
+        keys = _keys(res)
+        assert len(keys) == len(set(keys)), f"rank {r} repeated a sample"
+        for k in keys:
+            assert k not in seen, f"{k} read by ranks {seen[k]} and {r}"
+            seen[k] = r
+
+
+def test_without_the_sync_each_rank_reads_a_disjoint_part_and_together_everything(runs, datasets):
+    world = runs["world"]
+    everything = sorted(k for d in datasets["skew"].values() for k in d["keys"])
+    for stop in ("all", "first"):
+        per_rank = runs["run"][f"{stop}-nosync"]
+        assert not any(r["synced"] for r in per_rank)
+        _assert_disjoint(per_rank)
+        counts = [len(r["batches"]) for r in per_rank]
+        # the arrangement must make ranks differ, or the equal counts below would prove nothing
+        assert len(set(counts)) > 1, counts
+        if stop == "all":
+            assert sorted(k for r in per_rank for k in _keys(r)) == everything
+        # every rank reads part of every source, except 'tiny' (one shard of data: one reader)
+        for name in ("web", "code"):
+            assert all(_by_source(_keys(r), [name])[name] > 0 for r in per_rank), (world, name)
+        tiny_ranks = [r for r in per_rank if _by_source(_keys(r), ["tiny"])["tiny"]]
+        assert len(tiny_ranks) <= 1
+
+
+@pytest.mark.parametrize("name", ["all-w0", "all-w2", "first-w0", "first-w2", "all-explicit", "all-side"])
+def test_equal_batch_counts_and_dropped_batches_are_counted(runs, datasets, name):
+    per_rank = runs["run"][name]
+    nosync = runs["run"][f"{name.split('-')[0]}-nosync"] if runs["cases"][name]["num_workers"] == 0 else None
+    assert all(r["synced"] and "error" not in r for r in per_rank)
+    counts = [len(r["batches"]) for r in per_rank]
+    assert len(set(counts)) == 1, f"unequal batch counts {counts}"
+    _assert_disjoint(per_rank)
+    if nosync is not None:
+        natural = [len(r["batches"]) for r in nosync]
+        # all ranks stop together after the shortest rank's last batch; the rest is dropped, counted
+        assert counts[0] == min(natural)
+        for r, (res, nat) in enumerate(zip(per_rank, natural)):
+            assert res["dropped"]["batches"] == nat - counts[0], (r, res["dropped"], nat)
+            # what was handed out is exactly the start of the rank's natural stream
+            assert res["batches"] == nosync[r]["batches"][: counts[0]]
+    if name.startswith("all"):
+        # every sample exactly once across ranks, except the dropped ones, whose count is the difference
+        for source, d in datasets["skew"].items():
+            got = sum(_by_source(_keys(r), [source])[source] for r in per_rank)
+            dropped = sum(r["dropped"]["sources"][source]["samples"] for r in per_rank)
+            assert got + dropped == len(d["keys"]), (source, got, dropped)
+        assert set(k for r in per_rank for k in _keys(r)) <= {k for d in datasets["skew"].values() for k in d["keys"]}
+    assert min(r["dropped"]["batches"] for r in per_rank) == 0  # the rank that ended first dropped nothing
+    assert max(r["dropped"]["batches"] for r in per_rank) > 0
+
+
+@pytest.mark.parametrize("name", ["empty-w0", "empty-w2"])
+def test_a_rank_without_any_data_still_takes_part_and_nobody_hangs(runs, datasets, name):
+    per_rank = runs["run"][name]
+    # rank 0 holds every sample, the others none: all stop at once, rank 0 drops (and counts) it all
+    assert [len(r["batches"]) for r in per_rank] == [0] * runs["world"]
+    for source, d in datasets["empty"].items():
+        assert per_rank[0]["dropped"]["sources"][source]["samples"] == len(d["keys"])
+        assert all(r["dropped"]["sources"][source]["samples"] == 0 for r in per_rank[1:])
+
+
+def test_a_failing_rank_stops_every_rank(runs):
+    per_rank = runs["run"]["fail"]
+    assert "injected read failure on rank 0" in json.dumps(per_rank[0]["error"])
+    for r in range(1, runs["world"]):
+        assert per_rank[r]["error"]["type"] == "MixerError"
+        assert "another data-parallel rank failed" in per_rank[r]["error"]["message"]
+    assert len({len(r["batches"]) for r in per_rank}) == 1 and per_rank[0]["batches"]
+
+
+@pytest.mark.parametrize("name", ["all-w0", "all-w2", "first-w0", "first-w2"])
+def test_a_second_torchrun_resumes_every_rank_exactly(runs, name):
+    k = runs["cases"][name]["save_at"]
+    for r, (full, resumed) in enumerate(zip(runs["run"][name], runs["resume"][name])):
+        assert "error" not in resumed
+        assert len(full["batches"]) > k, "the state must be saved inside the stream"
+        assert resumed["batches"] == full["batches"][k:], f"rank {r}: the resumed run differs from the uninterrupted one"
+        assert resumed["dropped"] == full["dropped"]
+
+
+def test_sync_stop_needs_a_process_group_and_a_matching_group(datasets):
+    d = datasets["skew"]
+    srcs = [mixer.Source(n, v["pattern"], weight=v["weight"]) for n, v in d.items()]
+    mix = mixer.Mixture(srcs, batching=mixer.TokenBudget(max_tokens=MAX_TOKENS), stop="all_exhausted", rank=1, world_size=2)
+    assert mixer.make_loader(mix).sync is None  # no process group: each rank ends with its own stream
+    with pytest.raises(mixer.ConfigError, match="needs an initialized torch.distributed process group"):
+        mixer.make_loader(mix, sync_stop=True)
+    with pytest.raises(mixer.ConfigError, match="sync_stop must be"):
+        mixer.make_loader(mix, sync_stop="yes")
+    never = mixer.Mixture(srcs, batching=mixer.TokenBudget(max_tokens=MAX_TOKENS), rank=1, world_size=2)
+    assert mixer.make_loader(never, sync_stop=True).sync is None  # an endless stream needs no agreement
+
+
+def test_train_ddp_example_resumes_loss_for_loss(demo_shards, tmp_path):
+    """examples/train_ddp.py under torchrun (2 ranks, 1 worker each): a run of 6 steps that
+    checkpoints at step 3, then a second run resumed from that checkpoint; steps 4-6 must see the
+    same batches and, with the same model state, produce the same losses, bit for bit."""
+    cache_dir = Path(demo_shards["prose"]).parents[2]
+    script = HERE.parent / "examples" / "train_ddp.py"
+    common = ["--steps", "6", "--workers", "1", "--max-tokens", "4096", "--cache-dir", str(cache_dir), "--ckpt-dir", str(tmp_path / "ckpt")]
+
+    def launch(*args: str) -> None:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
+            "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(script), *common, *args,
+        ]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+    launch("--ckpt-every", "3", "--log-dir", str(tmp_path / "full"))
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "step-000003").iterdir()) == ["data-rank0.pt", "data-rank1.pt", "model.pt"]
+    launch("--resume", str(tmp_path / "ckpt" / "step-000003"), "--log-dir", str(tmp_path / "resumed"))
+    for rank in (0, 1):
+        full = [json.loads(line) for line in (tmp_path / "full" / f"rank{rank}.jsonl").read_text().splitlines()]
+        resumed = [json.loads(line) for line in (tmp_path / "resumed" / f"rank{rank}.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in full] == [1, 2, 3, 4, 5, 6]
+        assert resumed == full[3:], f"rank {rank}: the resumed run differs from the uninterrupted one"
+    # the two ranks read different data
+    first = [json.loads((tmp_path / "full" / f"rank{r}.jsonl").read_text().splitlines()[0])["digest"] for r in (0, 1)]
+    assert first[0] != first[1]

@@ -20,7 +20,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-bench: $(STAMP)
+$(VENV)/.bench-installed: $(STAMP)
+	$(PY) -m pip install -q -c constraints-dev.txt -e '.[bench]'
+	touch $@
+
+bench: $(VENV)/.bench-installed
 	$(PY) -m benchmarks
 
 clean:

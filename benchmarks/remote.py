@@ -177,7 +177,7 @@ def raw_http(shards: ShardSet, server: FileServer) -> Callable[[Tally], None]:
         total = 0
         for url in shards.urls:
             with mio.open_shard(server.url(url)) as stream:
-                while n := stream.readinto(buf):
+                while n := stream.readinto(buf):  # type: ignore[attr-defined]
                     total += n
         if total != shards.bytes:
             raise RuntimeError(f"read {total:,} bytes over HTTP, the shards hold {shards.bytes:,}")

@@ -76,7 +76,7 @@ def lm_loss(model: nn.Module, tokens: torch.Tensor, lengths: torch.Tensor) -> to
 
 def build_mixture(opts: argparse.Namespace) -> mixer.Mixture:
     if opts.config:
-        return mixer.build_mixture(mixer.load_config(opts.config))
+        return mixer.load_config(opts.config)
     from mixer.demo import ensure_demo_shards
 
     patterns = ensure_demo_shards(opts.cache_dir)

@@ -7,6 +7,23 @@ mean" hint. :func:`parse_config` does no I/O beyond reading the file, so a confi
 (and its schedule printed) without touching the data; :func:`build_mixture` then creates the
 sources (listing shards) and the mixture. NeMo's ``ConcatDataset`` keys are accepted with NeMo's
 meaning (seed 000), also with the ``concat_`` prefix of NeMo's ASR configs; see :data:`NEMO_KEYS`.
+
+Every keyword of :class:`~mixer.Mixture`, :class:`~mixer.Source`, :class:`~mixer.TokenBudget`,
+:class:`~mixer.Packed` and :class:`~mixer.Field` has a key of the same name, except deployment
+(``rank``, ``world_size``, ``dp_group``) and ``allow_pipe`` (code only: a file must not run shell
+commands). Beyond the obvious ones:
+
+* ``batching``: a :class:`~mixer.TokenBudget` (``max_tokens``, ``buckets``, ``max_batch_size``,
+  ``multiple_of``, ``max_length``, ``overlong``, ``num_buckets``, ``max_bucket_ratio``,
+  ``max_wait``), or with ``packed: true`` a :class:`~mixer.Packed` (``max_tokens``, ``seq_len``,
+  ``split_documents``, ``max_length``, ``overlong``, ``open_batches``); an option of the other kind
+  is an error.
+* ``fields: {audio: {dtype: float32, pad: 0}, text: {dtype: int32, pad: -1}}``: multi-field
+  samples (``Mixture(fields=...)``; both keys optional, with :class:`~mixer.Field`'s defaults; not
+  with ``packed``). A source's ``length`` is then either an import path or the name of a field.
+* ``state_every``: batches between the full reader states carried for exact resume.
+* ``sources[i].io_options``: :class:`mixer.io.IOOptions` keys (``timeout``, ``retries``, ``backoff``,
+  ``block_size``, ``read_ahead``) for remote shards.
 """
 
 from __future__ import annotations
@@ -20,6 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import yaml
 
 from .errors import ConfigError
@@ -29,12 +47,15 @@ from .schedule import Curriculum, Floored, Hierarchical, Phase, Schedule, Static
 if TYPE_CHECKING:
     from .mixture import Mixture
 
-__all__ = ["BatchingSpec", "MixtureSpec", "SourceSpec", "build_mixture", "load_config", "parse_config"]
+__all__ = ["BatchingSpec", "FieldSpec", "MixtureSpec", "PackedSpec", "SourceSpec", "build_mixture", "load_config", "parse_config"]
 
 SOURCE_KEYS = ("name", "urls", "weight", "size", "decode", "length", "on_error", "storage_options", "group", "io_options")
 BATCHING_KEYS = (
-    "max_tokens", "buckets", "max_batch_size", "multiple_of", "max_length", "overlong", "num_buckets", "max_bucket_ratio",
+    "packed", "max_tokens", "buckets", "max_batch_size", "multiple_of", "max_length", "overlong", "num_buckets",
+    "max_bucket_ratio", "max_wait",
 )  # fmt: skip
+PACKED_KEYS = ("packed", "max_tokens", "seq_len", "split_documents", "max_length", "overlong", "open_batches")
+FIELD_KEYS = ("dtype", "pad")
 SCHEDULE_KEYS = ("temperature", "phases", "hierarchical", "min_prob")
 TEMPERATURE_KEYS = ("start", "end", "shape", "steps", "tokens", "base")
 PHASE_KEYS = ("weights", "until_tokens", "until_steps", "ramp_tokens", "ramp_steps", "temperature")
@@ -50,6 +71,7 @@ NEMO_KEYS: dict[str, str] = {
 }
 NATIVE_KEYS = (
     "sources", "batching", "schedule", "selector", "unit", "mix", "stop", "seed", "shuffle_buffer", "pad_id", "dtype",
+    "state_every", "fields",
 )  # fmt: skip
 ROOT_KEYS = tuple(dict.fromkeys(NATIVE_KEYS + tuple(NEMO_KEYS) + tuple(NEMO_KEYS.values())))
 
@@ -58,6 +80,8 @@ UNITS = ("tokens", "samples")
 MIXES = ("batch", "sample")
 STOPS = ("never", "first_exhausted", "all_exhausted")
 DTYPES = ("int32", "int64")  # mixer.batch's token dtypes
+FIELD_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "float16", "float32", "float64")  # mixer.layout's
+RESERVED_FIELDS = ("source", "lengths")  # views every multi-field batch has (as has <field>_lengths)
 ON_ERROR = ("raise", "skip")
 OVERLONG = ("truncate", "drop")
 SHAPES = ("constant", "linear", "cosine", "step")
@@ -65,6 +89,7 @@ BASES = ("sizes", "weights")
 NEMO_TECHNIQUES = ("temperature", "random", "round-robin")
 NEMO_DEFAULT_TEMPERATURE = 5.0
 DEFAULT_SHUFFLE_BUFFER = 1000
+DEFAULT_STATE_EVERY = 64
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 _MISSING = object()
@@ -76,7 +101,8 @@ _MISSING = object()
 @dataclass(frozen=True, kw_only=True)
 class SourceSpec:
     """A :class:`~mixer.Source` as configured; ``decode``/``length`` are import paths
-    (``"package.module:function"``), resolved by :func:`build_mixture`."""
+    (``"package.module:function"``), resolved by :func:`build_mixture`; ``length`` may instead name a
+    field of the config's ``fields``."""
 
     name: str
     urls: tuple[str, ...]
@@ -103,6 +129,28 @@ class BatchingSpec:
     overlong: str = "truncate"
     num_buckets: int | None = None
     max_bucket_ratio: float | None = None
+    max_wait: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PackedSpec:
+    """A :class:`~mixer.Packed` as configured (``batching: {packed: true, ...}``; None for
+    ``open_batches``: the library's default)."""
+
+    max_tokens: int
+    seq_len: int | None = None
+    split_documents: bool = False
+    max_length: int | None = None
+    overlong: str = "truncate"
+    open_batches: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class FieldSpec:
+    """A :class:`~mixer.Field` as configured (an entry of ``fields``)."""
+
+    dtype: str = "int32"
+    pad: float = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,7 +159,7 @@ class MixtureSpec:
     translated. ``to_dict()`` gives the canonical config back (``parse_config(spec.to_dict()) == spec``)."""
 
     sources: tuple[SourceSpec, ...]
-    batching: BatchingSpec
+    batching: BatchingSpec | PackedSpec
     schedule: Schedule | None = None
     selector: str = "deficit"
     unit: str = "tokens"
@@ -121,14 +169,19 @@ class MixtureSpec:
     shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER
     pad_id: int = 0
     dtype: str = "int32"
+    state_every: int = DEFAULT_STATE_EVERY
+    fields: Mapping[str, FieldSpec] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"seed": self.seed, "sources": [_source_to_dict(s) for s in self.sources]}
-        out["batching"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(self.batching).items() if v is not None}
+        batching = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(self.batching).items() if v is not None}
+        out["batching"] = {"packed": True, **batching} if isinstance(self.batching, PackedSpec) else batching
         if self.schedule is not None:
             out["schedule"] = _schedule_to_dict(self.schedule)
-        for key in ("selector", "unit", "mix", "stop", "shuffle_buffer", "pad_id", "dtype"):
+        for key in ("selector", "unit", "mix", "stop", "shuffle_buffer", "pad_id", "dtype", "state_every"):
             out[key] = getattr(self, key)
+        if self.fields is not None:
+            out["fields"] = {name: {"dtype": f.dtype, "pad": f.pad} for name, f in self.fields.items()}
         return out
 
 
@@ -302,12 +355,19 @@ def _parse_source(value: Any, path: str) -> tuple[SourceSpec, bool]:
             raise ConfigError(f"{p}: must be an import path 'package.module:function', got {_show(v)}")
         return v
 
+    def length(v: Any, p: str) -> str:
+        # A field name is an identifier, an import path has a colon: the two never overlap.
+        if not isinstance(v, str) or not (_IMPORT_PATH.match(v) or v.isidentifier()):
+            raise ConfigError(f"{p}: must be an import path 'package.module:function' or the name of a field, got {_show(v)}")
+        return v
+
     def options(v: Any, p: str) -> dict[str, Any]:
         return dict(_mapping(v, p))
 
     def io_options(v: Any, p: str) -> dict[str, Any]:
+        v = _mapping(v, p)
         try:
-            IOOptions.of(_mapping(v, p))
+            IOOptions.of(v)
         except ConfigError as exc:
             raise ConfigError(f"{p}: {str(exc).removeprefix('io_options: ')}") from None
         return dict(v)
@@ -318,7 +378,7 @@ def _parse_source(value: Any, path: str) -> tuple[SourceSpec, bool]:
         weight=float(_opt(m, "weight", 1.0, lambda v, p: _number(v, p, minimum=0), path)),
         size=_opt(m, "size", None, lambda v, p: float(_number(v, p, minimum=0, strict=True)), path),
         decode=_opt(m, "decode", None, import_path, path),
-        length=_opt(m, "length", None, import_path, path),
+        length=_opt(m, "length", None, length, path),
         on_error=_opt(m, "on_error", "raise", lambda v, p: _choice(v, p, ON_ERROR), path),
         storage_options=_opt(m, "storage_options", None, options, path),
         group=_opt(m, "group", None, _string, path),
@@ -343,21 +403,29 @@ def _parse_sources(value: Any) -> tuple[list[SourceSpec], list[bool]]:
     return specs, explicit
 
 
-def _parse_batching(value: Any) -> BatchingSpec:
+def _count(v: Any, p: str) -> int:
+    return int(_number(v, p, minimum=1, integer=True))
+
+
+def _parse_batching(value: Any) -> BatchingSpec | PackedSpec:
     path = "batching"
     m = _mapping(value, path)
+    packed = _opt(m, "packed", False, _bool, path)
+    for key in m:
+        if packed and key not in PACKED_KEYS and key in BATCHING_KEYS:
+            raise ConfigError(f"{_at(path, key)}: a TokenBudget option, not used with packed: true")
+        if not packed and key not in BATCHING_KEYS and key in PACKED_KEYS:
+            raise ConfigError(f"{_at(path, key)}: a Packed option; set {_at(path, 'packed')}: true to pack documents")
+    if packed:
+        return _parse_packed(m, path)
     _keys(m, path, BATCHING_KEYS, required=("max_tokens",))
-
-    def count(v: Any, p: str) -> int:
-        return int(_number(v, p, minimum=1, integer=True))
-
-    max_tokens = count(m["max_tokens"], _at(path, "max_tokens"))
+    max_tokens = _count(m["max_tokens"], _at(path, "max_tokens"))
     max_length = _opt(m, "max_length", None, lambda v, p: _number(v, p, minimum=1, maximum=max_tokens, integer=True), path)
 
     def edges(v: Any, p: str) -> tuple[int, ...]:
         if not isinstance(v, list) or not v:
             raise ConfigError(f"{p}: must be a non-empty list of increasing lengths, got {_show(v)}")
-        out = tuple(count(e, _at(p, i)) for i, e in enumerate(v))
+        out = tuple(_count(e, _at(p, i)) for i, e in enumerate(v))
         for i in range(1, len(out)):
             if out[i] <= out[i - 1]:
                 raise ConfigError(f"{_at(p, i)}: must be greater than {p}[{i - 1}] ({out[i - 1]}), got {out[i]}")
@@ -370,13 +438,75 @@ def _parse_batching(value: Any) -> BatchingSpec:
     return BatchingSpec(
         max_tokens=max_tokens,
         buckets=_opt(m, "buckets", None, edges, path),
-        max_batch_size=_opt(m, "max_batch_size", None, count, path),
-        multiple_of=_opt(m, "multiple_of", 1, count, path),
+        max_batch_size=_opt(m, "max_batch_size", None, _count, path),
+        multiple_of=_opt(m, "multiple_of", 1, _count, path),
         max_length=max_length,
         overlong=_opt(m, "overlong", "truncate", lambda v, p: _choice(v, p, OVERLONG), path),
-        num_buckets=_opt(m, "num_buckets", None, count, path),
+        num_buckets=_opt(m, "num_buckets", None, _count, path),
         max_bucket_ratio=_opt(m, "max_bucket_ratio", None, lambda v, p: float(_number(v, p, minimum=1, strict=True)), path),
+        max_wait=_opt(m, "max_wait", None, _count, path),
     )
+
+
+def _parse_packed(m: Mapping[str, Any], path: str) -> PackedSpec:
+    _keys(m, path, PACKED_KEYS, required=("max_tokens",))
+    max_tokens = _count(m["max_tokens"], _at(path, "max_tokens"))
+    seq_len = _opt(m, "seq_len", None, lambda v, p: _number(v, p, minimum=1, maximum=max_tokens, integer=True), path)
+    split = _opt(m, "split_documents", False, _bool, path)
+    row, what = (seq_len, "seq_len") if seq_len is not None else (max_tokens, "max_tokens")
+
+    def max_length(v: Any, p: str) -> int:
+        n = _count(v, p)
+        if not split and n > row:
+            # Packed's rule: a document that is never split must fit in one row.
+            raise ConfigError(f"{p}: must be <= {what} ({row}) unless split_documents is true, got {n}")
+        return n
+
+    return PackedSpec(
+        max_tokens=max_tokens,
+        seq_len=seq_len,
+        split_documents=split,
+        max_length=_opt(m, "max_length", None, max_length, path),
+        overlong=_opt(m, "overlong", "truncate", lambda v, p: _choice(v, p, OVERLONG), path),
+        open_batches=_opt(m, "open_batches", None, _count, path),
+    )
+
+
+def _parse_fields(value: Any, path: str) -> dict[str, FieldSpec]:
+    m = _mapping(value, path)
+    if not m:
+        raise ConfigError(f"{path}: must name at least one field, got {{}}")
+    out: dict[str, FieldSpec] = {}
+    for name, entry in m.items():
+        p = _at(path, name)
+        if not name.isidentifier():
+            raise ConfigError(f"{p}: a field name must be an identifier, got {name!r}")
+        if name in RESERVED_FIELDS or (name.endswith("_lengths") and name[: -len("_lengths")] in m):
+            raise ConfigError(f"{p}: collides with a view every batch has ({', '.join(RESERVED_FIELDS)}, <field>_lengths)")
+        f = _mapping(entry, p)
+        _keys(f, p, FIELD_KEYS)
+        dtype = _opt(f, "dtype", "int32", lambda v, q: _choice(v, q, FIELD_DTYPES), p)
+        out[name] = FieldSpec(dtype=dtype, pad=_opt(f, "pad", 0, lambda v, q: _pad(v, q, dtype), p))
+    return out
+
+
+def _pad(value: Any, path: str, dtype: str) -> float:
+    """A pad value that the field's dtype holds: exactly in an int dtype, rounded but finite (unless
+    given as inf or NaN) in a float dtype."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{path}: must be a number, got {_show(value)}")
+    try:
+        with np.errstate(invalid="ignore", over="ignore"):
+            back = np.array(value).astype(dtype).item()  # a Python number again
+    except (OverflowError, ValueError):  # an int beyond int64
+        back = None
+    if np.dtype(dtype).kind == "f":
+        ok = back is not None and (math.isnan(value) or math.isinf(back) == math.isinf(value))
+    else:
+        ok = back == value
+    if not ok:
+        raise ConfigError(f"{path}: {value!r} is not representable as {dtype}")
+    return value
 
 
 def _parse_temperature(value: Any, path: str) -> tuple[Temperature, str | None]:
@@ -633,6 +763,8 @@ def _parse(config: Any) -> MixtureSpec:
     sources, explicit_weight = _parse_sources(m["sources"])
     names = [s.name for s in sources]
     batching = _parse_batching(m["batching"])
+    fields = _opt(m, "fields", None, _parse_fields, "")
+    _check_fields(fields, batching, sources)
     native = _apply_nemo(m, nemo, sources, explicit_weight)
     if "weights" in native:
         sources = [SourceSpec(**{**vars(s), "weight": w}) for s, w in zip(sources, native["weights"])]
@@ -666,7 +798,28 @@ def _parse(config: Any) -> MixtureSpec:
         shuffle_buffer=shuffle_buffer,
         pad_id=_opt(m, "pad_id", 0, lambda v, p: _number(v, p, integer=True), ""),
         dtype=_opt(m, "dtype", "int32", lambda v, p: _choice(v, p, DTYPES), ""),
+        state_every=_opt(m, "state_every", DEFAULT_STATE_EVERY, _count, ""),
+        fields=fields,
     )
+
+
+def _check_fields(fields: Mapping[str, FieldSpec] | None, batching: BatchingSpec | PackedSpec,
+                  sources: Sequence[SourceSpec]) -> None:  # fmt: skip
+    """What the Mixture would refuse later: fields with packing, a source length naming no field."""
+    if fields is not None and isinstance(batching, PackedSpec):
+        raise ConfigError("fields: multi-field samples are batched by a token budget (padded per field), not with batching.packed: true")
+    for i, s in enumerate(sources):
+        if s.length is None or _IMPORT_PATH.match(s.length):
+            continue
+        p = f"sources[{i}].length"
+        if fields is None:
+            raise ConfigError(
+                f"{p}: {s.length!r} names a field, but there is no 'fields' key; add fields, or give an import path "
+                "'package.module:function'"
+            )
+        if s.length not in fields:
+            hint = _hint(s.length, list(fields)) or f" (fields: {', '.join(fields)})"
+            raise ConfigError(f"{p}: names no field of 'fields', got {s.length!r}{hint}")
 
 
 def resolve_import(path: str, where: str) -> Callable[..., Any]:
@@ -694,13 +847,16 @@ def build_mixture(spec: MixtureSpec, *, rank: int | None = None, world_size: int
     ``rank``/``world_size``/``dp_group`` are deployment, not configuration; see ``Mixture``.
     ``allow_pipe=True`` lets every source use ``pipe:`` URLs (shell commands): code only, never a file."""
     from .bucket import TokenBudget
+    from .layout import Field, Packed
     from .mixture import Mixture
     from .source import Source
 
     sources = []
     for i, s in enumerate(spec.sources):
         decode = resolve_import(s.decode, f"sources[{i}].decode") if s.decode is not None else None
-        length = resolve_import(s.length, f"sources[{i}].length") if s.length is not None else None
+        length: Callable[..., Any] | str | None = s.length  # an import path, or the name of a field
+        if s.length is not None and _IMPORT_PATH.match(s.length):
+            length = resolve_import(s.length, f"sources[{i}].length")
         sources.append(
             Source(
                 s.name, list(s.urls), weight=s.weight, size=s.size, decode=decode, length=length, on_error=s.on_error,  # type: ignore[arg-type]
@@ -708,15 +864,26 @@ def build_mixture(spec: MixtureSpec, *, rank: int | None = None, world_size: int
             )  # fmt: skip
         )
     b = spec.batching
-    extra = {k: getattr(b, k) for k in ("num_buckets", "max_bucket_ratio") if getattr(b, k) is not None}
-    batching = TokenBudget(
-        max_tokens=b.max_tokens, buckets=b.buckets, max_batch_size=b.max_batch_size, multiple_of=b.multiple_of,
-        max_length=b.max_length, overlong=b.overlong, **extra,  # type: ignore[arg-type]
-    )  # fmt: skip
+    batching: TokenBudget | Packed
+    # None in a spec: the library's default, so only what the config set is passed.
+    if isinstance(b, PackedSpec):
+        extra: dict[str, Any] = {"open_batches": b.open_batches} if b.open_batches is not None else {}
+        batching = Packed(
+            max_tokens=b.max_tokens, seq_len=b.seq_len, split_documents=b.split_documents, max_length=b.max_length,
+            overlong=b.overlong, **extra,  # type: ignore[arg-type]
+        )  # fmt: skip
+    else:
+        extra = {k: getattr(b, k) for k in ("num_buckets", "max_bucket_ratio") if getattr(b, k) is not None}
+        batching = TokenBudget(
+            max_tokens=b.max_tokens, buckets=b.buckets, max_batch_size=b.max_batch_size, multiple_of=b.multiple_of,
+            max_length=b.max_length, overlong=b.overlong, max_wait=b.max_wait, **extra,  # type: ignore[arg-type]
+        )  # fmt: skip
+    fields = {name: Field(f.dtype, f.pad) for name, f in spec.fields.items()} if spec.fields is not None else None
     return Mixture(
         sources, batching=batching, schedule=spec.schedule, selector=spec.selector, unit=spec.unit,  # type: ignore[arg-type]
         mix=spec.mix, stop=spec.stop, seed=spec.seed, shuffle_buffer=spec.shuffle_buffer,  # type: ignore[arg-type]
         pad_id=spec.pad_id, dtype=spec.dtype, rank=rank, world_size=world_size, dp_group=dp_group,
+        state_every=spec.state_every, fields=fields,
     )  # fmt: skip
 
 

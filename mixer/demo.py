@@ -250,7 +250,7 @@ def _read_text(path: Path) -> str:
 def _stdlib_modules() -> list[tuple[str, str]]:
     """(relative path, source) of the stdlib's .py files, without tests and tools, sorted."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    found = []
+    found: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(stdlib):
         dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and not d.startswith(("config-", "__"))]
         found.extend(Path(dirpath, f) for f in filenames if f.endswith(".py"))

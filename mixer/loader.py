@@ -69,7 +69,17 @@ def _slot_pool(mixture: Mixture, num_workers: int, prefetch_factor: int | None, 
 class Loader:
     """Iterates ``Batch`` objects from a ``Mixture`` through ``torch.utils.data.DataLoader``
     (``batch_size=None``: the mixture already batches). Batches arrive in order: worker ``w`` of
-    ``W`` delivers global steps ``w, w + W, ...``."""
+    ``W`` delivers global steps ``w, w + W, ...``.
+
+    With ``device`` (``"cuda"``, ``"cuda:N"``, ``"cpu"``) batches arrive on that device through
+    :func:`mixer.to_device`, ``device_prefetch`` batches copied ahead; a CUDA device turns
+    ``pin_memory`` on. ``stats_window``: batches in the sliding window of :meth:`stats` (and so of
+    :func:`mixer.log_every`). ``sync_stop`` (default None: on when the mixture is finite, has several
+    ranks and a process group is initialized) makes every data-parallel rank hand out the same number
+    of batches, with an ``all_reduce(MIN)`` per batch over ``sync_group`` (default: the default
+    group); what a rank then cannot hand out is counted in :meth:`dropped` (see
+    :mod:`mixer.distributed`). :meth:`state_dict` / :meth:`load_state_dict` give exact resume.
+    """
 
     def __init__(
         self,
@@ -128,8 +138,20 @@ class Loader:
         assert isinstance(stream, _Stream)
         stream.resume = None if resume is None else {"shift": resume["delivered"] % self._readers, "readers": resume["readers"]}
         self._started = True
+        loader_iter = iter(self.dataloader)
+        try:
+            yield from self._deliver(loader_iter)
+        except Exception:
+            # Without this the failed DataLoader iterator (and its workers) lives on until the
+            # garbage collector finds it, then waits ~5 s per worker to shut down.
+            shutdown = getattr(loader_iter, "_shutdown_workers", None)
+            if callable(shutdown) and not self.persistent_workers:
+                shutdown()
+            raise
+
+    def _deliver(self, loader_iter: Iterator[Batch]) -> Iterator[Batch]:
         # Inside the device feed: a look-ahead batch the ranks agree to drop is never copied.
-        source = self.dataloader if self.sync is None else self.sync.agreed(self.dataloader)
+        source = loader_iter if self.sync is None else self.sync.agreed(loader_iter)
         batches = source if self.device is None else to_device(source, self.device, prefetch=self.device_prefetch)
         for batch in batches:
             info = batch.info
@@ -155,7 +177,8 @@ class Loader:
     def _reset_bookkeeping(self, resume: dict[str, Any] | None) -> None:
         if resume is None:
             self._delivered = 0
-            self._saved = [{"state": None, "since": 0, "skips": []} for _ in range(self._readers)]
+            # Per reader: the last full state seen, batches since it, and skips since it.
+            self._saved: list[dict[str, Any]] = [{"state": None, "since": 0, "skips": []} for _ in range(self._readers)]
         else:
             self._delivered = int(resume["delivered"])
             self._saved = [dict(r, skips=list(r["skips"])) for r in resume["readers"]]
@@ -206,41 +229,6 @@ class Loader:
         return self._stats.as_dict()
 
 
-def make_loader(
-    mixture: Mixture,
-    *,
-    num_workers: int = 0,
-    pin_memory: bool = False,
-    prefetch_factor: int | None = None,
-    persistent_workers: bool = False,
-    timeout: float = 0,
-    multiprocessing_context: Any = None,
-    device: DeviceLike | None = None,
-    device_prefetch: int = 2,
-    stats_window: int = DEFAULT_WINDOW,
-    sync_stop: bool | None = None,
-    sync_group: Any = None,
-) -> Loader:
-    """A :class:`Loader` over ``mixture``. With ``device`` (``"cuda"``, ``"cuda:N"``, ``"cpu"``) batches
-    arrive on that device through :func:`mixer.to_device`, ``device_prefetch`` batches copied ahead;
-    a CUDA device turns ``pin_memory`` on. ``stats_window``: batches in the sliding window of
-    :meth:`Loader.stats` (and so of :func:`mixer.log_every`).
-
-    ``sync_stop`` (default None: on when the mixture is finite, has several ranks and a process group
-    is initialized) makes every data-parallel rank hand out the same number of batches, with an
-    ``all_reduce(MIN)`` per batch over ``sync_group`` (default: the default group); what a rank then
-    cannot hand out is counted in :meth:`Loader.dropped`. See :mod:`mixer.distributed`."""
-    return Loader(
-        mixture,
-        num_workers=num_workers,
-        pin_memory=pin_memory,
-        prefetch_factor=prefetch_factor,
-        persistent_workers=persistent_workers,
-        timeout=timeout,
-        multiprocessing_context=multiprocessing_context,
-        device=device,
-        device_prefetch=device_prefetch,
-        stats_window=stats_window,
-        sync_stop=sync_stop,
-        sync_group=sync_group,
-    )
+def make_loader(mixture: Mixture, **options: Any) -> Loader:
+    """A :class:`Loader` over ``mixture``; ``options`` are :class:`Loader`'s keywords."""
+    return Loader(mixture, **options)

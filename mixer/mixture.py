@@ -17,7 +17,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from .batch import _DTYPES, Batch, collate
 from .bucket import TokenBudget, bucket_edges
-from .layout import Field, Packed, check_fits, count, level2, make_layout, unpair
+from .layout import Field, Level2, Packed, check_fits, count, level2, make_layout, unpair
 from .decode import Sample
 from .errors import ConfigError
 from .schedule import Schedule, SourceInfo, Static, check_schedule
@@ -235,6 +235,9 @@ class Reader:
             )
             for i, s in enumerate(mixture.sources)
         ]
+        # Items are Samples (mix="batch": one level 2 per source) or (source, Sample) pairs
+        # (mix="sample": one shared level 2, repeated per source); use sites name the item type.
+        self.bucketers: list[Level2[Any]]
         if mixture.mix == "sample":
             shared = level2(mixture.edges[0], budget)
             self.bucketers = [shared] * n
@@ -339,10 +342,11 @@ class Reader:
         for st, saved, found in zip(self.streams, state["streams"], samples):
             st.load_state_dict(saved, found)
         if shared:
-            self.bucketers[0].load_state_dict(state["bucketers"][0], lambda x: (int(x[0]), samples[x[0]][(x[1], x[2])]))
+            pairs: Level2[tuple[int, Sample]] = self.bucketers[0]
+            pairs.load_state_dict(state["bucketers"][0], _pair_decoder(samples))
         else:
-            for i, (b, bs) in enumerate(zip(self.bucketers, state["bucketers"])):
-                b.load_state_dict(bs, lambda x, i=i: samples[i][(x[0], x[1])])
+            for b, bs, found in zip(self.bucketers, state["bucketers"], samples):
+                b.load_state_dict(bs, _sample_decoder(found))
         self.selector.load_state_dict(state["selector"])
         self.active = np.asarray(state["active"], dtype=bool)
         for c, row in zip(self.counters, state["counters"]):
@@ -379,7 +383,7 @@ class Reader:
             yield self._finish(batch)
 
     def _next_batch(self, i: int) -> list[Sample] | None:
-        bucketer = self.bucketers[i]
+        bucketer: Level2[Sample] = self.bucketers[i]
         ready = bucketer.ready
         if ready:
             return ready.popleft()
@@ -391,7 +395,7 @@ class Reader:
 
     def _sample_mix(self) -> Iterator[Batch]:
         unit_tokens = self.mixture.unit == "tokens"
-        shared = self.bucketers[0]
+        shared: Level2[tuple[int, Sample]] = self.bucketers[0]
         while self.active.any():
             probs = self._probs()
             i = self.selector.choose(probs, self.active)
@@ -474,3 +478,13 @@ _encode_sample = operator.attrgetter("shard", "offset")
 
 def _encode_pair(item: tuple[int, Sample]) -> tuple[int, int, int]:
     return (item[0], item[1].shard, item[1].offset)
+
+
+def _sample_decoder(found: Mapping[tuple[int, int], Sample]) -> Callable[[Any], Sample]:
+    """The inverse of ``_encode_sample`` over the re-read samples of one source."""
+    return lambda x: found[(x[0], x[1])]
+
+
+def _pair_decoder(found: Sequence[Mapping[tuple[int, int], Sample]]) -> Callable[[Any], tuple[int, Sample]]:
+    """The inverse of ``_encode_pair`` over the re-read samples of every source."""
+    return lambda x: (int(x[0]), found[x[0]][(x[1], x[2])])

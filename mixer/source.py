@@ -47,6 +47,10 @@ class Source:
     None to drop the sample (a filter; counted in ``dropped``).
     ``on_error``: ``"raise"`` stops on a bad shard or sample with an error naming it; ``"skip"``
     skips it, counts it and warns once per shard.
+    ``storage_options`` go to the fsspec filesystem of remote URLs (endpoint, credentials, ...);
+    ``io_options`` (a mapping or :class:`mixer.io.IOOptions`: ``timeout``, ``retries``, ``backoff``,
+    ``block_size``, ``read_ahead``) set how remote shards are read. ``allow_pipe=True`` accepts
+    ``pipe:`` URLs (shell commands): only code can pass it, a config file cannot.
     """
 
     def __init__(

@@ -25,6 +25,7 @@ from .source import Counters
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
+    from numpy.typing import ArrayLike
 
     from .batch import Batch
 
@@ -378,7 +379,14 @@ def plot_schedule(
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: human(x)))
     if tokens_per_step:
         tps = float(tokens_per_step)
-        top = ax.secondary_xaxis("top", functions=(lambda s: s * tps, lambda t: t / tps))
+
+        def to_tokens(x: ArrayLike) -> np.ndarray:
+            return np.asarray(x, dtype=np.float64) * tps
+
+        def to_steps(x: ArrayLike) -> np.ndarray:
+            return np.asarray(x, dtype=np.float64) / tps
+
+        top = ax.secondary_xaxis("top", functions=(to_tokens, to_steps))
         top.xaxis.set_major_formatter(FuncFormatter(lambda x, _: human(x)))
         top.set_xlabel(f"tokens seen (at {tps:,.0f} tokens per step)")
     if title:

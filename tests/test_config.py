@@ -17,7 +17,9 @@ import yaml
 from mixer.config import (
     NEMO_KEYS,
     BatchingSpec,
+    FieldSpec,
     MixtureSpec,
+    PackedSpec,
     SourceSpec,
     build_mixture,
     load_config,
@@ -128,8 +130,9 @@ ROUND_TRIP = {
         dtype="int64",
         batching={
             "max_tokens": 8192, "buckets": [64, 256, 1024], "max_batch_size": 128, "multiple_of": 8,
-            "max_length": 2048, "overlong": "drop", "num_buckets": 8, "max_bucket_ratio": 1.2,
+            "max_length": 2048, "overlong": "drop", "num_buckets": 8, "max_bucket_ratio": 1.2, "max_wait": 5,
         },  # fmt: skip
+        state_every=16,
         sources=[
             {
                 "name": "a", "urls": ["s3://b/a-{0..3}.tar", "s3://b/x/"], "weight": 2, "size": 1e9, "decode": "json:loads",
@@ -153,6 +156,21 @@ ROUND_TRIP = {
         }
     ),
     "nemo": small(concat_sampling_technique="random", concat_sampling_probabilities=[0.5, 0.25, 0.25], shuffle=False),
+    "packed": small(
+        batching={"packed": True, "max_tokens": 8192, "seq_len": 2048, "split_documents": True, "max_length": 100000,
+                  "overlong": "drop", "open_batches": 2},
+    ),  # fmt: skip
+    "packed_flat": small(batching={"packed": True, "max_tokens": 4096}),
+    "packed_false": small(batching={"packed": False, "max_tokens": 4096, "max_wait": 3}),
+    "fields": small(
+        fields={"audio": {"dtype": "float32", "pad": -2.5}, "text": {"dtype": "int64", "pad": -1}, "speaker": {}},
+        sources=[
+            {"name": "a", "urls": "/d/a.tar", "decode": "pkg.speech:decode", "length": "audio"},
+            {"name": "b", "urls": "/d/b.tar", "decode": "pkg.speech:decode", "length": "pkg.speech:frames"},
+            {"name": "c", "urls": "/d/c.tar", "decode": "pkg.speech:decode"},
+        ],
+        state_every=1,
+    ),
 }
 
 
@@ -185,6 +203,7 @@ def test_to_dict_is_canonical():
         "shuffle_buffer": 0,
         "pad_id": 0,
         "dtype": "int32",
+        "state_every": 64,
     }
 
 
@@ -202,6 +221,7 @@ def test_defaults():
     )  # fmt: skip
     assert spec.sources[1] == SourceSpec(name="b", urls=("/d/b-0.tar", "/d/b-1.tar"))
     assert spec.batching == BatchingSpec(max_tokens=4096)
+    assert (spec.state_every, spec.fields, spec.batching.max_wait) == (64, None, None)
 
 
 def test_integral_floats_are_integers():
@@ -209,6 +229,65 @@ def test_integral_floats_are_integers():
     assert spec.batching.max_tokens == 65000 and isinstance(spec.batching.max_tokens, int)
     assert spec.schedule.unit == "steps" and spec.schedule.phases[0].until == 100000
     assert isinstance(spec.schedule.phases[0].until, int)
+
+
+def test_packed_fields_and_state_every_specs():
+    spec = parse_config(small(batching={"packed": True, "max_tokens": 8192, "seq_len": 1024}, state_every=8))
+    assert spec.batching == PackedSpec(max_tokens=8192, seq_len=1024) and spec.state_every == 8
+    assert spec.to_dict()["batching"] == {"packed": True, "max_tokens": 8192, "seq_len": 1024, "split_documents": False, "overlong": "truncate"}
+    assert spec.to_dict()["state_every"] == 8
+    # packed: false is the token budget, as if absent (and to_dict leaves it out).
+    plain = parse_config(small(batching={"packed": False, "max_tokens": 64, "max_wait": 2}))
+    assert plain.batching == BatchingSpec(max_tokens=64, max_wait=2) and "packed" not in plain.to_dict()["batching"]
+    # A split document may be longer than a row, so max_length is then bounded by nothing but >= 1.
+    assert parse_config(small(batching={"packed": True, "max_tokens": 64, "split_documents": True, "max_length": 10**6})).batching.max_length == 10**6
+    spec = parse_config(
+        small(
+            fields={"audio": {"dtype": "float32", "pad": -2.0}, "text": {}},
+            sources=[{"name": "a", "urls": "/a.tar", "length": "audio"}, {"name": "b", "urls": "/b.tar", "length": "m.n:f"}],
+        )
+    )
+    assert spec.fields == {"audio": FieldSpec(dtype="float32", pad=-2.0), "text": FieldSpec()}
+    assert list(spec.fields) == ["audio", "text"]  # in order: the first field counts when length is not given
+    assert [s.length for s in spec.sources] == ["audio", "m.n:f"]
+    assert spec.to_dict()["fields"] == {"audio": {"dtype": "float32", "pad": -2.0}, "text": {"dtype": "int32", "pad": 0}}
+    assert parse_config(small(fields=None)).fields is None
+
+
+def test_every_keyword_is_a_config_key():
+    """Rule 5: each keyword of the configured classes has a key of its name; deployment (rank,
+    world_size, dp_group) and allow_pipe (code only) are the deliberate exceptions."""
+    import inspect
+
+    import mixer
+    from mixer.config import BATCHING_KEYS, FIELD_KEYS, NATIVE_KEYS, PACKED_KEYS, SOURCE_KEYS
+
+    def keywords(cls: Any) -> set[str]:
+        return set(inspect.signature(cls).parameters)
+
+    assert keywords(mixer.Mixture) - {"rank", "world_size", "dp_group"} == set(NATIVE_KEYS)
+    assert keywords(mixer.Source) - {"allow_pipe"} == set(SOURCE_KEYS)
+    assert keywords(mixer.TokenBudget) == set(BATCHING_KEYS) - {"packed"}
+    assert keywords(mixer.Packed) == set(PACKED_KEYS) - {"packed"}
+    assert keywords(mixer.Field) == set(FIELD_KEYS)
+
+
+def test_config_defaults_and_choices_match_the_library():
+    import inspect
+
+    import mixer
+    from mixer import layout
+    from mixer.config import DEFAULT_SHUFFLE_BUFFER, DEFAULT_STATE_EVERY, FIELD_DTYPES, RESERVED_FIELDS
+
+    params = inspect.signature(mixer.Mixture).parameters
+    assert (params["state_every"].default, params["shuffle_buffer"].default) == (DEFAULT_STATE_EVERY, DEFAULT_SHUFFLE_BUFFER)
+    assert FIELD_DTYPES == tuple(layout.FIELD_DTYPES) and RESERVED_FIELDS == layout._RESERVED
+    assert (FieldSpec().dtype, FieldSpec().pad) == (mixer.Field().dtype, mixer.Field().pad)
+    packed, lib = PackedSpec(max_tokens=64), mixer.Packed(64)
+    assert (packed.seq_len, packed.split_documents, packed.max_length, packed.overlong) == (lib.seq_len, lib.split_documents, lib.max_length, lib.overlong)
+    budget = mixer.TokenBudget(64)
+    spec = BatchingSpec(max_tokens=64)
+    assert (spec.multiple_of, spec.overlong, spec.max_wait) == (budget.multiple_of, budget.overlong, budget.max_wait)
 
 
 # ------------------------------------------------------------------------------------- validation
@@ -239,7 +318,7 @@ ERRORS = [
     # root
     (_set("sourcs", []), "sourcs: unknown key; did you mean 'sources'?"),
     (_set("zzz", 1), "zzz: unknown key (expected one of: sources, batching, schedule, selector, unit, mix, stop, seed, "
-     "shuffle_buffer, pad_id, dtype, sampling_technique, sampling_temperature, sampling_probabilities, sampling_scale, "
+     "shuffle_buffer, pad_id, dtype, state_every, fields, sampling_technique, sampling_temperature, sampling_probabilities, sampling_scale, "
      "shuffle, concat_sampling_technique, concat_sampling_temperature, concat_sampling_probabilities, "
      "concat_sampling_scale, concat_shuffle, concat_sampling_seed)"),
     (_set("sources", DELETE), "sources: required"),
@@ -255,6 +334,9 @@ ERRORS = [
     (_set("shuffle_buffer", -5), "shuffle_buffer: must be >= 0, got -5"),
     (_set("pad_id", True), "pad_id: must be an integer, got True"),
     (_set("dtype", "float32"), "dtype: must be one of 'int32', 'int64', got 'float32'"),
+    (_set("state_every", 0), "state_every: must be >= 1, got 0"),
+    (_set("state_every", 2.5), "state_every: must be an integer, got 2.5"),
+    (_set("state_every", None), "state_every: must be an integer, got None (NoneType)"),
     # sources
     (_set("sources", []), "sources: must be a non-empty list of sources, got [] (list)"),
     (_set("sources", {"a": 1}), "sources: must be a non-empty list of sources, got {'a': 1} (dict)"),
@@ -271,7 +353,12 @@ ERRORS = [
     (_set("sources[1].urls[1]", 3), "sources[1].urls[1]: must be a non-empty string, got 3"),
     (_set("sources[0].size", 0), "sources[0].size: must be > 0, got 0"),
     (_set("sources[0].decode", "mypkg.decode"), "sources[0].decode: must be an import path 'package.module:function', got 'mypkg.decode'"),
-    (_set("sources[0].length", 5), "sources[0].length: must be an import path 'package.module:function', got 5"),
+    (_set("sources[0].length", 5), "sources[0].length: must be an import path 'package.module:function' or the name of a field, got 5"),
+    (_set("sources[0].length", "pkg.mod"), "sources[0].length: must be an import path 'package.module:function' or the name of a field, got 'pkg.mod'"),
+    (_set("sources[0].length", "audio"), "sources[0].length: 'audio' names a field, but there is no 'fields' key; add fields, or give an import path 'package.module:function'"),
+    (lambda c: c.update(fields={"audio": {}, "text": {}}) or c["sources"][0].update(length="audoi"), "sources[0].length: names no field of 'fields', got 'audoi'; did you mean 'audio'?"),
+    (lambda c: c.update(fields={"audio": {}, "text": {}}) or c["sources"][2].update(length="x"), "sources[2].length: names no field of 'fields', got 'x' (fields: audio, text)"),
+    (_set("sources[0].io_options", "fast"), "sources[0].io_options: must be a mapping, got 'fast'"),
     (_set("sources[0].on_error", "ignore"), "sources[0].on_error: must be one of 'raise', 'skip', got 'ignore'"),
     (_set("sources[0].storage_options", "anon"), "sources[0].storage_options: must be a mapping, got 'anon'"),
     (_set("sources[0].group", 3), "sources[0].group: must be a non-empty string, got 3"),
@@ -296,6 +383,46 @@ ERRORS = [
     (lambda c: c["batching"].update(max_length=100, buckets=[50, 200]), "batching.buckets[1]: must be <= max_length (100), got 200"),
     (_set("batching.num_buckets", 0), "batching.num_buckets: must be >= 1, got 0"),
     (_set("batching.max_bucket_ratio", 1), "batching.max_bucket_ratio: must be > 1, got 1"),
+    (_set("batching.max_wait", 0), "batching.max_wait: must be >= 1, got 0"),
+    (_set("batching.max_wait", 1.5), "batching.max_wait: must be an integer, got 1.5"),
+    # batching: packed
+    (_set("batching.packed", "yes"), "batching.packed: must be true or false, got 'yes'"),
+    (_set("batching.packed", None), "batching.packed: must be true or false, got None (NoneType)"),
+    (_set("batching.seq_len", 512), "batching.seq_len: a Packed option; set batching.packed: true to pack documents"),
+    (_set("batching.open_batches", 2), "batching.open_batches: a Packed option; set batching.packed: true to pack documents"),
+    (lambda c: c["batching"].update(packed=True, buckets=[64]), "batching.buckets: a TokenBudget option, not used with packed: true"),
+    (lambda c: c["batching"].update(packed=True, max_wait=2), "batching.max_wait: a TokenBudget option, not used with packed: true"),
+    (lambda c: c["batching"].update(packed=True, seq_length=5), "batching.seq_length: unknown key; did you mean 'seq_len'?"),
+    (lambda c: c["batching"].update(packed=True) or c["batching"].pop("max_tokens"), "batching.max_tokens: required"),
+    (lambda c: c["batching"].update(packed=True, max_tokens=0), "batching.max_tokens: must be >= 1, got 0"),
+    (lambda c: c["batching"].update(packed=True, seq_len=5000), "batching.seq_len: must be <= 4096, got 5000"),
+    (lambda c: c["batching"].update(packed=True, seq_len=0), "batching.seq_len: must be >= 1, got 0"),
+    (lambda c: c["batching"].update(packed=True, split_documents="no"), "batching.split_documents: must be true or false, got 'no'"),
+    (lambda c: c["batching"].update(packed=True, seq_len=512, max_length=1000), "batching.max_length: must be <= seq_len (512) unless split_documents is true, got 1000"),
+    (lambda c: c["batching"].update(packed=True, max_length=5000), "batching.max_length: must be <= max_tokens (4096) unless split_documents is true, got 5000"),
+    (lambda c: c["batching"].update(packed=True, split_documents=True, max_length=0), "batching.max_length: must be >= 1, got 0"),
+    (lambda c: c["batching"].update(packed=True, overlong="cut"), "batching.overlong: must be one of 'truncate', 'drop', got 'cut'"),
+    (lambda c: c["batching"].update(packed=True, open_batches=0), "batching.open_batches: must be >= 1, got 0"),
+    # fields
+    (_set("fields", []), "fields: must be a mapping, got [] (list)"),
+    (_set("fields", {}), "fields: must name at least one field, got {}"),
+    (_set("fields", {"a b": {}}), "fields.a b: a field name must be an identifier, got 'a b'"),
+    (_set("fields", {"lengths": {}}), "fields.lengths: collides with a view every batch has (source, lengths, <field>_lengths)"),
+    (_set("fields", {"text": {}, "text_lengths": {}}), "fields.text_lengths: collides with a view every batch has (source, lengths, <field>_lengths)"),
+    (_set("fields", {"text": "int32"}), "fields.text: must be a mapping, got 'int32'"),
+    (_set("fields", {"text": None}), "fields.text: must be a mapping, got None (NoneType)"),
+    (_set("fields", {"text": {"dtyp": "int32"}}), "fields.text.dtyp: unknown key; did you mean 'dtype'?"),
+    (_set("fields", {"text": {"dtype": "bfloat16"}}), "fields.text.dtype: must be one of 'int8', 'int16', 'int32', 'int64', 'uint8', "
+     "'float16', 'float32', 'float64', got 'bfloat16'; did you mean 'float16'?"),
+    (_set("fields", {"text": {"pad": 0.5}}), "fields.text.pad: 0.5 is not representable as int32"),
+    (_set("fields", {"text": {"dtype": "uint8", "pad": -1}}), "fields.text.pad: -1 is not representable as uint8"),
+    (_set("fields", {"text": {"dtype": "int64", "pad": 2**70}}), "fields.text.pad: 1180591620717411303424 is not representable as int64"),
+    (_set("fields", {"audio": {"dtype": "float16", "pad": 1e10}}), "fields.audio.pad: 10000000000.0 is not representable as float16"),
+    (_set("fields", {"text": {"pad": float("nan")}}), "fields.text.pad: nan is not representable as int32"),
+    (_set("fields", {"text": {"pad": "x"}}), "fields.text.pad: must be a number, got 'x'"),
+    (_set("fields", {"text": {"pad": True}}), "fields.text.pad: must be a number, got True"),
+    (lambda c: c.update(fields={"text": {}}, batching={"packed": True, "max_tokens": 64}),
+     "fields: multi-field samples are batched by a token budget (padded per field), not with batching.packed: true"),
     # schedule
     (_set("schedule", [1]), "schedule: must be a mapping, got [1] (list)"),
     (_set("schedule.temprature", 2), "schedule.temprature: unknown key; did you mean 'temperature'?"),
@@ -607,6 +734,58 @@ def test_build_mixture_passes_every_batching_option(three_sources):
         overlong="drop", num_buckets=4, max_bucket_ratio=1.5,
     )  # fmt: skip
     assert (mix.unit, mix.mix, mix.pad_id, mix.dtype, mix.schedule) == ("samples", "sample", 7, "int64", Static())
+
+
+def decode_halves(raw: dict[str, Any]) -> dict[str, np.ndarray]:
+    """A config's decode (``test_config:decode_halves``): the tokens, and their first half, as fields."""
+    from mixer.decode import default_tokens
+
+    tokens = default_tokens(raw)
+    return {"text": tokens, "head": tokens[: (len(tokens) + 1) // 2]}
+
+
+@needs_core
+def test_build_mixture_with_fields_a_field_length_and_state_every(three_sources):
+    import torch
+
+    import mixer
+
+    spec = parse_config(
+        {
+            "batching": {"max_tokens": 4096, "max_wait": 3},
+            "sources": [{"name": "web", "urls": three_sources["web"][0], "decode": "test_config:decode_halves", "length": "head"}],
+            "fields": {"text": {"dtype": "int64", "pad": -1}, "head": {"pad": 0}},
+            "state_every": 5,
+        }
+    )
+    mix = build_mixture(spec, rank=0, world_size=1)
+    assert mix.sources[0].length == "head" and mix.sources[0].decode.__name__ == "decode_halves"
+    assert mix.batching == mixer.TokenBudget(max_tokens=4096, max_wait=3) and mix.state_every == 5
+    batch = next(iter(mix))
+    assert isinstance(batch, mixer.FieldBatch)
+    assert batch["text"].dtype == torch.int64 and batch["head"].dtype == torch.int32
+    assert torch.equal(batch.lengths, batch["head_lengths"])  # the field that length names counts
+    assert torch.equal(batch["head_lengths"], (batch["text_lengths"] + 1) // 2)
+    for i, n in enumerate(batch["text_lengths"].tolist()):
+        assert torch.all(batch["text"][i, n:] == -1)
+        assert torch.equal(batch["head"][i, : (n + 1) // 2].long(), batch["text"][i, : (n + 1) // 2])
+
+
+@needs_core
+def test_build_mixture_packed(three_sources):
+    import mixer
+
+    sources = [{"name": n, "urls": three_sources[n][0]} for n in ("web", "books")]
+    batching = {"packed": True, "max_tokens": 8192, "seq_len": 2048, "split_documents": True, "max_length": 12000,
+                "overlong": "drop", "open_batches": 2}  # fmt: skip
+    mix = build_mixture(parse_config({"batching": batching, "sources": sources}), rank=0, world_size=1)
+    assert mix.batching == mixer.Packed(8192, seq_len=2048, split_documents=True, max_length=12000, overlong="drop", open_batches=2)
+    batch = next(iter(mix))
+    assert isinstance(batch, mixer.PackedBatch)
+    assert batch.tokens.numel() <= 8192 and batch.tokens.numel() % 2048 == 0
+    # Options left out take the library's defaults (open_batches=4, flat, no splitting).
+    flat = build_mixture(parse_config({"batching": {"packed": True, "max_tokens": 16384}, "sources": sources}), rank=0, world_size=1)
+    assert flat.batching == mixer.Packed(16384)
 
 
 def test_dtypes_match_the_core():

@@ -200,6 +200,14 @@ class Mixture(IterableDataset[Batch]):
         if resume is not None:
             worker = (worker + resume["shift"]) % num_workers
         world = World(rank=self.rank, world_size=self.world_size, worker=worker, num_workers=num_workers)
+        if world.reader == 0:
+            for s in self.sources:
+                if len(s.shards) < world.readers:
+                    log.warning(
+                        "source %r has %d shard(s) for %d readers: readers share shards and each reads every byte of "
+                        "its shard but keeps only its part of the samples (I/O amplified up to %dx); more, smaller "
+                        "shards avoid it", s.name, len(s.shards), world.readers, -(-world.readers // len(s.shards)),
+                    )
         in_worker = get_worker_info() is not None
         reader = self.reader(world, pool=pool if in_worker else None)
         if resume is None:

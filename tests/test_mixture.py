@@ -325,3 +325,12 @@ def test_shuffle_buffer_never_spans_several_epochs_of_a_small_source(small_sourc
     # buffer), so a few lag by two or three epochs; none runs ahead.
     counts = Counter(keys).values()
     assert min(counts) >= 6 and max(counts) <= 11
+
+
+def test_fewer_shards_than_readers_warns_that_io_is_amplified(small_sources, caplog):
+    srcs = [mixer.Source(name, pattern) for name, (pattern, _) in small_sources.items()]
+    mix = mixer.Mixture(srcs, batching=mixer.TokenBudget(max_tokens=1024), stop="all_exhausted", rank=0, world_size=3)
+    with caplog.at_level("WARNING", logger="mixer.mixture"):
+        collect(mixer.make_loader(mix))
+    amplified = [r.getMessage() for r in caplog.records if "I/O amplified" in r.getMessage()]
+    assert len(amplified) == 1 and "source 'few' has 2 shard(s) for 3 readers" in amplified[0]  # 'many' has 5

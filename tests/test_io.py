@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import servers
 from servers import FaultyHTTPServer, make_bucket, s3_server, s3_storage_options
 
 from mixer import io as mio
@@ -50,28 +51,10 @@ def _ranges(server: FaultyHTTPServer, path: str) -> list[tuple[int | None, int]]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def loopback_only() -> Iterator[None]:
+def loopback() -> Iterator[None]:
     """Fail any attempt to connect anywhere but 127.0.0.1 / ::1 (e.g. the EC2 metadata service)."""
-    original_connect, original_connect_ex = socket.socket.connect, socket.socket.connect_ex
-
-    def check(sock: socket.socket, address: Any) -> None:
-        if sock.family in (socket.AF_INET, socket.AF_INET6) and address[0] not in ("127.0.0.1", "::1"):
-            raise AssertionError(f"test tried to connect to {address!r}")
-
-    def connect(self: socket.socket, address: Any) -> None:
-        check(self, address)
-        return original_connect(self, address)
-
-    def connect_ex(self: socket.socket, address: Any) -> int:
-        check(self, address)
-        return original_connect_ex(self, address)
-
-    socket.socket.connect = connect  # type: ignore[method-assign]
-    socket.socket.connect_ex = connect_ex  # type: ignore[method-assign]
-    try:
+    with servers.loopback_only():
         yield
-    finally:
-        socket.socket.connect, socket.socket.connect_ex = original_connect, original_connect_ex  # type: ignore[method-assign]
 
 
 CONTENT = {

@@ -73,14 +73,17 @@ def test_every_sample_exactly_once_per_source_epoch(small_sources, world_size, n
     assert max(seen.values()) == 1
 
 
+def token_share(mix, batches=2000):
+    """Realized token share per source over the first ``batches`` batches."""
+    tokens = np.zeros(len(mix.sources))
+    for batch, _ in zip(mixer.make_loader(mix), range(batches)):
+        tokens += np.bincount(batch.source.numpy(), weights=batch.lengths.numpy(), minlength=len(tokens))
+    return tokens / tokens.sum()
+
+
 def test_deficit_tracks_token_share_within_one_point(three_sources):
     mix = mixer.Mixture(sources_from(three_sources), batching=mixer.TokenBudget(max_tokens=4096, max_length=4096), seed=0)
-    tokens = np.zeros(3)
-    for n, batch in enumerate(mixer.make_loader(mix)):
-        if n == 2000:
-            break
-        tokens += np.bincount(batch.source.numpy(), weights=batch.lengths.numpy(), minlength=3)
-    share = tokens / tokens.sum()
+    share = token_share(mix)
     assert np.abs(share - np.array(list(WEIGHTS.values()))).max() <= 0.01, share
 
 
@@ -89,12 +92,7 @@ def test_random_selector_hits_token_share_in_expectation(three_sources):
     # and roughly equal batch sizes has standard deviation about sqrt(p(1-p)/2000) <= 0.011; four
     # sigmas bound it, and a selector that ignored batch size or weights would miss by far more.
     mix = mixer.Mixture(sources_from(three_sources), batching=mixer.TokenBudget(max_tokens=4096, max_length=4096), selector="random", seed=3)
-    tokens = np.zeros(3)
-    for n, batch in enumerate(mixer.make_loader(mix)):
-        if n == 2000:
-            break
-        tokens += np.bincount(batch.source.numpy(), weights=batch.lengths.numpy(), minlength=3)
-    share = tokens / tokens.sum()
+    share = token_share(mix)
     assert np.abs(share - np.array(list(WEIGHTS.values()))).max() <= 0.045, share
 
 

@@ -332,3 +332,14 @@ def test_fewer_shards_than_readers_warns_that_io_is_amplified(small_sources, cap
         collect(mixer.make_loader(mix))
     amplified = [r.getMessage() for r in caplog.records if "I/O amplified" in r.getMessage()]
     assert len(amplified) == 1 and "source 'few' has 2 shard(s) for 3 readers" in amplified[0]  # 'many' has 5
+
+
+def test_a_plain_dataloader_over_the_mixture_works(three_sources):
+    # The Mixture is an IterableDataset on its own: batch_size=None, workers, pinning all work
+    # without make_loader (batches then cross by value).
+    from torch.utils.data import DataLoader
+
+    mix = mixer.Mixture(sources_from(three_sources), batching=mixer.TokenBudget(max_tokens=8192, max_length=8192), stop="all_exhausted")
+    plain = Counter(k for b in DataLoader(mix, batch_size=None, num_workers=2) for k in b.keys)
+    ours = Counter(k for k, _, _ in collect(mixer.make_loader(mix, num_workers=2)))
+    assert plain == ours and set(plain.values()) == {1}

@@ -729,3 +729,11 @@ def missing(module: str, *names: str) -> str | None:
     if absent:
         return f"`{module}` has no {', '.join(absent)} yet"
     return None
+
+
+def prepare(opts: Any, log: Callable[[str], None]) -> Any:
+    """The shard set of this run, described in the log and warm in the page cache."""
+    shards = ensure_shards(opts.profile, opts.bench_dir, log)
+    log(shards.describe())
+    warm_page_cache(shards)
+    return shards

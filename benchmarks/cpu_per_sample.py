@@ -39,9 +39,7 @@ def mixer_workers(shards: ShardSet, workers: int, budget: int) -> Callable[[Tall
 
 
 def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchResult:
-    shards = common.ensure_shards(opts.profile, opts.bench_dir, log)
-    log(shards.describe())
-    common.warm_page_cache(shards)
+    shards = common.prepare(opts, log)
     budget = int(opts.budget * shards.tokens)
     skip = common.missing("mixer", "Source", "Mixture", "TokenBudget", "make_loader")
     methods = [

@@ -180,9 +180,7 @@ def speech_decode_only(corpora: dict[str, tuple[str, int, float]]) -> Callable[[
 
 
 def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchResult:
-    shards = common.ensure_shards(opts.profile, opts.bench_dir, log)
-    log(shards.describe())
-    common.warm_page_cache(shards)
+    shards = common.prepare(opts, log)
     budget = int(opts.budget * shards.tokens)
     skip = common.missing("mixer", "Packed", "Mixture", "make_loader")
     note = f"stops at {budget / 1e6:.1f}M real tokens"

@@ -231,9 +231,7 @@ def build_methods(shards: ShardSet, server: FileServer, opts: argparse.Namespace
 
 
 def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchResult:
-    shards = common.ensure_shards(opts.profile, opts.bench_dir, log)
-    log(shards.describe())
-    common.warm_page_cache(shards)
+    shards = common.prepare(opts, log)
     server = FileServer(shards.root)
     try:
         methods = build_methods(shards, server, opts)

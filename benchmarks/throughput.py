@@ -262,9 +262,7 @@ def build_methods(shards: ShardSet, opts: argparse.Namespace) -> list[Method]:
 
 
 def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchResult:
-    shards = common.ensure_shards(opts.profile, opts.bench_dir, log)
-    log(shards.describe())
-    common.warm_page_cache(shards)
+    shards = common.prepare(opts, log)
     methods = build_methods(shards, opts)
     window = opts.window_tokens
     outcomes = common.run_rounds(methods, opts.rounds, shards.weights, window, log)

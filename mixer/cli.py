@@ -18,7 +18,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -248,24 +248,23 @@ def _plan(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------- parser
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer (got {text!r})") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1 (got {value})")
-    return value
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer (got {text!r})") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum} (got {value})")
+        return value
+
+    return parse
 
 
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer (got {text!r})") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0 (got {value})")
-    return value
+_positive = _int_at_least(1)
+_non_negative = _int_at_least(0)
 
 
 def _stream_options(p: argparse.ArgumentParser, steps: int) -> None:

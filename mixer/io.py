@@ -735,24 +735,6 @@ class ReadAhead:
 _PUMPED = {"http", "https", "s3", "s3a"}
 
 
-def shard_nbytes(
-    url: str,
-    *,
-    storage_options: dict[str, Any] | None = None,
-    timeout: float = 60.0,
-    retries: int = 5,
-    backoff: float = 0.5,
-) -> int | None:
-    """The size of one shard in bytes (None when the server does not say); same retries as `open_shard`."""
-    if _is_local(_scheme(url)):
-        try:
-            return os.stat(_local_path(url)).st_size
-        except OSError as exc:
-            raise ShardError(f"shard {url!r}: {exc.strerror or exc}") from exc
-    with open_shard(url, storage_options=storage_options, timeout=timeout, retries=retries, backoff=backoff) as s:
-        return cast(RemoteStream, s).size
-
-
 def _open_local(path: str, start_offset: int) -> BinaryIO:
     try:
         f = open(path, "rb")  # noqa: SIM115 (the caller closes it)

@@ -238,7 +238,7 @@ class Reader:
         budget = mixture.batching
         self.streams = [
             SourceStream(
-                s, i, world, seed=mixture.seed, budget=budget, shuffle_buffer=mixture.shuffle_buffer,
+                s, world, seed=mixture.seed, budget=budget, shuffle_buffer=mixture.shuffle_buffer,
                 finite=finite, counters=self.counters[i],
             )
             for i, s in enumerate(mixture.sources)

@@ -248,7 +248,6 @@ class SourceStream:
     def __init__(
         self,
         source: Source,
-        index: int,
         world: World,
         *,
         seed: int,
@@ -258,7 +257,6 @@ class SourceStream:
         counters: Counters,
     ) -> None:
         self.source = source
-        self.index = index
         self.world = world
         self.seed = seed
         self.budget = budget

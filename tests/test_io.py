@@ -368,12 +368,6 @@ def test_other_fsspec_protocol(files: dict[str, bytes]) -> None:
         fs.rm("memory://io-test", recursive=True)
 
 
-def test_shard_nbytes(root: Path, http: FaultyHTTPServer, s3: dict[str, Any]) -> None:
-    assert mio.shard_nbytes(str(root / "data" / "a.tar")) == SIZE
-    assert mio.shard_nbytes(http.url("data/a.tar")) == SIZE
-    assert mio.shard_nbytes("s3://shards/data/b.tar", storage_options=s3) == 5_000
-
-
 def test_stream_protocol(http: FaultyHTTPServer, files: dict[str, bytes]) -> None:
     data = files["data/b.tar"]
     stream = mio.open_shard(http.url("data/b.tar"), block_size=1000)

@@ -148,7 +148,7 @@ def test_never_restarts_sources_with_a_new_reshuffled_epoch(small_sources):
     # shuffle_buffer=0 so that epochs do not overlap in the output; the order then changes only
     # through the per-epoch shard order, hence the 5-shard source.
     source = mixer.Source("many", small_sources["many"][0])
-    stream = SourceStream(source, 0, World(), seed=1, budget=mixer.TokenBudget(max_tokens=512), shuffle_buffer=0, finite=False, counters=Counters())
+    stream = SourceStream(source, World(), seed=1, budget=mixer.TokenBudget(max_tokens=512), shuffle_buffer=0, finite=False, counters=Counters())
     keys = [next(stream).key for _ in range(3 * 61)]
     epochs = [keys[i * 61 : (i + 1) * 61] for i in range(3)]
     for epoch in epochs:
@@ -313,7 +313,7 @@ def test_shuffle_buffer_never_spans_several_epochs_of_a_small_source(small_sourc
     from mixer.source import Counters, SourceStream
     from mixer.world import World
 
-    stream = SourceStream(mixer.Source("few", small_sources["few"][0]), 0, World(), seed=0, budget=mixer.TokenBudget(max_tokens=512),
+    stream = SourceStream(mixer.Source("few", small_sources["few"][0]), World(), seed=0, budget=mixer.TokenBudget(max_tokens=512),
                           shuffle_buffer=1000, finite=False, counters=Counters())
     keys = [next(stream).key for _ in range(10 * 37)]
     # Without the shrink the buffer would read ~27 epochs ahead and some keys would be handed out

@@ -737,3 +737,12 @@ def prepare(opts: Any, log: Callable[[str], None]) -> Any:
     log(shards.describe())
     warm_page_cache(shards)
     return shards
+
+
+def select_methods(bench: str, table: dict[str, Any], names: list[str] | None) -> list[Any]:
+    """The methods asked for with ``--methods`` (default: all, in table order); an unknown name stops the run."""
+    names = names or list(table)
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise SystemExit(f"{bench}: unknown method(s) {unknown}; choose from {list(table)}")
+    return [table[n] for n in names]

@@ -223,11 +223,7 @@ def build_methods(shards: ShardSet, server: FileServer, opts: argparse.Namespace
         ),
         "http_raw": Method("http_raw", "raw byte read over HTTP (ceiling)", raw_http(shards, server), kind="raw", skip=skip),
     }
-    names = opts.methods or list(METHODS)
-    unknown = [n for n in names if n not in table]
-    if unknown:
-        raise SystemExit(f"remote: unknown method(s) {unknown}; choose from {list(METHODS)}")
-    return [table[n] for n in names]
+    return common.select_methods("remote", table, opts.methods or list(METHODS))
 
 
 def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchResult:

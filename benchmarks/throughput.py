@@ -254,11 +254,7 @@ def build_methods(shards: ShardSet, opts: argparse.Namespace) -> list[Method]:
         ),
     }
     table.update(peers.methods(shards, opts, budget, BATCH_SIZE, MAX_TOKENS))  # issue 7: torchdata, 1-2 workers
-    names = opts.methods or list(METHODS)
-    unknown = [n for n in names if n not in table]
-    if unknown:
-        raise SystemExit(f"throughput: unknown method(s) {unknown}; choose from {list(METHODS)}")
-    return [table[n] for n in names]
+    return common.select_methods("throughput", table, opts.methods or list(METHODS))
 
 
 def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchResult:

@@ -200,11 +200,6 @@ class Bucketer(Generic[T]):
     def __len__(self) -> int:
         return sum(len(b) for b in self.buffers) + sum(len(r) for r in self.ready)
 
-    def items(self) -> Iterator[T]:
-        """Every buffered item (waiting or ready)."""
-        for group in (*self.ready, *self.buffers):
-            yield from group
-
     def state_dict(self, encode: Callable[[T], Any]) -> dict[str, Any]:
         return {
             "buffers": [list(map(encode, buf)) for buf in self.buffers],

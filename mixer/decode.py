@@ -16,7 +16,7 @@ import numpy as np
 
 from .errors import SampleError
 
-__all__ = ["Sample", "decode_npy", "default_length", "default_tokens"]
+__all__ = ["Sample", "decode_npy", "default_tokens"]
 
 
 class Sample(NamedTuple):
@@ -195,7 +195,3 @@ def default_tokens(sample: dict[str, Any]) -> np.ndarray:
 
 def _name(sample: dict[str, Any]) -> str:
     return f"shard {sample.get('__url__', '?')}, key {sample.get('__key__')!r}"
-
-
-def default_length(tokens: np.ndarray) -> int:
-    return len(tokens)

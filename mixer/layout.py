@@ -429,13 +429,6 @@ class Packer(Generic[T]):
     def __len__(self) -> int:
         return sum(len(b.pieces) for b in self.open) + sum(len(g) for g in self.ready)
 
-    def items(self) -> Iterator[T]:
-        """Every buffered item, once per piece (waiting or ready)."""
-        for g in self.ready:
-            yield from g
-        for b in self.open:
-            yield from (p[0] for p in b.pieces)
-
     def state_dict(self, encode: Callable[[T], Any]) -> dict[str, Any]:
         """Groups of pieces ``[*encode(item), row, col, start, count]``: ``ready`` (batches) and
         ``buffers`` (open batches), as a Bucketer's state lists its items, so the reader finds the

@@ -118,8 +118,6 @@ class Loader:
             multiprocessing_context=multiprocessing_context if num_workers > 0 else None,
             generator=generator,
         )
-        self._last_counters: dict[int, list[list[int]]] = {}
-        self.batches = 0
         self.persistent_workers = persistent_workers and num_workers > 0
         self._started = False
         self._resume: dict[str, Any] | None = None
@@ -129,8 +127,6 @@ class Loader:
         self.sync: StopSync | None = stop_sync(mixture, sync_stop=sync_stop, sync_group=sync_group)
 
     def __iter__(self) -> Iterator[Batch]:
-        self._last_counters = {}
-        self.batches = 0
         self._stats.reset(resumed=self._resume is not None)
         resume, self._resume = self._resume, None
         self._reset_bookkeeping(resume)
@@ -156,9 +152,7 @@ class Loader:
         for batch in batches:
             info = batch.info
             reader = info["worker"]
-            self._last_counters[reader] = info["counters"]
             self._stats.update(info)
-            self.batches += 1
             # The state of each reader as of the last batch handed out: its latest snapshot, how
             # many batches it produced since, and the skip decisions taken since.
             saved = self._saved[reader]
@@ -216,10 +210,7 @@ class Loader:
 
     def counters(self) -> dict[str, dict[str, int]]:
         """Cumulative per-source counters summed over the workers, as of the last batch handed out."""
-        n = len(self.mixture.sources)
-        total = np.zeros((n, len(Counters.FIELDS)), dtype=np.int64)
-        for rows in self._last_counters.values():
-            total += np.asarray(rows, dtype=np.int64)
+        total = self._stats.cumulative()
         return {name: dict(zip(Counters.FIELDS, map(int, row))) for name, row in zip(self.mixture.names, total)}
 
     def stats(self) -> dict[str, Any]:

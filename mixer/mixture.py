@@ -433,19 +433,13 @@ class Reader:
                 f"source {m.names[int(sources[0])]!r}: decode returned fields {sorted(samples[0].tokens)}; pass "
                 "Mixture(fields={name: mixer.Field(...)}) to collate them"
             )
-        lengths = np.fromiter((s.length for s in samples), dtype=np.int64, count=len(samples))
-        tokens = [s.tokens for s in samples]
-        keys = [s.key for s in samples]
+        # Sample is a tuple: one C-level transpose instead of a Python pass per field.
+        key_col, tokens, length_col = list(zip(*samples))[:3]
+        keys = list(key_col)
+        lengths = np.array(length_col, dtype=np.int64)
         n_tokens = int(lengths.sum())
-        b, seq_len = len(samples), int(lengths.max())
-        per_source = np.bincount(sources, weights=lengths, minlength=len(self.counters))
-        per_source_n = np.bincount(sources, minlength=len(self.counters))
-        for j in np.flatnonzero(per_source_n):
-            c = self.counters[j]
-            c.samples += int(per_source_n[j])
-            c.tokens += int(per_source[j])
-            c.padded += int(per_source_n[j]) * seq_len
-            c.batches += 1
+        ones = np.ones(len(samples), dtype=np.int64)
+        count(self.counters, sources, (lengths, ones, ones * int(lengths.max()), np.zeros_like(ones)))
         return self._emit(n_tokens, lambda info, out: collate(tokens, lengths, sources, keys, pad_id=m.pad_id, dtype=m.dtype, info=info, out=out))
 
     def _emit(self, n_tokens: int, build: Callable[[dict[str, Any], Callable[[int], np.ndarray | None] | None], Batch]) -> Batch:

@@ -111,6 +111,12 @@ class Stats:
         self._ring_target[slot] = self._target
         self._ring_time[slot] = time.perf_counter()
 
+    def cumulative(self) -> np.ndarray:
+        """``[sources, fields]``: the readers' own cumulative counters (a resumed run's history
+        included), summed over workers, as of the last batch accounted."""
+        bases = [b for b in self._base if b is not None]
+        return self._last.sum(axis=0) + (sum(bases) if bases else 0)
+
     def _at(self, batches: int) -> tuple[np.ndarray, np.ndarray, float]:
         slot = batches % (self.window + 1)
         return self._ring_counters[slot], self._ring_target[slot], float(self._ring_time[slot])

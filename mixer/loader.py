@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import copy
 import multiprocessing
+import os
 import random
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,12 +31,35 @@ from .world import seed_for
 from .distributed import StopSync, stop_sync
 
 
-def _seed_worker_globals(worker_id: int) -> None:
+def _init_worker(worker_id: int) -> None:
     """Seed the global RNGs inside each worker from the worker's own torch seed, so that user code
-    (a custom ``decode``) that uses them is reproducible; mixer itself never uses them."""
+    (a custom ``decode``) that uses them is reproducible (mixer itself never uses them), and make
+    the worker exit when its parent dies."""
     seed = torch.initial_seed() % 2**32
     random.seed(seed)
     np.random.seed(seed)
+    _exit_with_parent()
+
+
+PARENT_POLL_S = 0.2
+
+
+def _exit_with_parent() -> None:
+    """End this worker within ``PARENT_POLL_S`` of its parent's death (SIGKILL, SIGTERM, a crash).
+
+    DataLoader's own watchdog only looks while a worker waits for a request, every 5 s, and a worker
+    blocked writing a result that nobody reads (the pipe held open by its siblings) never looks:
+    it stays orphaned. ``os._exit`` skips the queue's join at exit, which is where that hangs.
+    The parent is the process that forked this worker, read here, so a loader handed to another
+    process cannot make its workers exit by mistake."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="mixer-parent-watch", daemon=True).start()
 
 
 class _Stream(IterableDataset[Batch]):
@@ -60,8 +86,8 @@ def _slot_pool(mixture: Mixture, num_workers: int, prefetch_factor: int | None, 
         context = multiprocessing.get_context(context)
     if context.get_start_method() != "fork":
         return None
-    # At most prefetch_factor batches per worker are written but not yet received (DataLoader sends
-    # one request per batch handed out, round-robin); two spare slots on top.
+    # Enough slots that a worker rarely finds none free (see mixer.transport: it then sends by value):
+    # DataLoader keeps about prefetch_factor requests per worker outstanding, two spare on top.
     slots = (prefetch_factor if prefetch_factor is not None else 2) + 2
     return SlotPool(num_workers=num_workers, slots=slots, slot_elems=mixture.max_batch_elements, dtype=np.dtype(mixture.dtype))
 
@@ -99,7 +125,8 @@ class Loader:
     ) -> None:
         self.mixture = mixture
         self.num_workers = num_workers
-        self.pool = _slot_pool(mixture, num_workers, prefetch_factor, multiprocessing_context)
+        self._pool_options = (num_workers, prefetch_factor, multiprocessing_context)
+        self.pool = _slot_pool(mixture, *self._pool_options)
         # validated now (a ConfigError for "cuda" without CUDA); each iter() builds its own feed
         self.device = to_device((), device, prefetch=device_prefetch).device if device is not None else None
         self.device_prefetch = device_prefetch
@@ -114,7 +141,7 @@ class Loader:
             prefetch_factor=prefetch_factor if num_workers > 0 else None,
             persistent_workers=persistent_workers and num_workers > 0,
             timeout=timeout,
-            worker_init_fn=_seed_worker_globals if num_workers > 0 else None,
+            worker_init_fn=_init_worker if num_workers > 0 else None,
             multiprocessing_context=multiprocessing_context if num_workers > 0 else None,
             generator=generator,
         )
@@ -133,17 +160,22 @@ class Loader:
         stream = self.dataloader.dataset
         assert isinstance(stream, _Stream)
         stream.resume = None if resume is None else {"shift": resume["delivered"] % self._readers, "readers": resume["readers"]}
+        if self._started and not self.persistent_workers and self.pool is not None:
+            # This pass forks new workers; an earlier pass's workers may still be writing into the
+            # old slots (its iterator is alive), so the new ones get slots of their own.
+            self.pool = stream.pool = _slot_pool(self.mixture, *self._pool_options)
+        # Held for as long as this pass runs: its batches are copied out of this mapping.
+        pool = self.pool  # noqa: F841
         self._started = True
         loader_iter = iter(self.dataloader)
         try:
             yield from self._deliver(loader_iter)
-        except Exception:
-            # Without this the failed DataLoader iterator (and its workers) lives on until the
-            # garbage collector finds it, then waits ~5 s per worker to shut down.
+        finally:
+            # Left early (break, an error, Ctrl-C): without this the DataLoader iterator and its
+            # workers live on until the garbage collector finds them, then take ~5 s per worker.
             shutdown = getattr(loader_iter, "_shutdown_workers", None)
             if callable(shutdown) and not self.persistent_workers:
                 shutdown()
-            raise
 
     def _deliver(self, loader_iter: Iterator[Batch]) -> Iterator[Batch]:
         # Inside the device feed: a look-ahead batch the ranks agree to drop is never copied.

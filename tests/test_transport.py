@@ -40,13 +40,31 @@ def test_slot_round_trip_copies_the_batch_out():
     assert c.buffer.untyped_storage().data_ptr() != b.buffer.untyped_storage().data_ptr()
 
 
-def test_a_reused_slot_is_an_error_not_wrong_data():
+def test_a_sealed_slot_is_never_reused_before_it_is_read():
     pool = SlotPool(num_workers=1, slots=2, slot_elems=64, dtype=np.dtype(np.int32))
-    first = pickle.dumps(batch_in_slot(pool))
+    first, second = batch_in_slot(pool), batch_in_slot(pool)
+    assert {first.slot[2], second.slot[2]} == {0, 1}
+    # Both slots wait to be read: the third batch travels by value instead of overwriting one.
+    third = batch_in_slot(pool)
+    assert third.slot is None
+    sent = [pickle.dumps(b) for b in (first, second, third)]
+    # Reading the first releases its slot, and the next batch takes it.
+    assert pickle.loads(sent[0]).tokens.tolist() == [[1, 2, 3], [4, 0, 0]]
+    fourth = batch_in_slot(pool)
+    assert fourth.slot is not None and fourth.slot[2] == first.slot[2] and fourth.slot[3] > second.slot[3]
+    for data in (sent[1], sent[2], pickle.dumps(fourth)):
+        assert pickle.loads(data).tokens.tolist() == [[1, 2, 3], [4, 0, 0]]
+
+
+def test_a_slot_read_twice_is_an_error_not_wrong_data():
+    """A stamp that does not match (the slot was released and written again) raises rather than
+    returning another batch's data."""
+    pool = SlotPool(num_workers=1, slots=1, slot_elems=64, dtype=np.dtype(np.int32))
+    sent = pickle.dumps(batch_in_slot(pool))
+    pickle.loads(sent)
     batch_in_slot(pool)
-    batch_in_slot(pool)  # the ring wrapped: slot 0 now holds the third batch
-    with pytest.raises(MixerError, match="reused before it was read"):
-        pickle.loads(first)
+    with pytest.raises(MixerError, match="expected stamp"):
+        pickle.loads(sent)
 
 
 def test_a_batch_larger_than_a_slot_travels_by_value():

@@ -64,7 +64,7 @@ def _run_mixture(mixture: Mixture, args: argparse.Namespace, command: str) -> in
     if args.plot:
         check_plotting()  # now, not after a long run
     loader = make_loader(mixture, num_workers=args.workers, stats_window=args.window)
-    history = History(mixture.names) if args.plot else None
+    history = History(mixture.names, unit=mixture.unit) if args.plot else None
     stats = _stream(loader, steps=args.steps, every=args.log_every, history=history)
     rep = report(stats)
     print(format_table(rep))

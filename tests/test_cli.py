@@ -17,7 +17,10 @@ import mixer
 from mixer import cli, demo, stats
 
 REPO = Path(__file__).resolve().parents[1]
-TABLE_KEYS = {"target", "realized", "error", "tokens", "samples", "padding_efficiency", "epochs", "skipped_samples", "skipped_shards"}
+TABLE_KEYS = {
+    "target", "realized", "error", "token_share", "sample_share", "tokens", "samples", "padding_efficiency", "epochs",
+    "skipped_samples", "skipped_shards",
+}  # fmt: skip
 
 
 def write_config(path, config):
@@ -74,8 +77,10 @@ def assert_png(path):
 # ---- mixer run -----------------------------------------------------------------------------------
 
 
-def test_run_prints_table_and_writes_report_and_plot(three_sources, tmp_path, capsys, monkeypatch):
-    cfg = write_config(tmp_path / "mix.yaml", run_config(three_sources))
+@pytest.mark.parametrize("unit", ["tokens", "samples"])
+def test_run_prints_table_and_writes_report_and_plot(three_sources, tmp_path, capsys, monkeypatch, unit):
+    # Shares, errors and the plot's realized series are in the config's unit (NeMo ports use samples).
+    cfg = write_config(tmp_path / "mix.yaml", run_config(three_sources, unit=unit))
     figures = capture(monkeypatch, "plot_run")
     report_path, plot_path = tmp_path / "report.json", tmp_path / "run.png"
     argv = ["run", cfg, "--steps", "60", "--workers", "0", "--window", "25", "--report", str(report_path), "--plot", str(plot_path)]
@@ -90,17 +95,19 @@ def test_run_prints_table_and_writes_report_and_plot(three_sources, tmp_path, ca
         src, lengths = batch.source.numpy(), batch.lengths.numpy()
         tokens += np.bincount(src, weights=lengths, minlength=3)
         samples += np.bincount(src, minlength=3)
-        target += mix.target_at(batch.info["step"], 0.0) * lengths.sum()
+        target += mix.target_at(batch.info["step"], 0.0) * (lengths.sum() if unit == "tokens" else len(lengths))
         if k == 60:
             break
+    counted = tokens if unit == "tokens" else samples
 
     rep = strict_json(report_path)
-    assert rep["command"] == "run" and rep["batches"] == 60 and rep["tokens"] == tokens.sum()
+    assert rep["command"] == "run" and rep["batches"] == 60 and rep["tokens"] == tokens.sum() and rep["unit"] == unit
     assert list(rep["sources"]) == ["web", "code", "books"]
     for i, (name, s) in enumerate(rep["sources"].items()):
         assert TABLE_KEYS <= set(s)
         assert (s["tokens"], s["samples"]) == (tokens[i], samples[i])
-        assert s["realized"] == pytest.approx(tokens[i] / tokens.sum())
+        assert s["realized"] == pytest.approx(counted[i] / counted.sum())
+        assert (s["token_share"], s["sample_share"]) == (pytest.approx(tokens[i] / tokens.sum()), pytest.approx(samples[i] / samples.sum()))
         assert s["target"] == pytest.approx(target[i] / target.sum())
         assert s["error"] == pytest.approx(s["realized"] - s["target"])
         assert 0 < s["padding_efficiency"] <= 1
@@ -116,6 +123,7 @@ def test_run_prints_table_and_writes_report_and_plot(three_sources, tmp_path, ca
     assert_png(plot_path)
     (fig,) = figures
     assert series(fig) == [f"{n} {kind}" for n in ("web", "code", "books") for kind in ("target", "realized")]
+    assert fig.axes[0].get_ylabel() == f"{unit[:-1]} share"
 
 
 def test_run_with_workers_and_logging(three_sources, tmp_path, capsys, caplog):

@@ -284,9 +284,10 @@ _non_negative = _int_at_least(0)
 
 
 def _stream_options(p: argparse.ArgumentParser, steps: int) -> None:
-    p.add_argument("--steps", type=_positive, default=steps, help=f"batches to stream (default {steps})")
-    p.add_argument("--workers", type=_non_negative, default=2, help="DataLoader workers (default 2; 0 reads in this process)")
-    p.add_argument("--window", type=_positive, default=DEFAULT_WINDOW, help=f"batches in the stats window (default {DEFAULT_WINDOW})")
+    p.add_argument("--steps", type=_positive, default=steps, metavar="N", help=f"batches to stream (default {steps})")
+    p.add_argument("--workers", type=_non_negative, default=2, metavar="N", help="DataLoader workers (default 2; 0 reads in this process)")
+    p.add_argument("--window", type=_positive, default=DEFAULT_WINDOW, metavar="N",
+                   help=f"batches in the stats window (default {DEFAULT_WINDOW})")  # fmt: skip
     p.add_argument("--log-every", type=_non_negative, default=0, metavar="N",
                    help="log a line of window stats every N batches, and warn about starved sources (default: off)")  # fmt: skip
     p.add_argument("--report", default=None, metavar="FILE.json", help="write the final report as JSON to this file")
@@ -300,9 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="stream the built-in demo mixture (prose/code/books) and report the mix")
     _stream_options(demo, 300)
-    demo.add_argument("--max-tokens", type=_positive, default=32768, help="token budget per batch (default 32768)")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--cache-dir", default=None, help="where demo shards are generated (default ~/.cache/mixer/demo)")
+    demo.add_argument("--max-tokens", type=_positive, default=32768, metavar="N", help="token budget per batch (default 32768)")
+    demo.add_argument("--seed", type=int, default=0, metavar="N", help="the mixture's seed (default 0)")
+    demo.add_argument("--cache-dir", default=None, metavar="DIR", help="where demo shards are generated (default ~/.cache/mixer/demo)")
     demo.set_defaults(func=_demo)
 
     run = sub.add_parser("run", help="stream a config's mixture and report target vs realized shares")

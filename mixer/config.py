@@ -6,7 +6,8 @@ the rule and the value (``sources[2].weight: must be >= 0, got -1``); an unknown
 mean" hint. :func:`parse_config` does no I/O beyond reading the file, so a config can be checked
 (and its schedule printed) without touching the data; :func:`build_mixture` then creates the
 sources (listing shards) and the mixture. NeMo's ``ConcatDataset`` keys are accepted with NeMo's
-meaning (seed 000), also with the ``concat_`` prefix of NeMo's ASR configs; see :data:`NEMO_KEYS`.
+meaning (NeMo's ``ConcatDataset``), also with the ``concat_`` prefix of NeMo's ASR configs; see
+:data:`NEMO_KEYS`.
 
 Every keyword of :class:`~mixer.Mixture`, :class:`~mixer.Source`, :class:`~mixer.TokenBudget`,
 :class:`~mixer.Packed` and :class:`~mixer.Field` has a key of the same name, except deployment

@@ -651,7 +651,7 @@ def test_example_contents():
     cpt = parse_config(os.path.join(EXAMPLES, "continued_pretraining.yaml"))
     info = SourceInfo(names=tuple(s.name for s in cpt.sources), weights=np.ones(4), sizes=np.ones(4), groups=(None,) * 4)
     p = cpt.schedule.probs(info, 0, 1e12)
-    assert p[0] == pytest.approx(0.7) and p[1:].sum() == pytest.approx(0.3)  # seed 003 2.4: 70 / 30
+    assert p[0] == pytest.approx(0.7) and p[1:].sum() == pytest.approx(0.3)  # the example: 70 / 30
     nemo = parse_config(os.path.join(EXAMPLES, "nemo_asr_concat.yaml"))
     assert nemo.schedule == Temperature(1.0, base="sizes") and nemo.seed == 1234 and nemo.shuffle_buffer == 2048
     assert nemo.sources[0].decode == "my_asr.data:decode_audio"

@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         if k + 1 == args.batches:
             break
     took = time.perf_counter() - t1
-    stats = loader.stats()
+    stats = loader.stats()  # unit="samples": target and realized are shares of utterances
     counters = loader.counters()
     utterances = np.array([counters[s.name]["samples"] for s in sources], dtype=np.float64)
     print(f"\n{args.batches} batches in {took:.1f} s ({utterances.sum() / took:.0f} utterances/s, {seconds.sum() / took:.0f} audio-s/s), "
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'source':10s} {'utterances':>10s} {'size share':>10s} {'NeMo T=5':>9s} {'target':>7s} {'realized':>9s} {'audio s':>8s} {'dropped':>8s}")
     for i, s in enumerate(sources):
         print(f"{s.name:10s} {int(sizes[i]):10d} {sizes[i] / sizes.sum():10.3f} {nemo[i]:9.3f} {stats['sources'][s.name]['target_now']:7.3f} "
-              f"{utterances[i] / utterances.sum():9.3f} {seconds[i]:8.1f} {counters[s.name]['dropped']:8d}")
+              f"{stats['sources'][s.name]['total']['realized']:9.3f} {seconds[i]:8.1f} {counters[s.name]['dropped']:8d}")
     print(f"total {time.perf_counter() - t0:.1f} s")
     if tmp is not None:
         tmp.cleanup()

@@ -6,7 +6,8 @@
 
 ``run`` and ``demo`` show a progress bar (batches, tokens/s) and end with a per-source table;
 ``--report FILE.json`` writes it as JSON and ``--plot FILE.png`` draws it (needs matplotlib:
-``pip install 'wds-mixer[plot]'``).
+``pip install 'wds-mixer[plot]'``). Ctrl-C ends the stream early: the table, report and plot then
+cover the batches streamed so far, and the exit status is 130.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -36,49 +37,64 @@ from .source import Source
 from .stats import DEFAULT_WINDOW, History, check_plotting, format_table, human, log_every, plot_run, plot_schedule, report
 
 DEMO_WEIGHTS = {"prose": 0.5, "code": 0.3, "books": 0.2}
+INTERRUPTED = 130  # the exit status of a command ended by Ctrl-C (128 + SIGINT), as shells report it
+BROKEN_PIPE = 141  # 128 + SIGPIPE: what `cmd | head` reports for a command whose reader went away
 PLAN_POINTS = 600  # evaluation points of the plan plot over the whole horizon
 
 
 # ----------------------------------------------------------------------------------- run / demo
 
 
-def _stream(loader: Loader, *, steps: int, every: int, history: History | None) -> dict[str, Any]:
-    """Stream ``steps`` batches (fewer if the mixture ends) with a progress bar; returns ``loader.stats()``."""
-    batches: Iterable[Batch] = log_every(loader, every) if every else loader
+def _stream(loader: Loader, *, steps: int, every: int, history: History | None) -> tuple[dict[str, Any], bool]:
+    """Stream ``steps`` batches (fewer if the mixture ends) with a progress bar; returns
+    ``loader.stats()`` and whether Ctrl-C (KeyboardInterrupt) ended the stream early."""
+    batches: Iterator[Batch] = iter(log_every(loader, every) if every else loader)
     tokens = 0
+    interrupted = False
     with logging_redirect_tqdm(), tqdm(total=steps, unit="batch", dynamic_ncols=True, file=sys.stderr) as bar:
         start = time.perf_counter()
-        for k, batch in enumerate(batches, 1):
-            tokens += int(batch.info["tokens"])
-            if history is not None:
-                history.update(batch)
-            bar.update(1)
-            if k % 10 == 0 or k == steps:
-                bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):,.0f} tok/s", refresh=False)
-            if k >= steps:
-                break
-    return loader.stats()
+        try:
+            for k, batch in enumerate(batches, 1):
+                tokens += int(batch.info["tokens"])
+                if history is not None:
+                    history.update(batch)
+                bar.update(1)
+                if k % 10 == 0 or k == steps:
+                    bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):,.0f} tok/s", refresh=False)
+                if k >= steps:
+                    break
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            # Ends the loader's iteration now (its DataLoader workers shut down before the summary).
+            close = getattr(batches, "close", None)
+            if callable(close):
+                close()
+    return loader.stats(), interrupted
 
 
 def _run_mixture(mixture: Mixture, args: argparse.Namespace, command: str) -> int:
     if args.plot:
         check_plotting()  # now, not after a long run
     loader = make_loader(mixture, num_workers=args.workers, stats_window=args.window)
-    history = History(mixture.names) if args.plot else None
-    stats = _stream(loader, steps=args.steps, every=args.log_every, history=history)
+    history = History(mixture.names, unit=mixture.unit) if args.plot else None
+    stats, interrupted = _stream(loader, steps=args.steps, every=args.log_every, history=history)
     rep = report(stats)
     print(format_table(rep))
-    if stats["batches"] < args.steps:
+    if interrupted:
+        print(f"interrupted (Ctrl-C) after {stats['batches']:,} of {args.steps:,} batches; the table covers them")
+    elif stats["batches"] < args.steps:
         print(f"the mixture ended after {stats['batches']:,} of {args.steps:,} batches (stop={mixture.stop!r})")
     if args.report:
+        out = {"command": command, "steps": args.steps, "workers": args.workers, "interrupted": interrupted, **rep, "stats": stats}
         with open(args.report, "w", encoding="utf-8") as f:
-            json.dump({"command": command, "steps": args.steps, "workers": args.workers, **rep, "stats": stats}, f, indent=2, allow_nan=False)
+            json.dump(out, f, indent=2, allow_nan=False)
         print(f"report written to {args.report}")
     if args.plot:
         assert history is not None
         plot_run(history, args.plot)
         print(f"plot written to {args.plot}")
-    return 0
+    return INTERRUPTED if interrupted else 0
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -268,9 +284,10 @@ _non_negative = _int_at_least(0)
 
 
 def _stream_options(p: argparse.ArgumentParser, steps: int) -> None:
-    p.add_argument("--steps", type=_positive, default=steps, help=f"batches to stream (default {steps})")
-    p.add_argument("--workers", type=_non_negative, default=2, help="DataLoader workers (default 2; 0 reads in this process)")
-    p.add_argument("--window", type=_positive, default=DEFAULT_WINDOW, help=f"batches in the stats window (default {DEFAULT_WINDOW})")
+    p.add_argument("--steps", type=_positive, default=steps, metavar="N", help=f"batches to stream (default {steps})")
+    p.add_argument("--workers", type=_non_negative, default=2, metavar="N", help="DataLoader workers (default 2; 0 reads in this process)")
+    p.add_argument("--window", type=_positive, default=DEFAULT_WINDOW, metavar="N",
+                   help=f"batches in the stats window (default {DEFAULT_WINDOW})")  # fmt: skip
     p.add_argument("--log-every", type=_non_negative, default=0, metavar="N",
                    help="log a line of window stats every N batches, and warn about starved sources (default: off)")  # fmt: skip
     p.add_argument("--report", default=None, metavar="FILE.json", help="write the final report as JSON to this file")
@@ -284,9 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="stream the built-in demo mixture (prose/code/books) and report the mix")
     _stream_options(demo, 300)
-    demo.add_argument("--max-tokens", type=_positive, default=32768, help="token budget per batch (default 32768)")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--cache-dir", default=None, help="where demo shards are generated (default ~/.cache/mixer/demo)")
+    demo.add_argument("--max-tokens", type=_positive, default=32768, metavar="N", help="token budget per batch (default 32768)")
+    demo.add_argument("--seed", type=int, default=0, metavar="N", help="the mixture's seed (default 0)")
+    demo.add_argument("--cache-dir", default=None, metavar="DIR", help="where demo shards are generated (default ~/.cache/mixer/demo)")
     demo.set_defaults(func=_demo)
 
     run = sub.add_parser("run", help="stream a config's mixture and report target vs realized shares")
@@ -315,10 +332,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "log_every", 0):
         logging.getLogger("mixer.stats").setLevel(logging.INFO)
     try:
-        return int(args.func(args))
+        status = int(args.func(args))
+        sys.stdout.flush()  # here, so that a closed pipe is seen below and not at interpreter exit
+        return status
     except MixerError as exc:
         print(f"mixer {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before or after streaming (while streaming, _stream handles it)
+        print(f"mixer {args.command}: interrupted", file=sys.stderr)
+        return INTERRUPTED
+    except BrokenPipeError:
+        # The reader of stdout went away (`mixer plan x.yaml | head`): stop quietly. Python's
+        # documented recipe: point stdout at devnull, or the flush at exit fails again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return BROKEN_PIPE
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ the rule and the value (``sources[2].weight: must be >= 0, got -1``); an unknown
 mean" hint. :func:`parse_config` does no I/O beyond reading the file, so a config can be checked
 (and its schedule printed) without touching the data; :func:`build_mixture` then creates the
 sources (listing shards) and the mixture. NeMo's ``ConcatDataset`` keys are accepted with NeMo's
-meaning (seed 000), also with the ``concat_`` prefix of NeMo's ASR configs; see :data:`NEMO_KEYS`.
+meaning (NeMo's ``ConcatDataset``), also with the ``concat_`` prefix of NeMo's ASR configs; see
+:data:`NEMO_KEYS`.
 
 Every keyword of :class:`~mixer.Mixture`, :class:`~mixer.Source`, :class:`~mixer.TokenBudget`,
 :class:`~mixer.Packed` and :class:`~mixer.Field` has a key of the same name, except deployment
@@ -42,7 +43,7 @@ import yaml
 
 from .errors import ConfigError
 from .io import IOOptions
-from .schedule import Curriculum, Floored, Hierarchical, Phase, Schedule, Static, Temperature
+from .schedule import Curriculum, Floored, Hierarchical, Phase, Schedule, Static, Temperature, Weights
 
 if TYPE_CHECKING:
     from .mixture import Mixture
@@ -56,7 +57,7 @@ BATCHING_KEYS = (
 )  # fmt: skip
 PACKED_KEYS = ("packed", "max_tokens", "seq_len", "split_documents", "max_length", "overlong", "open_batches")
 FIELD_KEYS = ("dtype", "pad")
-SCHEDULE_KEYS = ("temperature", "phases", "hierarchical", "min_prob")
+SCHEDULE_KEYS = ("weights", "temperature", "phases", "hierarchical", "min_prob")
 TEMPERATURE_KEYS = ("start", "end", "shape", "steps", "tokens", "base")
 PHASE_KEYS = ("weights", "until_tokens", "until_steps", "ramp_tokens", "ramp_steps", "temperature")
 HIERARCHICAL_KEYS = ("beta_group", "beta_source")
@@ -214,6 +215,8 @@ def _schedule_to_dict(schedule: Schedule) -> dict[str, Any]:
         return {**_schedule_to_dict(schedule.schedule), "min_prob": schedule.min_prob}
     if isinstance(schedule, Static):
         return {}
+    if isinstance(schedule, Weights):
+        return {"weights": dict(schedule.weights)}
     if isinstance(schedule, Temperature):
         return {"temperature": _temperature_to_dict(schedule)}
     if isinstance(schedule, Hierarchical):
@@ -236,7 +239,7 @@ def _schedule_to_dict(schedule: Schedule) -> dict[str, Any]:
         if schedule.temperature is not None:
             out["temperature"] = _temperature_to_dict(schedule.temperature)
         return out
-    raise ConfigError(f"schedule: {schedule!r} has no config form (only Temperature, Curriculum, Hierarchical, Floored, Static)")
+    raise ConfigError(f"schedule: {schedule!r} has no config form (only Weights, Temperature, Curriculum, Hierarchical, Floored, Static)")
 
 
 # --------------------------------------------------------------------------------------- validation
@@ -619,7 +622,13 @@ def _parse_schedule(value: Any, names: Sequence[str]) -> Schedule | None:
     if "temperature" in m:
         temperature, _ = _parse_temperature(m["temperature"], _at(path, "temperature"))
     schedule: Schedule | None
-    if "phases" in m:
+    if "weights" in m:  # mixer.Weights: fixed weights by name, instead of the sources' own
+        for other, why in (("phases", "each phase has its own weights"), ("hierarchical", "it sets the weights from sizes"),
+                           ("temperature", "for a temperature over these weights, give one phase with both")):  # fmt: skip
+            if other in m:
+                raise ConfigError(f"{path}.weights: cannot be combined with '{other}' ({why})")
+        schedule = Weights(_parse_weights(m["weights"], _at(path, "weights"), names))
+    elif "phases" in m:
         if "hierarchical" in m:
             raise ConfigError(f"{path}.hierarchical: cannot be combined with 'phases'")
         schedule = _parse_phases(m["phases"], _at(path, "phases"), names, temperature)

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
 import torch
 
+from ._warn import warn
 from .batch import Batch
 from .errors import ConfigError
 
@@ -122,10 +122,10 @@ class DeviceFeed(Generic[T]):
                 if not ops.is_pinned(host):
                     if not warned:
                         warned = True
-                        warnings.warn(
+                        warn(
                             "to_device: batch is not in pinned memory, pinning it in the training loop's thread; "
                             "pass pin_memory=True to the DataLoader (make_loader(device=...) does) so the pin thread does it",
-                            stacklevel=2,
+                            UserWarning,
                         )
                     host = ops.pin(host)
                 with ops.use(stream):

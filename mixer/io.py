@@ -521,13 +521,14 @@ def _expand_local(pattern: str, original: str) -> list[tuple[str, int]]:
 class IOOptions:
     """How a source reads its remote shards (local files ignore these options).
 
-    ``timeout``: seconds a request may wait for an answer, and a response for its next byte, before
-    the attempt counts as a (transient) failure. ``retries``: transient faults in a row, without a
-    byte of progress in between, before the shard fails. ``backoff``: the first retry waits about
-    this many seconds, doubling each time (with jitter, at most 30 s). ``block_size``: bytes asked of
-    the network per read; each open stream buffers up to about 3 x ``block_size``. ``read_ahead``:
-    how many of the reader's next shards start downloading while it reads the current one (see
-    `open_ahead`); 0 turns read-ahead off.
+    ``timeout`` (default 60): seconds a request may wait for an answer, and a response for its next
+    byte, before the attempt counts as a (transient) failure. ``retries`` (default 5): transient
+    faults in a row, without a byte of progress in between, before the shard fails. ``backoff``
+    (default 0.5): the first retry waits about this many seconds, doubling each time (with jitter,
+    at most 30 s). ``block_size`` (default 1 MiB): bytes asked of the network per read; each open
+    stream buffers up to about 3 x ``block_size``. ``read_ahead`` (default 2): how many of the
+    reader's next shards start downloading while it reads the current one (see `ReadAhead`); 0
+    turns read-ahead off.
     """
 
     timeout: float = 60.0

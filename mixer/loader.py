@@ -149,7 +149,9 @@ class Loader:
         self._started = False
         self._resume: dict[str, Any] | None = None
         self._reset_bookkeeping(None)
-        self._stats = Stats(mixture.names, window=stats_window, num_workers=num_workers, max_tokens=mixture.batching.max_tokens)
+        self._stats = Stats(
+            mixture.names, window=stats_window, num_workers=num_workers, max_tokens=mixture.batching.max_tokens, unit=mixture.unit
+        )
         # Equal batch counts over the data-parallel ranks in finite modes (see mixer.distributed).
         self.sync: StopSync | None = stop_sync(mixture, sync_stop=sync_stop, sync_group=sync_group)
 
@@ -246,9 +248,10 @@ class Loader:
         return {name: dict(zip(Counters.FIELDS, map(int, row))) for name, row in zip(self.mixture.names, total)}
 
     def stats(self) -> dict[str, Any]:
-        """Per-source counters, realized vs target token share, padding efficiency and tokens/s, over the
-        whole pass and over the last ``stats_window`` batches handed out: a JSON-serialisable dict (see
-        :meth:`mixer.stats.Stats.as_dict`), computed from what the batches carry."""
+        """Per-source counters, realized vs target share (in the mixture's unit), padding efficiency and
+        tokens/s, over the whole pass and over the last ``stats_window`` batches handed out: a
+        JSON-serialisable dict (see :meth:`mixer.stats.Stats.as_dict`), computed from what the batches
+        carry."""
         return self._stats.as_dict()
 
 

@@ -137,7 +137,7 @@ class Static:
 @dataclass(frozen=True)
 class Weights:
     """Fixed weights by source name (normalised; sources not named get 0). Replaces the sources' own
-    ``weight`` without rebuilding them."""
+    ``weight`` without rebuilding them. In a config file: ``schedule: {weights: {name: w, ...}}``."""
 
     weights: Mapping[str, float]
 
@@ -152,9 +152,10 @@ class Weights:
 class Temperature:
     """``p_i ∝ b_i ** (1 / t)`` with the temperature ``t`` moving from ``start`` to ``end``.
 
-    ``b`` is the source sizes (``base="sizes"``: NeMo's temperature sampling, seed 000) or the
-    weights (``base="weights"``: seed 003, 2.3.1). ``base=None`` means sizes when the temperature is
-    the whole schedule, and the phase's weights inside a :class:`Curriculum` (seed 003, 2.3.3).
+    ``b`` is the source sizes (``base="sizes"``: the temperature sampling of multilingual MT,
+    Arivazhagan et al. 2019, arXiv:1907.05019, as in NeMo's ``ConcatDataset``) or the weights
+    (``base="weights"``: the same formula on the weights). ``base=None`` means sizes when the
+    temperature is the whole schedule, and the phase's weights inside a :class:`Curriculum`.
     t=1 is proportional to ``b``; t→∞ tends to uniform over the sources with ``b_i > 0``; t→0 to
     the largest alone.
 
@@ -246,7 +247,8 @@ class Phase:
 
     ``weights`` names sources (those not named get 0); None means the sources' own weights.
     Entering the phase, the target moves linearly from the previous phase's vector to this one's
-    over ``ramp`` (same unit) so that the schedule is continuous at the boundary (seed 003, gotcha 2).
+    over ``ramp`` (same unit) so that the schedule is continuous at the boundary (no sudden change
+    of the data distribution).
     ``temperature`` reshapes this phase's weights, counting its progress from the phase's start.
     """
 
@@ -268,7 +270,7 @@ class Phase:
 
 @dataclass(frozen=True)
 class Curriculum:
-    """Phases of target weights over training (seed 003, 2.3.2), by ``unit`` (``"tokens"`` seen or
+    """Phases of target weights over training (a data curriculum), by ``unit`` (``"tokens"`` seen or
     global ``"steps"``).
 
     Phase k runs from the previous phase's ``until`` (0 for the first) up to, not including, its own
@@ -374,7 +376,8 @@ class Curriculum:
 
 @dataclass(frozen=True)
 class Hierarchical:
-    """Two-level weights from sizes (seed 002's ``beta_corpus`` / ``beta_language``): a group gets
+    """Two-level weights from sizes (``beta_corpus`` / ``beta_language`` of the fairseq2 mixture
+    dataset of omnilingual-asr, ``MixtureParquetAsrDataset``): a group gets
     ``(size_group / size_total) ** beta_group``, a source within its group
     ``(size_source / size_group) ** beta_source``; the product is normalised. Beta 0 is uniform,
     1 proportional. Groups come from ``info.groups``; a source with group None is a group of its own.
@@ -429,8 +432,8 @@ def apply_floor(p: np.ndarray, eligible: np.ndarray, min_prob: float) -> np.ndar
 
 @dataclass(frozen=True)
 class Floored:
-    """Guarantees every source of nonzero size at least ``min_prob`` (seed 003, gotcha 1: no source
-    starves), applied after ``schedule`` and renormalised exactly (see :func:`apply_floor`). It also
+    """Guarantees every source of nonzero size at least ``min_prob`` (no source starves), applied
+    after ``schedule`` and renormalised exactly (see :func:`apply_floor`). It also
     lifts sources the schedule gives 0; remove a source from the mixture to exclude it."""
 
     schedule: Schedule

@@ -2,7 +2,8 @@
 
 Each selector sees only the active sources (an exhausted source in ``stop="all_exhausted"`` drops
 out and the others are renormalised) and is told what each pick delivered, in the mixture's unit
-(real tokens by default, so the realized *token* share tracks the target, seed 003 gotcha 3).
+(real tokens by default, so the realized *token* share tracks the target: with sources of very
+different lengths, equal sample shares would be far from equal token shares).
 """
 
 from __future__ import annotations

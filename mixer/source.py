@@ -10,7 +10,6 @@ import logging
 import math
 import operator
 import random
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -18,6 +17,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 
 from . import io
+from ._warn import warn
 from .bucket import TokenBudget
 from .decode import Sample, default_tokens
 from .layout import Packed, decoded_fields, field_length
@@ -154,7 +154,7 @@ def profile(source: Source, *, max_samples: int = 2048, max_shards: int = 3) -> 
             # The readers meet this shard again and apply (and count) the policy there.
             if source.on_error == "raise":
                 raise ShardError(f"source {source.name!r}: {exc}") from exc
-            warnings.warn(f"source {source.name!r}: profiling skips shard {io.redact(url)}: {exc}", RuntimeWarning, stacklevel=2)
+            warn(f"source {source.name!r}: profiling skips shard {io.redact(url)}: {exc}")
             continue
         lengths += got
         if size_told is not None:
@@ -410,7 +410,7 @@ class SourceStream:
     def _warn_once(self, shard: int, message: str) -> None:
         if shard not in self._warned_shards:
             self._warned_shards.add(shard)
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            warn(message)
 
     # ---- state ------------------------------------------------------------------------------
 

@@ -7,8 +7,10 @@ in a ring buffer; a window's counters are then the difference of two snapshots, 
 cost is a few small numpy operations whatever the window size, and no tensor is touched (a batch
 may already be on the GPU; the one exception is each reader's first batch after a resume).
 
-Targets are integrated: each batch adds ``target(step) * batch tokens``, so with a moving schedule
-the realized share is compared with what the schedule asked for over the same tokens.
+Targets are integrated: each batch adds ``target(step) * batch size`` in the mixture's unit (real
+tokens, or samples with ``unit="samples"``), so with a moving schedule the realized share is compared
+with what the schedule asked for over the same tokens (samples). Shares, errors and starvation are
+in the mixture's unit; both the token and the sample share of every source are reported as well.
 """
 
 from __future__ import annotations
@@ -48,19 +50,27 @@ class Stats:
     over the DataLoader workers): each reader reads its own part of a source-epoch. All the other
     counters are sums over the workers.
 
-    A source is reported ``starved`` over the window when its realized token share is below half of
-    its (integrated) target *and* the shortfall exceeds ``2 * readers * max_tokens`` tokens: the
-    deficit selector keeps each reader within about a batch of its target, so a shortfall that large
-    cannot come from batch granularity at the start of a run or of a window.
+    ``unit`` is the mixture's (:class:`~mixer.Mixture`'s ``unit``): ``target``, ``realized`` and
+    ``error`` are shares of real tokens, or of samples with ``"samples"``.
+
+    A source is reported ``starved`` over the window when its realized share is below half of its
+    (integrated) target *and* the shortfall exceeds two batches per reader (``2 * readers *
+    max_tokens`` tokens; in samples, twice the largest batch seen so far per reader): the deficit
+    selector keeps each reader within about a batch of its target, so a shortfall that large cannot
+    come from batch granularity at the start of a run or of a window.
     """
 
-    def __init__(self, names: Sequence[str], *, window: int = DEFAULT_WINDOW, num_workers: int = 0, max_tokens: int = 0) -> None:
+    def __init__(self, names: Sequence[str], *, window: int = DEFAULT_WINDOW, num_workers: int = 0, max_tokens: int = 0,
+                 unit: str = "tokens") -> None:  # fmt: skip
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ConfigError(f"stats_window must be an int >= 1 (got {window!r})")
+        if unit not in ("tokens", "samples"):
+            raise ConfigError(f"unit must be 'tokens' or 'samples' (got {unit!r})")
         self.names = tuple(names)
         self.window = window
+        self.unit = unit
         self.readers = max(1, int(num_workers))
-        self.slack = 2.0 * self.readers * max(int(max_tokens), 0)
+        self.max_tokens = max(int(max_tokens), 0)
         self.reset()
 
     def reset(self, *, resumed: bool = False) -> None:
@@ -71,6 +81,7 @@ class Stats:
         self._base: list[np.ndarray | None] = [None] * self.readers
         self.batches = 0
         self.step = -1
+        self.largest = 0  # the most samples in one batch so far (the batch granularity in samples)
         self.target_now = np.zeros(n)
         self._last = np.zeros((self.readers, n, len(FIELDS)), dtype=np.int64)
         self._sum = np.zeros((n, len(FIELDS)), dtype=np.int64)
@@ -95,13 +106,19 @@ class Stats:
             if base is None:
                 base = self._base[worker] = np.asarray(info.get("resumed_counters", np.zeros_like(rows)), dtype=np.int64)
             rows = rows - base
-        self._sum += rows - self._last[worker]
+        # A reader's counters are cumulative and already include this batch: the difference is it.
+        delta = rows - self._last[worker]
+        self._sum += delta
         self._last[worker] = rows
-        tokens = int(info["tokens"])
+        if self.unit == "tokens":
+            size = int(info["tokens"])
+        else:
+            size = int(delta[:, _F["samples"]].sum())
+            self.largest = max(self.largest, size)
         target = info.get("target")
         if target is not None:
             self.target_now = np.asarray(target, dtype=np.float64)
-            self._target += self.target_now * tokens
+            self._target += self.target_now * size
         self.step = int(info.get("step", self.batches))
         self.batches += 1
         slot = self.batches % (self.window + 1)
@@ -124,19 +141,21 @@ class Stats:
     def as_dict(self) -> dict[str, Any]:
         """A JSON-serialisable snapshot (plain ints, floats, strings, lists and dicts)::
 
-            {"batches", "step", "seconds", "window_size",
+            {"batches", "step", "seconds", "window_size", "unit",
              "total":  {"batches", "tokens", "samples", "padded", "padding_efficiency",
                         "tokens_per_second", "samples_per_second"},
              "window": {the same, over the last min(batches, window_size) batches},
              "sources": {name: {"target_now", "starved",
-                                "total":  {"target", "realized", "error", "padding_efficiency",
-                                           <every Counters field>},
+                                "total":  {"target", "realized", "error", "token_share", "sample_share",
+                                           "padding_efficiency", <every Counters field>},
                                 "window": {the same}}},
              "starved": [names of the sources starved over the window]}
 
-        ``target`` is the schedule's share integrated over the same tokens, ``realized`` the share of
-        real tokens delivered, ``error = realized - target``; ``target_now`` is the schedule's share at
-        the last step handed out."""
+        In the mixture's ``unit`` (real tokens or samples): ``target`` is the schedule's share
+        integrated over the same tokens (samples), ``realized`` the share delivered, ``error =
+        realized - target``. ``token_share`` and ``sample_share`` are the realized shares of real
+        tokens and of samples whatever the unit; ``target_now`` is the schedule's share at the last
+        step handed out."""
         now_c, now_t, now_time = self._at(self.batches)
         start = max(self.batches - self.window, 0)
         old_c, old_t, old_time = self._at(start)
@@ -158,6 +177,7 @@ class Stats:
             "step": self.step,
             "seconds": now_time - self.started,
             "window_size": self.window,
+            "unit": self.unit,
             "total": total,
             "window": window,
             "sources": sources,
@@ -168,22 +188,28 @@ class Stats:
         tokens = counters[:, _F["tokens"]]
         padded = counters[:, _F["padded"]]
         total_tokens = int(tokens.sum())
-        realized = tokens / total_tokens if total_tokens else np.zeros(len(tokens))
-        target_sum = float(target.sum())
-        share = target / target_sum if target_sum > 0 else np.zeros(len(tokens))
-        shortfall = share * total_tokens - tokens
-        starved = (realized < STARVED_BELOW * share) & (shortfall > self.slack)
+        samples = int(counters[:, _F["samples"]].sum())
+        token_share = _shares(tokens)
+        sample_share = _shares(counters[:, _F["samples"]])
+        if self.unit == "tokens":
+            amount, realized, slack = tokens, token_share, 2.0 * self.readers * self.max_tokens
+        else:
+            amount, realized, slack = counters[:, _F["samples"]], sample_share, 2.0 * self.readers * self.largest
+        share = _shares(target)
+        shortfall = share * float(amount.sum()) - amount
+        starved = (realized < STARVED_BELOW * share) & (shortfall > slack)
         per_source = []
         for i in range(len(self.names)):
             row = {
                 "target": float(share[i]),
                 "realized": float(realized[i]),
                 "error": float(realized[i] - share[i]),
+                "token_share": float(token_share[i]),
+                "sample_share": float(sample_share[i]),
                 "padding_efficiency": float(tokens[i] / padded[i]) if padded[i] else 1.0,
             }
             row.update(zip(FIELDS, map(int, counters[i])))
             per_source.append(row)
-        samples = int(counters[:, _F["samples"]].sum())
         seconds = max(seconds, 1e-9)
         return {
             "batches": int(batches),
@@ -198,22 +224,33 @@ class Stats:
         }
 
 
+def _shares(x: np.ndarray) -> np.ndarray:
+    """``x`` normalised to sum 1 (all zeros when it sums to 0)."""
+    total = float(x.sum())
+    return x / total if total > 0 else np.zeros(len(x))
+
+
+def _unit_word(stats: dict[str, Any]) -> str:
+    return "sample" if stats["unit"] == "samples" else "token"
+
+
 def format_line(stats: dict[str, Any]) -> str:
-    """One compact line: step, throughput, padding, and per source realized/target share over the window."""
+    """One compact line: step, throughput, padding, and per source realized/target share (in the
+    mixture's unit) over the window."""
     w = stats["window"]
     shares = " ".join(
         f"{name} {s['window']['realized']:.3f}/{s['window']['target']:.3f}" for name, s in stats["sources"].items()
     )
     return (
         f"step {stats['step']} | {w['tokens_per_second']:,.0f} tok/s | pad eff {w['padding_efficiency']:.3f} | "
-        f"realized/target over {w['batches']} batches: {shares}"
+        f"realized/target {_unit_word(stats)} share over {w['batches']} batches: {shares}"
     )
 
 
 def log_every(loader: Iterable[Batch], n: int, *, logger: logging.Logger | None = None) -> Iterator[Batch]:
     """Iterate ``loader`` (a :class:`~mixer.Loader`), logging :func:`format_line` of ``loader.stats()``
     at INFO every ``n`` batches, and a WARNING for each source starved over the stats window (realized
-    share below half its target; see :class:`Stats`)::
+    share, in the mixture's unit, below half its target; see :class:`Stats`)::
 
         for batch in mixer.log_every(loader, 100):
             ...
@@ -231,9 +268,9 @@ def log_every(loader: Iterable[Batch], n: int, *, logger: logging.Logger | None 
             for name in stats["starved"]:
                 s = stats["sources"][name]["window"]
                 out.warning(
-                    "source %r is starved: realized token share %.4f over the last %d batches, below half its "
+                    "source %r is starved: realized %s share %.4f over the last %d batches, below half its "
                     "target %.4f (exhausted, too few samples for its share, or too few shards for the readers?)",
-                    name, s["realized"], stats["window"]["batches"], s["target"],
+                    name, _unit_word(stats), s["realized"], stats["window"]["batches"], s["target"],
                 )  # fmt: skip
         yield batch
 
@@ -241,10 +278,13 @@ def log_every(loader: Iterable[Batch], n: int, *, logger: logging.Logger | None 
 # --------------------------------------------------------------------------------------- reports
 
 
+#: (key, title, format) of the end-of-run table; ``target``, ``realized`` and ``error`` are in the
+#: mixture's unit, and the table adds the share in the other unit (``token_share`` / ``sample_share``).
 TABLE_COLUMNS = (
-    ("target", "target"), ("realized", "realized"), ("error", "error"), ("tokens", "tokens"), ("samples", "samples"),
-    ("padding_efficiency", "pad eff"), ("epochs", "epochs"), ("skipped_samples", "skipped"),
-    ("skipped_shards", "bad shards"),
+    ("target", "target", ".4f"), ("realized", "realized", ".4f"), ("error", "error", "+.4f"),
+    ("token_share", "token share", ".4f"), ("sample_share", "sample share", ".4f"), ("tokens", "tokens", ","),
+    ("samples", "samples", ","), ("padding_efficiency", "pad eff", ".3f"), ("epochs", "epochs", ","),
+    ("skipped_samples", "skipped", ","), ("skipped_shards", "bad shards", ","),
 )  # fmt: skip
 
 
@@ -252,6 +292,7 @@ def report(stats: dict[str, Any]) -> dict[str, Any]:
     """The end-of-run report: per source the table's columns (over the whole run), plus totals."""
     t = stats["total"]
     return {
+        "unit": stats["unit"],
         "batches": t["batches"],
         "tokens": t["tokens"],
         "samples": t["samples"],
@@ -260,25 +301,25 @@ def report(stats: dict[str, Any]) -> dict[str, Any]:
         "tokens_per_second": t["tokens_per_second"],
         "samples_per_second": t["samples_per_second"],
         "sources": {
-            name: {key: s["total"][key] for key, _ in TABLE_COLUMNS} | {"target_now": s["target_now"]}
+            name: {key: s["total"][key] for key, _, _ in TABLE_COLUMNS} | {"target_now": s["target_now"]}
             for name, s in stats["sources"].items()
         },
     }
 
 
 def format_table(rep: dict[str, Any]) -> str:
-    """The per-source table printed at the end of ``mixer demo`` / ``mixer run`` (from :func:`report`)."""
-    rows = [("source",) + tuple(title for _, title in TABLE_COLUMNS)]
+    """The per-source table printed at the end of ``mixer demo`` / ``mixer run`` (from :func:`report`):
+    target, realized and error in the mixture's unit, then the share in the other unit."""
+    word = _unit_word(rep)
+    columns = [c for c in TABLE_COLUMNS if c[0] != f"{word}_share"]
+    rows = [("source",) + tuple(title for _, title, _ in columns)]
     for name, s in rep["sources"].items():
-        rows.append((
-            name, f"{s['target']:.4f}", f"{s['realized']:.4f}", f"{s['error']:+.4f}", f"{s['tokens']:,}",
-            f"{s['samples']:,}", f"{s['padding_efficiency']:.3f}", f"{s['epochs']:,}", f"{s['skipped_samples']:,}",
-            f"{s['skipped_shards']:,}",
-        ))  # fmt: skip
+        rows.append((name,) + tuple(format(s[key], spec) for key, _, spec in columns))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.append("")
+    lines.append(f"target, realized and error are {word} shares (unit: {rep['unit']})")
     lines.append(
         f"{rep['batches']:,} batches, {rep['samples']:,} samples, {rep['tokens']:,} real tokens in "
         f"{rep['seconds']:.1f} s: {rep['tokens_per_second']:,.0f} tokens/s, "
@@ -288,24 +329,29 @@ def format_table(rep: dict[str, Any]) -> str:
 
 
 class History:
-    """Per batch handed out: its global step, real tokens per source and the worker's target share;
-    what :func:`plot_run` draws. Reads ``batch.source``/``batch.lengths`` (keep it on host batches)."""
+    """Per batch handed out: its global step, what it delivered per source in the mixture's ``unit``
+    (real tokens, or samples) and the worker's target share; what :func:`plot_run` draws. Reads
+    ``batch.source``/``batch.lengths`` (keep it on host batches)."""
 
-    def __init__(self, names: Sequence[str]) -> None:
+    def __init__(self, names: Sequence[str], *, unit: str = "tokens") -> None:
+        if unit not in ("tokens", "samples"):
+            raise ConfigError(f"unit must be 'tokens' or 'samples' (got {unit!r})")
         self.names = tuple(names)
+        self.unit = unit
         self.steps: list[int] = []
-        self.tokens: list[np.ndarray] = []
+        self.tokens: list[np.ndarray] = []  # per batch and source: real tokens, or samples (unit="samples")
         self.targets: list[Sequence[float]] = []
 
     def update(self, batch: Batch) -> None:
         n = len(self.names)
         src = batch.source.numpy().astype(np.int64, copy=False)
-        self.tokens.append(np.bincount(src, weights=batch.lengths.numpy(), minlength=n))
+        weights = batch.lengths.numpy() if self.unit == "tokens" else None
+        self.tokens.append(np.bincount(src, weights=weights, minlength=n).astype(np.float64))
         self.steps.append(int(batch.info["step"]))
         self.targets.append(batch.info["target"])
 
     def realized(self, width: int) -> np.ndarray:
-        """Realized token share per source over a centred window of ``width`` batches, ``[batches, sources]``."""
+        """Realized share (in the unit) per source over a centred window of ``width`` batches, ``[batches, sources]``."""
         tokens = np.asarray(self.tokens, dtype=np.float64).reshape(-1, len(self.names))
         cum = np.vstack([np.zeros((1, tokens.shape[1])), np.cumsum(tokens, axis=0)])
         b = np.arange(len(tokens))
@@ -340,9 +386,9 @@ def check_plotting() -> None:
 
 
 def plot_run(history: History, path: str | None = None, *, width: int | None = None) -> Figure:
-    """Target (dashed, as computed in the workers) and realized token share (solid, over a centred
-    window of ``width`` batches, default 1/15 of the run) per source against the global step: two
-    series per source. Saved as PNG to ``path`` if given."""
+    """Target (dashed, as computed in the workers) and realized share in the history's unit (solid,
+    over a centred window of ``width`` batches, default 1/15 of the run) per source against the global
+    step: two series per source. Saved as PNG to ``path`` if given."""
     fig = _figure()
     ax = fig.add_subplot()
     steps = np.asarray(history.steps)
@@ -354,9 +400,10 @@ def plot_run(history: History, path: str | None = None, *, width: int | None = N
         (line,) = ax.plot(steps, target[:, i], linestyle="--", label=f"{name} target")
         ax.plot(steps, realized[:, i], color=line.get_color(), label=f"{name} realized")
     ax.set_xlabel("global step")
-    ax.set_ylabel("token share")
+    word = "sample" if history.unit == "samples" else "token"
+    ax.set_ylabel(f"{word} share")
     ax.set_ylim(0, 1)
-    ax.set_title(f"target vs realized token share (realized over {width} batches)")
+    ax.set_title(f"target vs realized {word} share (realized over {width} batches)")
     ax.legend(loc="best", fontsize="small", ncols=2)
     if path is not None:
         fig.savefig(path, format="png", dpi=100)

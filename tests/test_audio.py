@@ -190,3 +190,27 @@ def test_bad_sample_rate_in_a_mixture_follows_on_error(tmp_path):
     strict = mixer.Source("s", pattern, decode=SpeechDecode())
     with pytest.raises(mixer.SampleError, match="22050 Hz"):
         mixer.Mixture([strict], batching=mixer.TokenBudget(max_tokens=64000), fields=fields)
+
+
+def test_the_asr_example_runs_and_reports_sample_shares(tmp_path):
+    # examples/asr_mix.py mixes by utterances (unit="samples"): its table's realized column is
+    # loader.stats()'s, a share of utterances, within a batch or so of NeMo's T=5 target.
+    import os
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(
+        [sys.executable, str(repo / "examples" / "asr_mix.py"), "--workers", "0", "--batches", "40", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.split()[:1] in (["read"], ["commands"])}
+    assert set(rows) == {"read", "commands"}, proc.stdout
+    # columns: source, utterances, size share, NeMo T=5, target, realized, audio s, dropped
+    target = {name: float(r[4]) for name, r in rows.items()}
+    realized = {name: float(r[5]) for name, r in rows.items()}
+    assert target == {"read": float(rows["read"][3]), "commands": float(rows["commands"][3])}
+    assert sum(realized.values()) == pytest.approx(1.0, abs=2e-3)
+    assert all(abs(realized[n] - target[n]) < 0.02 for n in rows), proc.stdout

@@ -17,7 +17,10 @@ import mixer
 from mixer import cli, demo, stats
 
 REPO = Path(__file__).resolve().parents[1]
-TABLE_KEYS = {"target", "realized", "error", "tokens", "samples", "padding_efficiency", "epochs", "skipped_samples", "skipped_shards"}
+TABLE_KEYS = {
+    "target", "realized", "error", "token_share", "sample_share", "tokens", "samples", "padding_efficiency", "epochs",
+    "skipped_samples", "skipped_shards",
+}  # fmt: skip
 
 
 def write_config(path, config):
@@ -74,8 +77,10 @@ def assert_png(path):
 # ---- mixer run -----------------------------------------------------------------------------------
 
 
-def test_run_prints_table_and_writes_report_and_plot(three_sources, tmp_path, capsys, monkeypatch):
-    cfg = write_config(tmp_path / "mix.yaml", run_config(three_sources))
+@pytest.mark.parametrize("unit", ["tokens", "samples"])
+def test_run_prints_table_and_writes_report_and_plot(three_sources, tmp_path, capsys, monkeypatch, unit):
+    # Shares, errors and the plot's realized series are in the config's unit (NeMo ports use samples).
+    cfg = write_config(tmp_path / "mix.yaml", run_config(three_sources, unit=unit))
     figures = capture(monkeypatch, "plot_run")
     report_path, plot_path = tmp_path / "report.json", tmp_path / "run.png"
     argv = ["run", cfg, "--steps", "60", "--workers", "0", "--window", "25", "--report", str(report_path), "--plot", str(plot_path)]
@@ -90,17 +95,19 @@ def test_run_prints_table_and_writes_report_and_plot(three_sources, tmp_path, ca
         src, lengths = batch.source.numpy(), batch.lengths.numpy()
         tokens += np.bincount(src, weights=lengths, minlength=3)
         samples += np.bincount(src, minlength=3)
-        target += mix.target_at(batch.info["step"], 0.0) * lengths.sum()
+        target += mix.target_at(batch.info["step"], 0.0) * (lengths.sum() if unit == "tokens" else len(lengths))
         if k == 60:
             break
+    counted = tokens if unit == "tokens" else samples
 
     rep = strict_json(report_path)
-    assert rep["command"] == "run" and rep["batches"] == 60 and rep["tokens"] == tokens.sum()
+    assert rep["command"] == "run" and rep["batches"] == 60 and rep["tokens"] == tokens.sum() and rep["unit"] == unit
     assert list(rep["sources"]) == ["web", "code", "books"]
     for i, (name, s) in enumerate(rep["sources"].items()):
         assert TABLE_KEYS <= set(s)
         assert (s["tokens"], s["samples"]) == (tokens[i], samples[i])
-        assert s["realized"] == pytest.approx(tokens[i] / tokens.sum())
+        assert s["realized"] == pytest.approx(counted[i] / counted.sum())
+        assert (s["token_share"], s["sample_share"]) == (pytest.approx(tokens[i] / tokens.sum()), pytest.approx(samples[i] / samples.sum()))
         assert s["target"] == pytest.approx(target[i] / target.sum())
         assert s["error"] == pytest.approx(s["realized"] - s["target"])
         assert 0 < s["padding_efficiency"] <= 1
@@ -116,6 +123,7 @@ def test_run_prints_table_and_writes_report_and_plot(three_sources, tmp_path, ca
     assert_png(plot_path)
     (fig,) = figures
     assert series(fig) == [f"{n} {kind}" for n in ("web", "code", "books") for kind in ("target", "realized")]
+    assert fig.axes[0].get_ylabel() == f"{unit[:-1]} share"
 
 
 def test_run_with_workers_and_logging(three_sources, tmp_path, capsys, caplog):
@@ -315,3 +323,91 @@ def test_console_script(demo_cache):
     for name in cli.DEMO_WEIGHTS:
         assert any(line.startswith(name + " ") for line in proc.stdout.splitlines())
     assert "20/20" in proc.stderr  # the progress bar
+
+
+# ---- signals and pipes, in real subprocesses ----------------------------------------------------
+
+
+def cli_command(*args):
+    """``python -m mixer.cli ...`` importing this checkout's mixer, with its environment."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    return [sys.executable, "-m", "mixer.cli", *args], env
+
+
+@pytest.mark.parametrize("workers, whole_group", [(0, False), (2, True)])
+def test_ctrl_c_during_run_prints_the_summary_writes_the_report_and_exits_130(three_sources, tmp_path, workers, whole_group):
+    # whole_group: SIGINT to the process group, as a terminal's Ctrl-C does (the DataLoader workers
+    # get it too); otherwise to the main process alone (kill -INT).
+    import signal
+    import threading
+    import time
+
+    cfg = write_config(tmp_path / "mix.yaml", run_config(three_sources))
+    report_path = tmp_path / "r.json"
+    argv, env = cli_command("run", cfg, "--steps", "1000000", "--workers", str(workers), "--log-every", "5", "--report", str(report_path))
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=str(tmp_path), start_new_session=True)
+    err = bytearray()
+
+    def read_stderr():
+        for chunk in iter(lambda: proc.stderr.read1(4096), b""):
+            err.extend(chunk)
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while b"step 14 |" not in err:  # a log line: at least 15 batches streamed
+            assert proc.poll() is None and time.monotonic() < deadline, err.decode(errors="replace")
+            time.sleep(0.05)
+        if whole_group:
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    reader.join(10)
+    out, stderr = out.decode(), err.decode(errors="replace")
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    rep = strict_json(report_path)
+    n = rep["batches"]
+    assert rep["interrupted"] is True and 15 <= n < 1_000_000 and rep["stats"]["batches"] == n
+    assert sum(s["samples"] for s in rep["sources"].values()) == rep["samples"] > 0
+    assert sum(s["tokens"] for s in rep["sources"].values()) == rep["tokens"]
+    # The summary printed is the table of that report, then what happened.
+    assert stats.format_table(stats.report(rep["stats"])) in out
+    assert f"interrupted (Ctrl-C) after {n:,} of 1,000,000 batches" in out and f"report written to {report_path}" in out
+
+
+def test_plan_into_a_pipe_closed_early_exits_quietly(tmp_path):
+    # `mixer plan x.yaml | head -n 3` with far more output than a pipe buffer holds: head exits after
+    # three lines and the next write fails with EPIPE. No traceback, the status of a SIGPIPE death.
+    cfg = write_config(tmp_path / "plan.yaml", {
+        "batching": {"max_tokens": 1000},
+        "sources": [{"name": "a", "urls": "/nowhere/a-{0..9}.tar", "weight": 1}, {"name": "b", "urls": "/nowhere/b-{0..9}.tar", "weight": 3}],
+    })  # fmt: skip
+    steps = ",".join(str(s) for s in range(0, 20000))
+    argv, env = cli_command("plan", cfg, "--steps", steps)
+    plan = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    head = subprocess.Popen(["head", "-n", "3"], stdin=plan.stdout, stdout=subprocess.PIPE)
+    plan.stdout.close()  # only head holds the reading end now
+    shown, _ = head.communicate(timeout=120)
+    _, stderr = plan.communicate(timeout=120)
+    assert len(shown.decode().splitlines()) == 3
+    assert stderr.decode() == "" and plan.returncode == cli.BROKEN_PIPE
+
+
+def test_readme_synopsis_is_the_usage_of_every_command(capsys, monkeypatch):
+    # The README's synopsis block is `mixer --help` and each subcommand's --help, usage part, at a
+    # 100-column terminal: an option added, renamed or dropped in one place fails here.
+    monkeypatch.setenv("COLUMNS", "100")
+    usages = []
+    for argv in ([], ["demo"], ["run"], ["plan"]):
+        with pytest.raises(SystemExit):
+            cli.build_parser().parse_args([*argv, "--help"])
+        usages.append(capsys.readouterr().out.split("\n\n")[0])
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    block = "```\n" + "\n".join(usages) + "\n```"
+    assert block in readme, f"README's synopsis should read:\n{block}"

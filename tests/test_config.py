@@ -144,6 +144,7 @@ ROUND_TRIP = {
         schedule={"temperature": {"start": 3, "end": 1, "shape": "step", "tokens": 1e9, "base": "weights"}, "min_prob": 0.1},
     ),
     "hierarchical": small(schedule={"hierarchical": {"beta_group": 0.5, "beta_source": 0.3}}),
+    "weights": small(schedule={"weights": {"c": 3, "a": 1}, "min_prob": 0.1}),
     "temperature": small(schedule={"temperature": 2.5}),
     "floor_only": small(schedule={"min_prob": 0.2}),
     "steps": small(
@@ -207,10 +208,20 @@ def test_to_dict_is_canonical():
     }
 
 
+class Custom:
+    """A schedule of the user's own (the Schedule protocol): code only, no config form."""
+
+    def probs(self, info, step, tokens):
+        return np.ones(len(info.names)) / len(info.names)
+
+    def __repr__(self):
+        return "Custom()"
+
+
 def test_to_dict_rejects_schedules_without_config_form():
     spec = parse_config(small())
-    odd = MixtureSpec(sources=spec.sources, batching=spec.batching, schedule=Weights({"a": 1}))
-    with pytest.raises(ConfigError, match=r"^schedule: Weights\(weights=\{'a': 1.0\}\) has no config form"):
+    odd = MixtureSpec(sources=spec.sources, batching=spec.batching, schedule=Custom())  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"^schedule: Custom\(\) has no config form"):
         odd.to_dict()
 
 
@@ -444,6 +455,16 @@ ERRORS = [
     (_set("schedule.hierarchical", {"beta_corpus": 0.5}), "schedule.hierarchical.beta_corpus: unknown key; did you mean 'beta_group'?"),
     (lambda c: c.update(schedule={"hierarchical": {"beta_group": 1, "beta_source": 1}, "temperature": 2}), "schedule.hierarchical: cannot be combined with 'temperature'"),
     (lambda c: c.update(schedule={"hierarchical": {"beta_group": 1, "beta_source": 1}, **PHASES}), "schedule.hierarchical: cannot be combined with 'phases'"),
+    (_set("schedule.weights", [1, 2]), "schedule.weights: must be a mapping, got [1, 2] (list)"),
+    (_set("schedule.weights", {}), "schedule.weights: must name at least one source, got {}"),
+    (_set("schedule.weights", {"a": 1, "d": 1}), "schedule.weights.d: unknown source (sources: a, b, c)"),
+    (_set("schedule.weights", {"a": -1}), "schedule.weights.a: must be >= 0, got -1"),
+    (_set("schedule.weights", {"a": 0, "b": 0}), "schedule.weights: at least one weight must be > 0, got {'a': 0.0, 'b': 0.0}"),
+    (lambda c: c.update(schedule={"weights": {"a": 1}, **PHASES}), "schedule.weights: cannot be combined with 'phases' (each phase has its own weights)"),
+    (lambda c: c.update(schedule={"weights": {"a": 1}, "temperature": 2}),
+     "schedule.weights: cannot be combined with 'temperature' (for a temperature over these weights, give one phase with both)"),
+    (lambda c: c.update(schedule={"weights": {"a": 1}, "hierarchical": {"beta_group": 1, "beta_source": 1}}),
+     "schedule.weights: cannot be combined with 'hierarchical' (it sets the weights from sizes)"),
     # phases
     (_set("schedule.phases", []), "schedule.phases: must be a non-empty list of phases, got [] (list)"),
     (_set("schedule.phases", [3]), "schedule.phases[0]: must be a mapping, got 3"),
@@ -630,7 +651,7 @@ def test_example_contents():
     cpt = parse_config(os.path.join(EXAMPLES, "continued_pretraining.yaml"))
     info = SourceInfo(names=tuple(s.name for s in cpt.sources), weights=np.ones(4), sizes=np.ones(4), groups=(None,) * 4)
     p = cpt.schedule.probs(info, 0, 1e12)
-    assert p[0] == pytest.approx(0.7) and p[1:].sum() == pytest.approx(0.3)  # seed 003 2.4: 70 / 30
+    assert p[0] == pytest.approx(0.7) and p[1:].sum() == pytest.approx(0.3)  # the example: 70 / 30
     nemo = parse_config(os.path.join(EXAMPLES, "nemo_asr_concat.yaml"))
     assert nemo.schedule == Temperature(1.0, base="sizes") and nemo.seed == 1234 and nemo.shuffle_buffer == 2048
     assert nemo.sources[0].decode == "my_asr.data:decode_audio"
@@ -700,6 +721,34 @@ def test_build_mixture_from_yaml(tmp_path, three_sources):
     assert mix.target_at(15, 0).tolist() == pytest.approx([0.25, 0.25, 0.5])  # halfway up the ramp
     batch = next(iter(mix))
     assert isinstance(batch, mixer.Batch) and batch.tokens.numel() <= 16384
+
+
+@needs_core
+def test_schedule_weights_in_yaml_gives_the_targets_of_mixer_weights(tmp_path, three_sources):
+    # schedule.weights is mixer.Weights: fixed weights by name, replacing the sources' own (a source
+    # not named gets 0), floored like any schedule. Same targets from a file and from code.
+    import mixer
+
+    text = f"""
+    batching: {{max_tokens: 16384, max_length: 16384}}
+    sources:
+      - {{name: web,   urls: "{three_sources['web'][0]}",   weight: 0.9}}
+      - {{name: code,  urls: "{three_sources['code'][0]}",  weight: 0.05}}
+      - {{name: books, urls: "{three_sources['books'][0]}", weight: 0.05}}
+    schedule:
+      weights: {{books: 3, web: 1}}
+      min_prob: 0.1
+    """
+    from_yaml = load_config(write(tmp_path, text))
+    assert from_yaml.schedule == Floored(Weights({"books": 3.0, "web": 1.0}), 0.1)
+    srcs = [mixer.Source(s.name, s.urls, weight=s.weight) for s in from_yaml.sources]
+    in_code = mixer.Mixture(srcs, batching=mixer.TokenBudget(max_tokens=16384, max_length=16384),
+                            schedule=mixer.Floored(mixer.Weights({"books": 3, "web": 1}), 0.1))  # fmt: skip
+    # By hand: (web, code, books) = (1, 0, 3) / 4, then code lifted to 0.1 and the rest scaled by 0.9.
+    want = [0.25 * 0.9, 0.1, 0.75 * 0.9]
+    for step in (0, 1000, 10**6):
+        assert from_yaml.target_at(step, step * 16384.0).tolist() == pytest.approx(want, abs=1e-12)
+        assert in_code.target_at(step, step * 16384.0).tolist() == from_yaml.target_at(step, step * 16384.0).tolist()
 
 
 @needs_core

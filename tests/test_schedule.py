@@ -1,5 +1,6 @@
 """Schedules: exact values (computed by hand in the comments) at boundaries and mid points, limits,
-continuity of ramps, floors, hierarchical weights per seed 002, and every validation error."""
+continuity of ramps, floors, hierarchical weights as in the omnilingual-asr mixture dataset
+(fairseq2), and every validation error."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def test_constant_temperature_on_sizes_is_nemo_formula():
 
 
 def test_temperature_on_weights():
-    # seed 003 2.3.1: p ∝ w^(1/t); weights (1, 4), t=2 → (1, 2)/3; sizes are not used.
+    # temperature on weights: p ∝ w^(1/t); weights (1, 4), t=2 → (1, 2)/3; sizes are not used.
     i = info(sizes=(100, 1), weights=(1, 4))
     close(Temperature(2.0, base="weights").probs(i, 0, 0), [1 / 3, 2 / 3])
 
@@ -362,14 +363,14 @@ def test_ramp_may_fill_its_phase_exactly():
 
 # ----------------------------------------------------------------------------------- hierarchical
 
-# seed 002's dataset summary: (corpus, language, hours).
+# A dataset summary in the omnilingual-asr format: (corpus, language, hours).
 SUMMARY = [("librispeech", "eng", 960.5), ("commonvoice", "eng", 1500.2), ("commonvoice", "fra", 450.8)]
 ASR = info(sizes=[h for _, _, h in SUMMARY], names=[f"{c}/{lang}" for c, lang, _ in SUMMARY], groups=[c for c, _, _ in SUMMARY])
 
 
 @pytest.mark.parametrize("beta_group,beta_source", [(0.5, 0.5), (0.0, 0.0), (1.0, 1.0), (0.3, 0.8), (1.0, 0.0), (0.0, 1.0)])
 def test_hierarchical_matches_seed_002(beta_group, beta_source):
-    # seed 002: corpus_weight = (corpus_hours / total_hours) ** beta_corpus
+    # omnilingual-asr: corpus_weight = (corpus_hours / total_hours) ** beta_corpus
     #           lang_weight = (lang_hours_in_corpus / corpus_hours) ** beta_language
     #           sample_weight = corpus_weight * lang_weight (normalised over partitions)
     total = sum(h for _, _, h in SUMMARY)
@@ -388,8 +389,8 @@ def test_hierarchical_by_hand():
     close(Hierarchical(0.0, 0.0).probs(i, 0, 0), [1 / 3] * 3)  # beta 0: uniform over sources
     close(Hierarchical(1.0, 1.0).probs(i, 0, 0), [1 / 8, 3 / 8, 4 / 8])  # beta 1: proportional
     close(Hierarchical(0.0, 1.0).probs(i, 0, 0), [1 / 8, 3 / 8, 1 / 2])  # groups equal, proportional inside
-    # beta_source 0: every source of a group gets the whole group weight (seed 002's product as
-    # written), so here g's two sources get ½ each, like the lone source: (⅓, ⅓, ⅓).
+    # beta_source 0: every source of a group gets the whole group weight (omnilingual-asr's product
+    # as written), so here g's two sources get ½ each, like the lone source: (⅓, ⅓, ⅓).
     close(Hierarchical(1.0, 0.0).probs(i, 0, 0), [1 / 3] * 3)
     close(Hierarchical(1.0, 0.0).probs(info(sizes=(1, 3, 12), groups=("g", "g", None)), 0, 0), [1 / 5, 1 / 5, 3 / 5])
 
@@ -447,7 +448,7 @@ def test_floor_saturated_and_ineligible():
 
 
 def test_floor_lifts_a_source_a_phase_leaves_out():
-    # gotcha 1: no starvation, even where a phase gives a source nothing.
+    # The floor: no starvation, even where a phase gives a source nothing.
     c = Floored(Curriculum([Phase({"a": 1}, until=10), Phase({"a": 1, "b": 1})], unit="steps"), 0.1)
     close(c.probs(ABC, 0, 0), [0.8, 0.1, 0.1])
     close(c.probs(ABC, 10, 0), [0.45, 0.45, 0.1])

@@ -35,12 +35,13 @@ def sources_from(three_sources, weights=WEIGHTS):
 
 
 class Tally:
-    """The test's own accounting of the batches it received, batch by batch."""
+    """The test's own accounting of the batches it received, batch by batch, in the mixture's unit."""
 
     def __init__(self, mix):
         self.mix = mix
+        self.column = 1 if mix.unit == "tokens" else 0  # the DELIVERED column the shares count
         self.rows = []  # per batch: [sources, len(DELIVERED)] int
-        self.target = []  # per batch: target(step) * real tokens, from the schedule itself
+        self.target = []  # per batch: target(step) * real tokens (samples), from the schedule itself
         self.steps = []
 
     def add(self, batch):
@@ -51,7 +52,8 @@ class Tally:
         tokens = np.bincount(src, weights=lengths, minlength=n).astype(np.int64)
         self.rows.append(np.stack([count, tokens, count * batch.seq_len, (count > 0).astype(np.int64)], axis=1))
         # A step-based schedule does not depend on tokens: the main process gets the exact value.
-        self.target.append(self.mix.target_at(batch.info["step"], 0.0) * lengths.sum())
+        size = lengths.sum() if self.mix.unit == "tokens" else len(lengths)
+        self.target.append(self.mix.target_at(batch.info["step"], 0.0) * size)
         self.steps.append(batch.info["step"])
 
     def expect(self, stats, last):
@@ -59,11 +61,14 @@ class Tally:
         section = "total" if last is None else "window"
         rows = np.sum(self.rows[-last if last else 0 :], axis=0)
         target = np.sum(self.target[-last if last else 0 :], axis=0)
-        tokens = rows[:, 1].sum()
+        tokens, samples = rows[:, 1].sum(), rows[:, 0].sum()
+        assert stats["unit"] == self.mix.unit
         for i, name in enumerate(self.mix.names):
             got = stats["sources"][name][section]
             assert [got[f] for f in DELIVERED] == rows[i].tolist(), (section, name)
-            assert got["realized"] == pytest.approx(rows[i, 1] / tokens, abs=1e-12)
+            assert got["token_share"] == pytest.approx(rows[i, 1] / tokens, abs=1e-12)
+            assert got["sample_share"] == pytest.approx(rows[i, 0] / samples, abs=1e-12)
+            assert got["realized"] == pytest.approx(rows[i, self.column] / rows[:, self.column].sum(), abs=1e-12)
             assert got["target"] == pytest.approx(target[i] / target.sum(), abs=1e-9)
             assert got["error"] == pytest.approx(got["realized"] - got["target"], abs=1e-12)
             assert got["padding_efficiency"] == pytest.approx(rows[i, 1] / rows[i, 2] if rows[i, 2] else 1.0)
@@ -142,6 +147,82 @@ def test_after_a_resume_stats_count_from_the_resume(three_sources, num_workers):
     for i, name in enumerate(mix.names):
         assert [raw[name][f] for f in DELIVERED] == whole[i].tolist()
     assert second.stats()["starved"] == []
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_sample_unit_shares_errors_and_table_count_samples(three_sources, num_workers):
+    # unit="samples": the selector tracks sample shares, so stats must too. Lengths differ ~20x
+    # between the sources, so token shares are far from the sample shares: a token share against a
+    # sample target would be off by much more than the 1e-12 checked here.
+    mix = mixer.Mixture(
+        sources_from(three_sources), batching=mixer.TokenBudget(max_tokens=8192, max_length=8192), schedule=STEP_CURRICULUM,
+        unit="samples", seed=3,
+    )  # fmt: skip
+    loader = mixer.make_loader(mix, num_workers=num_workers, stats_window=9)
+    tally = Tally(mix)
+    for k, batch in enumerate(loader, 1):
+        tally.add(batch)
+        tally.expect(loader.stats(), None)
+        tally.expect(loader.stats(), min(k, 9))
+        if k == 40:
+            break
+    stats = loader.stats()
+    rows = np.sum(tally.rows, axis=0)
+    sample_share, token_share = rows[:, 0] / rows[:, 0].sum(), rows[:, 1] / rows[:, 1].sum()
+    assert np.abs(sample_share - token_share).max() > 0.1  # the two units really disagree here
+    target = np.sum(tally.target, axis=0)
+    target = target / target.sum()
+    # The deficit selector keeps sample shares close to the targets; token shares are not.
+    assert np.abs(sample_share - target).max() < 0.05
+    assert np.abs(token_share - target).max() > 0.1
+    rep = report(stats)
+    assert rep["unit"] == "samples"
+    lines = format_table(rep).splitlines()
+    assert lines[0].split()[:6] == ["source", "target", "realized", "error", "token", "share"]
+    assert "target, realized and error are sample shares (unit: samples)" in lines
+    for i, name in enumerate(mix.names):
+        s = rep["sources"][name]
+        assert s["realized"] == pytest.approx(sample_share[i], abs=1e-12) and s["target"] == pytest.approx(target[i], abs=1e-9)
+        assert s["token_share"] == pytest.approx(token_share[i], abs=1e-12)
+        cells = lines[2 + i].split()
+        assert cells[:5] == [name, f"{target[i]:.4f}", f"{sample_share[i]:.4f}", f"{sample_share[i] - target[i]:+.4f}", f"{token_share[i]:.4f}"]
+    assert stats["starved"] == []
+
+
+def test_sample_unit_starvation_compares_sample_shares(tmp_path, caplog):
+    # Two sources at equal sample targets; 'long' (one 4000-token sample per batch) has only 4
+    # samples and stop="all_exhausted" drops it when they are gone. After 10 batches (4 long, 6 of
+    # ~100 short samples) its token share is well above half its target, its sample share far below:
+    # in unit="samples" it is starved (short by more than two of the largest batches), and the
+    # warning says so in samples.
+    short = write_token_shards(tmp_path, "short", [[40] * 1000, [40] * 1000])
+    long = write_token_shards(tmp_path, "long", [[4000, 4000], [4000, 4000]])
+    mix = mixer.Mixture(
+        [mixer.Source("short", short), mixer.Source("long", long)], batching=mixer.TokenBudget(max_tokens=4096),
+        unit="samples", stop="all_exhausted", shuffle_buffer=0, seed=0,
+    )  # fmt: skip
+    loader = mixer.make_loader(mix, stats_window=100)
+    counts = np.zeros(2, dtype=np.int64)
+    tokens = np.zeros(2, dtype=np.int64)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="mixer.stats"):
+        for k, batch in enumerate(mixer.log_every(loader, 5), 1):
+            src = batch.source.numpy().astype(np.int64)
+            counts += np.bincount(src, minlength=2)
+            tokens += np.bincount(src, weights=batch.lengths.numpy(), minlength=2).astype(np.int64)
+            if k == 10:
+                break
+    assert counts[1] == 4 and tokens[1] == 16000
+    stats = loader.stats()
+    s = stats["sources"]["long"]["window"]
+    assert s["target"] == pytest.approx(0.5)
+    assert s["realized"] == pytest.approx(counts[1] / counts.sum(), abs=1e-12) and s["realized"] < 0.01
+    assert s["error"] == pytest.approx(counts[1] / counts.sum() - 0.5, abs=1e-12)
+    assert s["token_share"] == pytest.approx(tokens[1] / tokens.sum(), abs=1e-12) and s["token_share"] > 0.35
+    assert stats["starved"] == ["long"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [f"source 'long' is starved: realized sample share {s['realized']:.4f} over the last 10 batches, "
+                        "below half its target 0.5000 (exhausted, too few samples for its share, or too few shards for the readers?)"]
 
 
 def test_window_spans_source_epochs(tmp_path):
@@ -268,13 +349,17 @@ def test_report_and_table(three_sources):
     for i, (name, w) in enumerate(WEIGHTS.items()):
         s = rep["sources"][name]
         assert set(s) == {
-            "target", "realized", "error", "tokens", "samples", "padding_efficiency", "epochs", "skipped_samples",
-            "skipped_shards", "target_now",
+            "target", "realized", "error", "token_share", "sample_share", "tokens", "samples", "padding_efficiency",
+            "epochs", "skipped_samples", "skipped_shards", "target_now",
         }  # fmt: skip
         assert s["tokens"] == tokens[i] and s["target"] == pytest.approx(w) and s["target_now"] == pytest.approx(w)
     table = format_table(rep)
     lines = table.splitlines()
-    assert lines[0].split() == ["source", "target", "realized", "error", "tokens", "samples", "pad", "eff", "epochs", "skipped", "bad", "shards"]
+    assert lines[0].split() == [
+        "source", "target", "realized", "error", "sample", "share", "tokens", "samples", "pad", "eff", "epochs", "skipped",
+        "bad", "shards",
+    ]  # fmt: skip
+    assert "target, realized and error are token shares (unit: tokens)" in lines
     assert [line.split()[0] for line in lines[2:5]] == list(WEIGHTS)
     assert f"{int(tokens[0]):,}" in lines[2] and "30 batches" in table
 

@@ -1,0 +1,35 @@
+"""The README and the example configs stand on their own: no references to documents users do not
+have, and the defaults they state are the library's."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from mixer.io import IOOptions
+
+REPO = Path(__file__).resolve().parents[1]
+USER_FACING = [REPO / "README.md", *sorted((REPO / "examples").iterdir()), *sorted((REPO / "mixer").rglob("*.py"))]
+
+
+def test_no_references_to_documents_outside_the_repository():
+    private = re.compile(r"seed 00\d|gotcha|\.\./shared|DESIGN\.md|seeds/")
+    found = [
+        f"{path.relative_to(REPO)}:{n}: {line.strip()}"
+        for path in USER_FACING if path.is_file()
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if private.search(line)
+    ]  # fmt: skip
+    assert found == []
+
+
+def test_readme_states_the_io_options_defaults():
+    d = IOOptions()
+    readme = " ".join((REPO / "README.md").read_text(encoding="utf-8").split())
+    assert f"`timeout` {d.timeout:g} s" in readme
+    assert f"`retries` {d.retries} " in readme
+    assert f"`backoff` {d.backoff:g} s" in readme
+    assert d.block_size == 1 << 20 and "`block_size` 1 MiB (`1 << 20`" in readme
+    assert f"`read_ahead` {d.read_ahead} shards" in readme
+    doc = " ".join((IOOptions.__doc__ or "").split())
+    for name, shown in (("timeout", f"{d.timeout:g}"), ("retries", d.retries), ("backoff", d.backoff), ("block_size", "1 MiB"), ("read_ahead", d.read_ahead)):
+        assert f"``{name}`` (default {shown})" in doc

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import operator
+import os
 import random
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -18,6 +19,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 
 from . import io
+from .codecs import codec_of
 from .bucket import TokenBudget
 from .decode import Sample, default_tokens
 from .layout import Packed, decoded_fields, field_length
@@ -134,6 +136,7 @@ def profile(source: Source, *, max_samples: int = 2048, max_shards: int = 3) -> 
         start = None
         end = 0
         got: list[int] = []
+        stream = None
         try:
             with io.open_shard(url, storage_options=source.storage_options, allow_pipe=source.allow_pipe, **source.io_options.open_kwargs()) as stream:
                 for i, raw in enumerate(read_samples(stream, url=io.redact(url))):
@@ -150,16 +153,17 @@ def profile(source: Source, *, max_samples: int = 2048, max_shards: int = 3) -> 
                         if source.on_error == "raise":
                             raise
                 size_told = getattr(stream, "size", None)
+                if size_told is not None:
+                    told.append(int(size_told))
         except ShardError as exc:
-            # The readers meet this shard again and apply (and count) the policy there.
+            # The readers meet this shard again and apply (and count) the policy there; the samples
+            # read whole before the damage still tell lengths.
             if source.on_error == "raise":
                 raise ShardError(f"source {source.name!r}: {exc}") from exc
             warnings.warn(f"source {source.name!r}: profiling skips shard {io.redact(url)}: {exc}", RuntimeWarning, stacklevel=2)
-            continue
         lengths += got
-        if size_told is not None:
-            told.append(int(size_told))
-        nbytes += end - (start or 0)
+        scale = getattr(stream, "ratio", 1.0)  # compressed shards: offsets are uncompressed, listed sizes not
+        nbytes += round((end - (start or 0)) * scale)
     if not lengths:
         raise ShardError(f"source {source.name!r}: no samples found in shards {[io.redact(source.shards[p]) for p in picks]}")
     arr = np.asarray(lengths, dtype=np.int64)
@@ -208,7 +212,20 @@ def _length_of(source: Source, raw: dict[str, Any], tokens: Any) -> int:
 class Counters:
     """Per-source counters kept by every reader (cumulative, plain ints). ``samples``, ``tokens``
     (real), ``padded`` (slots) and ``batches`` count what was delivered in batches; ``read`` counts
-    samples taken from shards, some of which may still wait in shuffle or bucket buffers."""
+    samples taken from shards, some of which may still wait in shuffle or bucket buffers.
+
+    What ``on_error="skip"`` loses: ``skipped_samples`` counts samples known to be lost, exactly (a
+    sample that fails to decode; a sample a damaged shard cut: some of its members read, not all);
+    ``skipped_shards`` counts shards given up (unreadable, or damaged part-way); ``skipped_unknown``
+    those of them whose rest could not be counted in samples (a corrupt header or a failed read with
+    more of the shard after it; a shard that could not be opened at all), while a shard that simply
+    ends early (truncated) loses exactly its cut samples; ``skipped_bytes`` counts the bytes of given-up
+    shards that delivered nothing: from the end of the last sample read to the shard's end, where
+    its size is known (listing, server, file), else to the damage. Bytes are tar bytes (uncompressed)
+    except that the unread rest of a compressed shard is not counted. A shard shared by several
+    readers (fewer shards than readers) is counted once, by the reader of its first part; the samples
+    each by the reader they belonged to.
+    """
 
     samples: int = 0
     tokens: int = 0
@@ -225,10 +242,13 @@ class Counters:
     skipped_shards: int = 0
     retries: int = 0
     split: int = 0  # documents cut into pieces by a packed layout (mixer.Packed(split_documents=True))
+    skipped_bytes: int = 0
+    skipped_unknown: int = 0
 
     FIELDS: ClassVar[tuple[str, ...]] = (
         "samples", "tokens", "padded", "batches", "read", "bytes", "shards_opened", "shards_finished",
         "epochs", "truncated", "dropped", "skipped_samples", "skipped_shards", "retries", "split",
+        "skipped_bytes", "skipped_unknown",
     )
 
     def as_list(self) -> list[int]:
@@ -343,13 +363,14 @@ class SourceStream:
                         self.got_in_epoch += 1
                         return sample
             except ShardError as exc:
-                self._close()
                 if self.source.on_error == "raise":
+                    self._close()
                     raise ShardError(f"source {self.source.name!r}: {exc}") from exc
-                self.counters.skipped_shards += 1
+                loss = self._count_loss(exc, sl)
+                self._close()
                 self.skips[(self.epoch, self.slice_pos)] = self.next_index
                 self.new_skips.append((self.epoch, self.slice_pos, self.next_index))
-                self._warn_once(sl.shard, f"source {self.source.name!r}: skipping the rest of shard {io.redact(self.source.shards[sl.shard])}: {exc}")
+                self._warn_once(sl.shard, f"source {self.source.name!r}: skipping the rest of shard {io.redact(self.source.shards[sl.shard])} ({loss}): {exc}")
             else:
                 self._close()
                 self.counters.shards_finished += 1
@@ -357,6 +378,30 @@ class SourceStream:
             self.next_index = 0
             self.next_offset = 0
         return None
+
+    def _count_loss(self, exc: ShardError, sl: ShardSlice) -> str:
+        """Count what giving up the current shard at `exc` loses (see `Counters`); returns it in words."""
+        c = self.counters
+        cut: list[str] = getattr(exc, "lost", [])  # samples the damage cut, in shard order from next_index
+        mine = sum(1 for j in range(len(cut)) if (self.next_index + j) % sl.parts == sl.part)
+        c.skipped_samples += mine
+        words = f"{mine} sample(s) cut by the damage"
+        if sl.part != 0:
+            return words
+        c.skipped_shards += 1
+        start = self.next_offset  # the first byte not delivered as a sample
+        stop = getattr(exc, "stop", None)  # how far the tar reader got (the shard's end if truncated)
+        if getattr(exc, "truncated", False) and stop is not None:
+            c.skipped_bytes += max(stop - start, 0)
+            return f"{words}; the shard ends there, {max(stop - start, 0)} bytes undelivered"
+        c.skipped_unknown += 1
+        size = _stream_size(self._handle)
+        if size is None and codec_of(self.source.shards[sl.shard]) is None:
+            size = self.source.shard_bytes[sl.shard]
+        end = size if size is not None and size >= start else stop
+        skipped = max(end - start, 0) if end is not None else 0
+        c.skipped_bytes += skipped
+        return f"{words}; rest of shard unknown: {skipped} bytes from offset {start} skipped"
 
     def _open_next(self) -> bool:
         """Open the shard of the current slice, moving to the next epoch at the end of one."""
@@ -449,6 +494,19 @@ class SourceStream:
             self.skips[(int(e), int(p))] = int(n)
 
 
+def _stream_size(handle: Any) -> int | None:
+    """The size in tar bytes of an open shard stream, when it tells (None for compressed shards)."""
+    if handle is None:
+        return None
+    size = getattr(handle, "size", None)
+    if size is not None:
+        return int(size)
+    try:
+        return os.fstat(handle.fileno()).st_size
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
 def _raising(exc: BaseException) -> Iterator[dict[str, Any]]:
     raise exc
     yield  # a generator that raises when first advanced
@@ -515,7 +573,9 @@ def reread(source: Source, budget: TokenBudget | Packed, wanted: Sequence[tuple[
     scratch = Counters()
     for shard, offsets in sorted(by_shard.items()):
         url = source.shards[shard]
-        for run in _runs(sorted(offsets), _REREAD_GAP):
+        # A compressed shard cannot seek (each open decompresses from its start): one pass reads them all.
+        gap = _REREAD_GAP if codec_of(url) is None else 1 << 62
+        for run in _runs(sorted(offsets), gap):
             start, last = run[0], run[-1]
             with io.open_shard(url, start_offset=start, storage_options=source.storage_options, allow_pipe=source.allow_pipe, **source.io_options.open_kwargs()) as stream:
                 for raw in read_samples(stream, url=io.redact(url), start_offset=start, chunk_size=1 << 16):

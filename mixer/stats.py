@@ -244,7 +244,7 @@ def log_every(loader: Iterable[Batch], n: int, *, logger: logging.Logger | None 
 TABLE_COLUMNS = (
     ("target", "target"), ("realized", "realized"), ("error", "error"), ("tokens", "tokens"), ("samples", "samples"),
     ("padding_efficiency", "pad eff"), ("epochs", "epochs"), ("skipped_samples", "skipped"),
-    ("skipped_shards", "bad shards"),
+    ("skipped_shards", "bad shards"), ("skipped_unknown", "rest unknown"), ("skipped_bytes", "bytes lost"),
 )  # fmt: skip
 
 
@@ -273,7 +273,7 @@ def format_table(rep: dict[str, Any]) -> str:
         rows.append((
             name, f"{s['target']:.4f}", f"{s['realized']:.4f}", f"{s['error']:+.4f}", f"{s['tokens']:,}",
             f"{s['samples']:,}", f"{s['padding_efficiency']:.3f}", f"{s['epochs']:,}", f"{s['skipped_samples']:,}",
-            f"{s['skipped_shards']:,}",
+            f"{s['skipped_shards']:,}", f"{s['skipped_unknown']:,}", f"{s['skipped_bytes']:,}",
         ))  # fmt: skip
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(r, widths))) for r in rows]

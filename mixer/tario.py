@@ -51,15 +51,19 @@ class TarDamage(ShardError):
 
     ``offset``: the shard offset of the first header block that could not be read whole (where the
     damage is). ``member``: that member's name when its header was read before the damage (its data
-    was cut), else None. ``truncated``: the stream simply ended there (nothing of the shard follows),
+    was cut), else None. ``stop``: how far the stream was read (its end when truncated; else the
+    damage). ``truncated``: the stream simply ended there (nothing of the shard follows),
     as opposed to unreadable bytes with more of the shard after them. ``lost``: filled in by
     `group_samples`: the keys of the samples the damage cut (members of them were read, but not all),
     which are therefore not delivered.
     """
 
-    def __init__(self, message: str, *, offset: int, member: str | None = None, truncated: bool = False) -> None:
+    def __init__(
+        self, message: str, *, offset: int, stop: int | None = None, member: str | None = None, truncated: bool = False
+    ) -> None:
         super().__init__(message)
         self.offset = offset
+        self.stop = offset if stop is None else stop
         self.member = member
         self.truncated = truncated
         self.lost: list[str] = []
@@ -204,12 +208,14 @@ def _refill(
         try:
             block = stream.read(max(chunk_size, need - have))
         except ShardError as exc:  # the byte stream failed (network, decompression): same message
-            raise TarDamage(str(exc), offset=damaged, member=member, truncated=getattr(exc, "truncated", False)) from exc
+            truncated = getattr(exc, "truncated", False)  # e.g. a compressed stream cut short
+            raise TarDamage(str(exc), offset=damaged, stop=offset + have, member=member, truncated=truncated) from exc
         if not block:  # b"" is EOF; a short read is not
             raise TarDamage(
                 f"{url}: shard is truncated at byte {offset + have}: expected {what} ({need} bytes) at "
                 f"offset {offset}, and no end-of-archive block",
                 offset=damaged,
+                stop=offset + have,
                 member=member,
                 truncated=True,
             )
@@ -222,6 +228,7 @@ def _first_block(stream: BinaryIO, chunk_size: int, url: str) -> bytes:
     """The first bytes of a shard (at least one block when there are that many), checked to look
     like a tar: an empty file, or a first block that is neither a header with a valid checksum, nor
     ustar-tagged (a corrupt header), nor zeros (an empty archive), is named for what it is."""
+    buf = b""
     try:
         buf = stream.read(chunk_size)
         while buf and len(buf) < _BLOCK:
@@ -230,9 +237,9 @@ def _first_block(stream: BinaryIO, chunk_size: int, url: str) -> bytes:
                 break
             buf += more
     except ShardError as exc:
-        raise TarDamage(str(exc), offset=0, truncated=getattr(exc, "truncated", False)) from exc
+        raise TarDamage(str(exc), offset=0, stop=len(buf), truncated=getattr(exc, "truncated", False)) from exc
     if not buf:
-        raise TarDamage(f"{url}: empty file (0 bytes), not a tar shard", offset=0, truncated=True)
+        raise TarDamage(f"{url}: empty file (0 bytes), not a tar shard", offset=0, stop=0, truncated=True)
     block = buf[:_BLOCK]
     if len(block) == _BLOCK and (block == _ZERO_BLOCK or block[257:262] == b"ustar" or _checksum_ok(block)):
         return buf

@@ -269,12 +269,12 @@ def test_report_and_table(three_sources):
         s = rep["sources"][name]
         assert set(s) == {
             "target", "realized", "error", "tokens", "samples", "padding_efficiency", "epochs", "skipped_samples",
-            "skipped_shards", "target_now",
+            "skipped_shards", "skipped_unknown", "skipped_bytes", "target_now",
         }  # fmt: skip
         assert s["tokens"] == tokens[i] and s["target"] == pytest.approx(w) and s["target_now"] == pytest.approx(w)
     table = format_table(rep)
     lines = table.splitlines()
-    assert lines[0].split() == ["source", "target", "realized", "error", "tokens", "samples", "pad", "eff", "epochs", "skipped", "bad", "shards"]
+    assert lines[0].split() == ["source", "target", "realized", "error", "tokens", "samples", "pad", "eff", "epochs", "skipped", "bad", "shards", "rest", "unknown", "bytes", "lost"]
     assert [line.split()[0] for line in lines[2:5]] == list(WEIGHTS)
     assert f"{int(tokens[0]):,}" in lines[2] and "30 batches" in table
 

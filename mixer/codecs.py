@@ -205,6 +205,8 @@ class DecompressingStream(io.BufferedIOBase):
             data = b""
             if d.needs_input:
                 data, self._pending = self._pending or self._raw_read(), b""
+                if not data and not self._in:
+                    raise CodecError(f"{self.url}: empty file (0 bytes), not a {self.codec}-compressed tar shard", truncated=True)
                 if not data:
                     raise CodecError(
                         f"{self.url}: the {self.codec} data ends early, after {self._in} compressed bytes "
@@ -234,7 +236,7 @@ class DecompressingStream(io.BufferedIOBase):
             data += more
         if not data.startswith(magic):
             what = "an empty file" if not data else f"it starts with {data[:16]!r}"
-            raise CodecError(f"{self.url}: not {self.codec} data ({what}), as its name says")
+            raise CodecError(f"{self.url}: the name says {self.codec}, but this is not {self.codec} data ({what})")
         self._started = True
         return data
 

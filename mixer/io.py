@@ -39,6 +39,7 @@ from typing import Any, BinaryIO, TypeVar, cast
 
 from braceexpand import braceexpand
 
+from . import logsafe
 from .codecs import SHARD_SUFFIXES, DecompressingStream, codec_of, is_shard_name
 from .errors import ConfigError, MixerError, ShardError
 
@@ -179,8 +180,10 @@ def _filesystem(scheme: str, storage_options: dict[str, Any] | None, timeout: fl
     """A private (not fsspec-instance-cached) filesystem per (process, protocol, options, timeout).
 
     For s3 the botocore timeouts default to ``timeout`` and botocore's own retries are switched off
-    (unless the options say otherwise): this module retries, resumes and counts itself.
+    (unless the options say otherwise): this module retries, resumes and counts itself. The first
+    call in a process makes the DEBUG logs of the libraries underneath safe (`mixer.logsafe`).
     """
+    logsafe.install()
     if scheme in _EXTRAS:
         _require_backend(scheme)
     import fsspec

@@ -297,10 +297,12 @@ class SourceStream:
         self.buffer_size = shuffle_buffer
         # A private generator (never the global one): cheap per-sample draws for the shuffle buffer.
         self.rng = random.Random(seed_for(seed, "shuffle", source.name, world.reader))
-        # Shards given up under on_error="skip": (epoch, slice position) -> samples read before, so
-        # that a resumed run makes the same decision whatever the network does then.
-        self.skips: dict[tuple[int, int], int] = {}
-        self.new_skips: list[tuple[int, int, int]] = []
+        # Shards given up under on_error="skip": (epoch, slice position) -> (samples read before,
+        # then what was counted as lost: skipped_samples, skipped_shards, skipped_unknown,
+        # skipped_bytes), so that a resumed run makes the same decision whatever the network does
+        # then, and counts the same.
+        self.skips: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.new_skips: list[tuple[int, ...]] = []
         self._plans: dict[int, list[ShardSlice]] = {}
         self._samples: Iterator[dict[str, Any]] | None = None
         self._handle: Any = None
@@ -347,12 +349,13 @@ class SourceStream:
             if self._samples is None and not self._open_next():
                 return None
             sl = self._plan(self.epoch)[self.slice_pos]
-            limit = self.skips.get((self.epoch, self.slice_pos))
+            skip = self.skips.get((self.epoch, self.slice_pos))
+            limit = None if skip is None else skip[0]
             try:
                 for raw in self._samples:  # type: ignore[union-attr]
                     i = self.next_index
                     if limit is not None and i >= limit:
-                        break
+                        raise _SkipAgain
                     self.next_index = i + 1
                     self.next_offset = raw["__end__"]
                     if sl.parts > 1 and i % sl.parts != sl.part:
@@ -362,15 +365,22 @@ class SourceStream:
                         self.counters.read += 1
                         self.got_in_epoch += 1
                         return sample
+            except _SkipAgain:
+                # A decision taken before (in the run this one resumes): the same point, the same counts.
+                self._close()
+                assert skip is not None
+                self._add_loss(skip[1:])
             except ShardError as exc:
                 if self.source.on_error == "raise":
                     self._close()
                     raise ShardError(f"source {self.source.name!r}: {exc}") from exc
-                loss = self._count_loss(exc, sl)
+                loss, words = self._loss(exc, sl)
                 self._close()
-                self.skips[(self.epoch, self.slice_pos)] = self.next_index
-                self.new_skips.append((self.epoch, self.slice_pos, self.next_index))
-                self._warn_once(sl.shard, f"source {self.source.name!r}: skipping the rest of shard {io.redact(self.source.shards[sl.shard])} ({loss}): {exc}")
+                self._add_loss(loss)
+                decision = (self.next_index, *loss)
+                self.skips[(self.epoch, self.slice_pos)] = decision
+                self.new_skips.append((self.epoch, self.slice_pos, *decision))
+                self._warn_once(sl.shard, f"source {self.source.name!r}: skipping the rest of shard {io.redact(self.source.shards[sl.shard])} ({words}): {exc}")
             else:
                 self._close()
                 self.counters.shards_finished += 1
@@ -379,29 +389,33 @@ class SourceStream:
             self.next_offset = 0
         return None
 
-    def _count_loss(self, exc: ShardError, sl: ShardSlice) -> str:
-        """Count what giving up the current shard at `exc` loses (see `Counters`); returns it in words."""
-        c = self.counters
+    def _loss(self, exc: ShardError, sl: ShardSlice) -> tuple[tuple[int, int, int, int], str]:
+        """What giving up the current shard at `exc` loses, as counter increments (skipped_samples,
+        skipped_shards, skipped_unknown, skipped_bytes: see `Counters`), and in words."""
         cut: list[str] = getattr(exc, "lost", [])  # samples the damage cut, in shard order from next_index
         mine = sum(1 for j in range(len(cut)) if (self.next_index + j) % sl.parts == sl.part)
-        c.skipped_samples += mine
         words = f"{mine} sample(s) cut by the damage"
-        if sl.part != 0:
-            return words
-        c.skipped_shards += 1
+        if sl.part != 0:  # the shard itself is counted by the reader of its first part
+            return (mine, 0, 0, 0), words
         start = self.next_offset  # the first byte not delivered as a sample
         stop = getattr(exc, "stop", None)  # how far the tar reader got (the shard's end if truncated)
         if getattr(exc, "truncated", False) and stop is not None:
-            c.skipped_bytes += max(stop - start, 0)
-            return f"{words}; the shard ends there, {max(stop - start, 0)} bytes undelivered"
-        c.skipped_unknown += 1
+            skipped = max(stop - start, 0)
+            return (mine, 1, 0, skipped), f"{words}; the shard ends there, {skipped} bytes undelivered"
         size = _stream_size(self._handle)
         if size is None and codec_of(self.source.shards[sl.shard]) is None:
             size = self.source.shard_bytes[sl.shard]
         end = size if size is not None and size >= start else stop
         skipped = max(end - start, 0) if end is not None else 0
-        c.skipped_bytes += skipped
-        return f"{words}; rest of shard unknown: {skipped} bytes from offset {start} skipped"
+        return (mine, 1, 1, skipped), f"{words}; rest of shard unknown: {skipped} bytes from offset {start} skipped"
+
+    def _add_loss(self, loss: Sequence[int]) -> None:
+        c = self.counters
+        samples, shards, unknown, nbytes = (*loss, 0, 0, 0, 0)[:4]  # (older states saved no counts)
+        c.skipped_samples += samples
+        c.skipped_shards += shards
+        c.skipped_unknown += unknown
+        c.skipped_bytes += nbytes
 
     def _open_next(self) -> bool:
         """Open the shard of the current slice, moving to the next epoch at the end of one."""
@@ -471,7 +485,7 @@ class SourceStream:
             "buffer_size": self.buffer_size,
             "rng": _rng_state(self.rng),
             "buffer": locations(self.buffer),
-            "skips": [[e, p, n] for (e, p), n in sorted(self.skips.items())],
+            "skips": [[e, p, *d] for (e, p), d in sorted(self.skips.items())],
         }
 
     def load_state_dict(self, state: dict[str, Any], samples: Mapping[tuple[int, int], Sample]) -> None:
@@ -486,12 +500,16 @@ class SourceStream:
         self.buffer_size = int(state["buffer_size"])
         self.rng.setstate(_rng_tuple(state["rng"]))
         self.buffer = [samples[(shard, offset)] for shard, offset in state["buffer"]]
-        self.skips = {(int(e), int(p)): int(n) for e, p, n in state["skips"]}
+        self.skips = {(int(e), int(p)): tuple(map(int, d)) for e, p, *d in state["skips"]}
 
     def add_skips(self, skips: Sequence[Sequence[int]]) -> None:
         """Skip decisions taken after the state was saved, to be taken again at the same points."""
-        for e, p, n in skips:
-            self.skips[(int(e), int(p))] = int(n)
+        for e, p, *decision in skips:
+            self.skips[(int(e), int(p))] = tuple(map(int, decision))
+
+
+class _SkipAgain(Exception):
+    """Reading reached a point where the run being resumed gave the shard up."""
 
 
 def _stream_size(handle: Any) -> int | None:

@@ -162,3 +162,51 @@ def test_resume_after_a_skip_delivers_the_same_samples(shards: tuple[str, list[P
         warnings.simplefilter("ignore", RuntimeWarning)
         reference = assert_resumes_exactly(lambda: mixer.make_loader(mix), cuts=[3, 9], window=60, view=batch_view)
     assert sum(len(view[0]) for view in reference) == 2 * N - 10
+
+
+def test_a_resumed_run_counts_the_loss_as_the_uninterrupted_one(shards: tuple[str, list[Path]]) -> None:
+    # With state_every=8 a resumed reader re-runs the batches since the last full state and meets the
+    # damaged shard again. Here the shard has been repaired meanwhile (as when the damage was a
+    # network failure that does not recur): the skip decision carried by the batches must stop it
+    # at the same sample as the uninterrupted run, deliver the same batches, and count the same loss
+    # (not a finished shard).
+    import json
+
+    from resume_oracle import batch_view, take
+
+    pattern, (_, bad) = shards
+    members = layout(bad)
+    intact = bad.read_bytes()
+    cut_at = members[30][1] + 100
+    bad.write_bytes(intact[:cut_at])
+    mix = mixer.Mixture(
+        [mixer.Source("d", pattern, on_error="skip")],
+        batching=mixer.TokenBudget(max_tokens=256),
+        stop="all_exhausted",
+        shuffle_buffer=4,
+        state_every=8,
+        seed=1,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        whole = mixer.make_loader(mix)
+        reference = [batch_view(b) for b in whole]
+        want = whole.counters()["d"]
+        assert loss(want) == (1, 1, 0, cut_at - members[30][0]) and want["shards_finished"] == 1
+        tested = 0
+        for cut in range(1, len(reference)):
+            bad.write_bytes(intact[:cut_at])
+            loader = mixer.make_loader(mix)
+            take(loader, cut)
+            state = json.loads(json.dumps(loader.state_dict()))
+            if not any(r["skips"] for r in state["readers"]):
+                continue  # the decision is not between the last full state and the cut
+            tested += 1
+            bad.write_bytes(intact)
+            resumed = mixer.make_loader(mix)
+            resumed.load_state_dict(state)
+            rest = [batch_view(b) for b in resumed]
+            assert len(rest) == len(reference) - cut
+            assert all(a[0] == b[0] for a, b in zip(rest, reference[cut:])), f"cut {cut}"
+            assert resumed.counters()["d"] == want, f"cut {cut}"
+    assert tested >= 2, "too few cuts fell between a full state and the skip decision"

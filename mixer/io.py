@@ -39,6 +39,8 @@ from typing import Any, BinaryIO, TypeVar, cast
 
 from braceexpand import braceexpand
 
+from . import logsafe
+from .codecs import SHARD_SUFFIXES, DecompressingStream, codec_of, is_shard_name
 from .errors import ConfigError, MixerError, ShardError
 
 log = logging.getLogger(__name__)
@@ -178,8 +180,10 @@ def _filesystem(scheme: str, storage_options: dict[str, Any] | None, timeout: fl
     """A private (not fsspec-instance-cached) filesystem per (process, protocol, options, timeout).
 
     For s3 the botocore timeouts default to ``timeout`` and botocore's own retries are switched off
-    (unless the options say otherwise): this module retries, resumes and counts itself.
+    (unless the options say otherwise): this module retries, resumes and counts itself. The first
+    call in a process makes the DEBUG logs of the libraries underneath safe (`mixer.logsafe`).
     """
+    logsafe.install()
     if scheme in _EXTRAS:
         _require_backend(scheme)
     import fsspec
@@ -437,8 +441,9 @@ def expand_urls(
 
     Per pattern: brace patterns (``shard-{000..099}.tar``) expand without listing anything (local ones are
     ``stat``-ed, so a missing local shard fails here; remote sizes stay None); a local folder gives its
-    ``*.tar`` files; a local glob (``*``, ``?``, ``[``) is globbed; a remote prefix ending in ``/``
-    (``s3://bucket/dir/``) is listed once, keeping its ``.tar`` files with their sizes; a remote glob
+    shards (``*.tar``, ``*.tar.gz``, ``*.tgz``, ``*.tar.xz``: see `mixer.codecs`); a local glob (``*``,
+    ``?``, ``[``) is globbed; a remote prefix ending in ``/`` (``s3://bucket/dir/``) is listed once,
+    keeping its shards with their sizes (of compressed shards: compressed sizes); a remote glob
     (not for http, where ``?`` starts a query) is listed once too. A pattern that matches nothing is a
     `ShardError`. ``pipe:`` patterns (refused earlier by `check_url` unless allowed) are only brace-expanded.
     """
@@ -477,7 +482,7 @@ def _expand_one(pattern: str, storage_options: dict[str, Any] | None) -> list[tu
         fs = fs or _filesystem(scheme, storage_options, 60.0)
         if listing:
             entries = _retrying(functools.partial(_ls, fs, url), f"listing {redact(url)}", retries=5, backoff=0.5)
-            entries = [e for e in entries if e.get("type", "file") == "file" and str(e["name"]).endswith(".tar")]
+            entries = [e for e in entries if e.get("type", "file") == "file" and is_shard_name(str(e["name"]))]
         else:
             hits = _retrying(
                 functools.partial(fs.glob, url, detail=True), f"globbing {redact(url)}", retries=5, backoff=0.5
@@ -500,9 +505,9 @@ def _expand_local(pattern: str, original: str) -> list[tuple[str, int]]:
     out: list[tuple[str, int]] = []
     for path in braceexpand(pattern):
         if os.path.isdir(path):
-            tars = sorted(globmod.glob(os.path.join(globmod.escape(path), "*.tar")))
+            tars = sorted(p for p in globmod.glob(os.path.join(globmod.escape(path), "*")) if is_shard_name(p))
             if not tars:
-                raise ShardError(f"folder {path!r} (from {original!r}) holds no .tar files")
+                raise ShardError(f"folder {path!r} (from {original!r}) holds no shards ({', '.join('*' + x for x in SHARD_SUFFIXES)})")
             out.extend((p, os.stat(p).st_size) for p in tars if os.path.isfile(p))
         elif _has_magic(path):
             out.extend((p, os.stat(p).st_size) for p in sorted(globmod.glob(path)) if os.path.isfile(p))
@@ -594,10 +599,15 @@ def open_shard(
     `RemoteStream`: resumable, with a timeout on every open and read, and retries of transient faults
     from the exact byte where the stream broke (see there). The stream is opened eagerly, so a missing
     or forbidden shard raises `ShardError` here. ``pipe:`` commands need ``allow_pipe=True``.
+
+    A compressed shard (``.tar.gz``, ``.tgz``, ``.tar.xz``) gives a `mixer.codecs.DecompressingStream`:
+    ``start_offset`` is then an offset into the uncompressed tar, reached by reading the shard from its
+    start and dropping what comes before (see `mixer.codecs` for what that costs).
     """
+    codec = codec_of(url)
     stream = _new_stream(
         url,
-        start_offset=start_offset,
+        start_offset=0 if codec else start_offset,
         storage_options=storage_options,
         timeout=timeout,
         retries=retries,
@@ -607,7 +617,17 @@ def open_shard(
     )
     if isinstance(stream, RemoteStream):
         _open_remote(stream)
-    return stream
+    return _decoded(stream, url, codec, start_offset)
+
+
+def _decoded(stream: BinaryIO, url: str, codec: str | None, start_offset: int) -> BinaryIO:
+    """``stream`` itself, or for a compressed shard its uncompressed bytes from ``start_offset``."""
+    if codec is None:
+        return stream
+    if start_offset < 0:
+        stream.close()
+        raise ConfigError(f"{redact(url)}: start_offset must be >= 0 (got {start_offset})")
+    return cast(BinaryIO, DecompressingStream(stream, url=redact(url), codec=codec, start_offset=start_offset))
 
 
 def _open_remote(stream: RemoteStream) -> None:
@@ -694,12 +714,13 @@ class ReadAhead:
         self._begun: dict[str, RemoteStream] = {}
 
     def open(self, url: str, start_offset: int = 0, upcoming: Iterable[str] = ()) -> BinaryIO:
+        codec = codec_of(url)  # a compressed shard is always read from its first byte
         stream = self._begun.pop(url, None)
-        if stream is not None and start_offset != 0:
+        if stream is not None and start_offset != 0 and codec is None:
             stream.close()
             stream = None
         if stream is None:
-            stream = cast(RemoteStream, _new_stream(url, start_offset=start_offset, **self._kwargs))
+            stream = cast(RemoteStream, _new_stream(url, start_offset=0 if codec else start_offset, **self._kwargs))
         nxt = [u for u in itertools.islice(upcoming, self.options.read_ahead) if u != url]
         for u in [u for u in self._begun if u not in nxt]:
             self._begun.pop(u).close()
@@ -714,7 +735,7 @@ class ReadAhead:
             for u in nxt:
                 if u not in self._begun and _scheme(u) in _PUMPED:
                     self._begin(u)
-        return cast(BinaryIO, stream)
+        return _decoded(cast(BinaryIO, stream), url, codec, start_offset)
 
     def _begin(self, url: str) -> None:
         try:

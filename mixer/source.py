@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import operator
+import os
 import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import numpy as np
 
 from . import io
 from ._warn import warn
+from .codecs import codec_of
 from .bucket import TokenBudget
 from .decode import Sample, default_tokens
 from .layout import Packed, decoded_fields, field_length
@@ -37,8 +39,9 @@ class Source:
     """One stream of samples: a set of WebDataset shards and how to read them.
 
     ``urls``: a brace pattern (``shard-{000..127}.tar``), a list of patterns, a local folder or glob,
-    or a remote prefix ending in ``/``. ``weight`` is the static target share (normalised over
-    sources). ``size`` is the source's size in tokens for temperature/proportional schedules; when
+    or a remote prefix ending in ``/``; shards are ``.tar`` files, or ``.tar.gz`` / ``.tgz`` /
+    ``.tar.xz`` ones decompressed as they stream (:mod:`mixer.codecs`). ``weight`` is the static
+    target share (normalised over sources). ``size`` is the source's size in tokens for temperature/proportional schedules; when
     None it is estimated once, up front, identically for every reader (see :func:`profile`).
     ``decode(sample) -> 1-D int array`` and ``length(sample) -> int`` replace the default (tokens from
     ``tokens.npy``, else ``input_ids.npy``, else the UTF-8 bytes of ``txt``; length = token count).
@@ -46,7 +49,7 @@ class Source:
     ``Mixture(fields=...)``; ``length`` may then name the field that counts, default the first), or
     None to drop the sample (a filter; counted in ``dropped``).
     ``on_error``: ``"raise"`` stops on a bad shard or sample with an error naming it; ``"skip"``
-    skips it, counts it and warns once per shard.
+    skips it, counts it (see :class:`Counters` for what a damaged shard loses) and warns once per shard.
     ``storage_options`` go to the fsspec filesystem of remote URLs (endpoint, credentials, ...);
     ``io_options`` (a mapping or :class:`mixer.io.IOOptions`: ``timeout``, ``retries``, ``backoff``,
     ``block_size``, ``read_ahead``) set how remote shards are read. ``allow_pipe=True`` accepts
@@ -134,6 +137,7 @@ def profile(source: Source, *, max_samples: int = 2048, max_shards: int = 3) -> 
         start = None
         end = 0
         got: list[int] = []
+        stream = None
         try:
             with io.open_shard(url, storage_options=source.storage_options, allow_pipe=source.allow_pipe, **source.io_options.open_kwargs()) as stream:
                 for i, raw in enumerate(read_samples(stream, url=io.redact(url))):
@@ -150,16 +154,17 @@ def profile(source: Source, *, max_samples: int = 2048, max_shards: int = 3) -> 
                         if source.on_error == "raise":
                             raise
                 size_told = getattr(stream, "size", None)
+                if size_told is not None:
+                    told.append(int(size_told))
         except ShardError as exc:
-            # The readers meet this shard again and apply (and count) the policy there.
+            # The readers meet this shard again and apply (and count) the policy there; the samples
+            # read whole before the damage still tell lengths.
             if source.on_error == "raise":
                 raise ShardError(f"source {source.name!r}: {exc}") from exc
             warn(f"source {source.name!r}: profiling skips shard {io.redact(url)}: {exc}")
-            continue
         lengths += got
-        if size_told is not None:
-            told.append(int(size_told))
-        nbytes += end - (start or 0)
+        scale = getattr(stream, "ratio", 1.0)  # compressed shards: offsets are uncompressed, listed sizes not
+        nbytes += round((end - (start or 0)) * scale)
     if not lengths:
         raise ShardError(f"source {source.name!r}: no samples found in shards {[io.redact(source.shards[p]) for p in picks]}")
     arr = np.asarray(lengths, dtype=np.int64)
@@ -208,7 +213,20 @@ def _length_of(source: Source, raw: dict[str, Any], tokens: Any) -> int:
 class Counters:
     """Per-source counters kept by every reader (cumulative, plain ints). ``samples``, ``tokens``
     (real), ``padded`` (slots) and ``batches`` count what was delivered in batches; ``read`` counts
-    samples taken from shards, some of which may still wait in shuffle or bucket buffers."""
+    samples taken from shards, some of which may still wait in shuffle or bucket buffers.
+
+    What ``on_error="skip"`` loses: ``skipped_samples`` counts samples known to be lost, exactly (a
+    sample that fails to decode; a sample a damaged shard cut: some of its members read, not all);
+    ``skipped_shards`` counts shards given up (unreadable, or damaged part-way); ``skipped_unknown``
+    those of them whose rest could not be counted in samples (a corrupt header or a failed read with
+    more of the shard after it; a shard that could not be opened at all), while a shard that simply
+    ends early (truncated) loses exactly its cut samples; ``skipped_bytes`` counts the bytes of given-up
+    shards that delivered nothing: from the end of the last sample read to the shard's end, where
+    its size is known (listing, server, file), else to the damage. Bytes are tar bytes (uncompressed)
+    except that the unread rest of a compressed shard is not counted. A shard shared by several
+    readers (fewer shards than readers) is counted once, by the reader of its first part; the samples
+    each by the reader they belonged to.
+    """
 
     samples: int = 0
     tokens: int = 0
@@ -225,10 +243,13 @@ class Counters:
     skipped_shards: int = 0
     retries: int = 0
     split: int = 0  # documents cut into pieces by a packed layout (mixer.Packed(split_documents=True))
+    skipped_bytes: int = 0
+    skipped_unknown: int = 0
 
     FIELDS: ClassVar[tuple[str, ...]] = (
         "samples", "tokens", "padded", "batches", "read", "bytes", "shards_opened", "shards_finished",
         "epochs", "truncated", "dropped", "skipped_samples", "skipped_shards", "retries", "split",
+        "skipped_bytes", "skipped_unknown",
     )
 
     def as_list(self) -> list[int]:
@@ -277,10 +298,12 @@ class SourceStream:
         self.buffer_size = shuffle_buffer
         # A private generator (never the global one): cheap per-sample draws for the shuffle buffer.
         self.rng = random.Random(seed_for(seed, "shuffle", source.name, world.reader))
-        # Shards given up under on_error="skip": (epoch, slice position) -> samples read before, so
-        # that a resumed run makes the same decision whatever the network does then.
-        self.skips: dict[tuple[int, int], int] = {}
-        self.new_skips: list[tuple[int, int, int]] = []
+        # Shards given up under on_error="skip": (epoch, slice position) -> (samples read before,
+        # then what was counted as lost: skipped_samples, skipped_shards, skipped_unknown,
+        # skipped_bytes), so that a resumed run makes the same decision whatever the network does
+        # then, and counts the same.
+        self.skips: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.new_skips: list[tuple[int, ...]] = []
         self._plans: dict[int, list[ShardSlice]] = {}
         self._samples: Iterator[dict[str, Any]] | None = None
         self._handle: Any = None
@@ -327,12 +350,13 @@ class SourceStream:
             if self._samples is None and not self._open_next():
                 return None
             sl = self._plan(self.epoch)[self.slice_pos]
-            limit = self.skips.get((self.epoch, self.slice_pos))
+            skip = self.skips.get((self.epoch, self.slice_pos))
+            limit = None if skip is None else skip[0]
             try:
                 for raw in self._samples:  # type: ignore[union-attr]
                     i = self.next_index
                     if limit is not None and i >= limit:
-                        break
+                        raise _SkipAgain
                     self.next_index = i + 1
                     self.next_offset = raw["__end__"]
                     if sl.parts > 1 and i % sl.parts != sl.part:
@@ -342,14 +366,22 @@ class SourceStream:
                         self.counters.read += 1
                         self.got_in_epoch += 1
                         return sample
-            except ShardError as exc:
+            except _SkipAgain:
+                # A decision taken before (in the run this one resumes): the same point, the same counts.
                 self._close()
+                assert skip is not None
+                self._add_loss(skip[1:])
+            except ShardError as exc:
                 if self.source.on_error == "raise":
+                    self._close()
                     raise ShardError(f"source {self.source.name!r}: {exc}") from exc
-                self.counters.skipped_shards += 1
-                self.skips[(self.epoch, self.slice_pos)] = self.next_index
-                self.new_skips.append((self.epoch, self.slice_pos, self.next_index))
-                self._warn_once(sl.shard, f"source {self.source.name!r}: skipping the rest of shard {io.redact(self.source.shards[sl.shard])}: {exc}")
+                loss, words = self._loss(exc, sl)
+                self._close()
+                self._add_loss(loss)
+                decision = (self.next_index, *loss)
+                self.skips[(self.epoch, self.slice_pos)] = decision
+                self.new_skips.append((self.epoch, self.slice_pos, *decision))
+                self._warn_once(sl.shard, f"source {self.source.name!r}: skipping the rest of shard {io.redact(self.source.shards[sl.shard])} ({words}): {exc}")
             else:
                 self._close()
                 self.counters.shards_finished += 1
@@ -357,6 +389,34 @@ class SourceStream:
             self.next_index = 0
             self.next_offset = 0
         return None
+
+    def _loss(self, exc: ShardError, sl: ShardSlice) -> tuple[tuple[int, int, int, int], str]:
+        """What giving up the current shard at `exc` loses, as counter increments (skipped_samples,
+        skipped_shards, skipped_unknown, skipped_bytes: see `Counters`), and in words."""
+        cut: list[str] = getattr(exc, "lost", [])  # samples the damage cut, in shard order from next_index
+        mine = sum(1 for j in range(len(cut)) if (self.next_index + j) % sl.parts == sl.part)
+        words = f"{mine} sample(s) cut by the damage"
+        if sl.part != 0:  # the shard itself is counted by the reader of its first part
+            return (mine, 0, 0, 0), words
+        start = self.next_offset  # the first byte not delivered as a sample
+        stop = getattr(exc, "stop", None)  # how far the tar reader got (the shard's end if truncated)
+        if getattr(exc, "truncated", False) and stop is not None:
+            skipped = max(stop - start, 0)
+            return (mine, 1, 0, skipped), f"{words}; the shard ends there, {skipped} bytes undelivered"
+        size = _stream_size(self._handle)
+        if size is None and codec_of(self.source.shards[sl.shard]) is None:
+            size = self.source.shard_bytes[sl.shard]
+        end = size if size is not None and size >= start else stop
+        skipped = max(end - start, 0) if end is not None else 0
+        return (mine, 1, 1, skipped), f"{words}; rest of shard unknown: {skipped} bytes from offset {start} skipped"
+
+    def _add_loss(self, loss: Sequence[int]) -> None:
+        c = self.counters
+        samples, shards, unknown, nbytes = (*loss, 0, 0, 0, 0)[:4]  # (older states saved no counts)
+        c.skipped_samples += samples
+        c.skipped_shards += shards
+        c.skipped_unknown += unknown
+        c.skipped_bytes += nbytes
 
     def _open_next(self) -> bool:
         """Open the shard of the current slice, moving to the next epoch at the end of one."""
@@ -426,7 +486,7 @@ class SourceStream:
             "buffer_size": self.buffer_size,
             "rng": _rng_state(self.rng),
             "buffer": locations(self.buffer),
-            "skips": [[e, p, n] for (e, p), n in sorted(self.skips.items())],
+            "skips": [[e, p, *d] for (e, p), d in sorted(self.skips.items())],
         }
 
     def load_state_dict(self, state: dict[str, Any], samples: Mapping[tuple[int, int], Sample]) -> None:
@@ -441,12 +501,29 @@ class SourceStream:
         self.buffer_size = int(state["buffer_size"])
         self.rng.setstate(_rng_tuple(state["rng"]))
         self.buffer = [samples[(shard, offset)] for shard, offset in state["buffer"]]
-        self.skips = {(int(e), int(p)): int(n) for e, p, n in state["skips"]}
+        self.skips = {(int(e), int(p)): tuple(map(int, d)) for e, p, *d in state["skips"]}
 
     def add_skips(self, skips: Sequence[Sequence[int]]) -> None:
         """Skip decisions taken after the state was saved, to be taken again at the same points."""
-        for e, p, n in skips:
-            self.skips[(int(e), int(p))] = int(n)
+        for e, p, *decision in skips:
+            self.skips[(int(e), int(p))] = tuple(map(int, decision))
+
+
+class _SkipAgain(Exception):
+    """Reading reached a point where the run being resumed gave the shard up."""
+
+
+def _stream_size(handle: Any) -> int | None:
+    """The size in tar bytes of an open shard stream, when it tells (None for compressed shards)."""
+    if handle is None:
+        return None
+    size = getattr(handle, "size", None)
+    if size is not None:
+        return int(size)
+    try:
+        return os.fstat(handle.fileno()).st_size
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 def _raising(exc: BaseException) -> Iterator[dict[str, Any]]:
@@ -515,7 +592,9 @@ def reread(source: Source, budget: TokenBudget | Packed, wanted: Sequence[tuple[
     scratch = Counters()
     for shard, offsets in sorted(by_shard.items()):
         url = source.shards[shard]
-        for run in _runs(sorted(offsets), _REREAD_GAP):
+        # A compressed shard cannot seek (each open decompresses from its start): one pass reads them all.
+        gap = _REREAD_GAP if codec_of(url) is None else 1 << 62
+        for run in _runs(sorted(offsets), gap):
             start, last = run[0], run[-1]
             with io.open_shard(url, start_offset=start, storage_options=source.storage_options, allow_pipe=source.allow_pipe, **source.io_options.open_kwargs()) as stream:
                 for raw in read_samples(stream, url=io.redact(url), start_offset=start, chunk_size=1 << 16):

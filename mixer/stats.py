@@ -285,6 +285,7 @@ TABLE_COLUMNS = (
     ("token_share", "token share", ".4f"), ("sample_share", "sample share", ".4f"), ("tokens", "tokens", ","),
     ("samples", "samples", ","), ("padding_efficiency", "pad eff", ".3f"), ("epochs", "epochs", ","),
     ("skipped_samples", "skipped", ","), ("skipped_shards", "bad shards", ","),
+    ("skipped_unknown", "rest unknown", ","), ("skipped_bytes", "bytes lost", ","),
 )  # fmt: skip
 
 

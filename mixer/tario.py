@@ -18,7 +18,7 @@ from zlib import adler32
 
 from .errors import ConfigError, SampleError, ShardError
 
-__all__ = ["group_samples", "iter_members", "read_samples"]
+__all__ = ["TarDamage", "group_samples", "iter_members", "read_samples"]
 
 Member = tuple[str, int, bytes]
 
@@ -46,6 +46,29 @@ _PAX_RECORD = re.compile(rb"(\d+) ([^=]+)=")  # tarfile._proc_pax
 _RESERVED = frozenset(("__key__", "__url__", "__offset__", "__end__"))
 
 
+class TarDamage(ShardError):
+    """The tar stream breaks off: truncated, a corrupt header, or the byte stream itself failed.
+
+    ``offset``: the shard offset of the first header block that could not be read whole (where the
+    damage is). ``member``: that member's name when its header was read before the damage (its data
+    was cut), else None. ``stop``: how far the stream was read (its end when truncated; else the
+    damage). ``truncated``: the stream simply ended there (nothing of the shard follows),
+    as opposed to unreadable bytes with more of the shard after them. ``lost``: filled in by
+    `group_samples`: the keys of the samples the damage cut (members of them were read, but not all),
+    which are therefore not delivered.
+    """
+
+    def __init__(
+        self, message: str, *, offset: int, stop: int | None = None, member: str | None = None, truncated: bool = False
+    ) -> None:
+        super().__init__(message)
+        self.offset = offset
+        self.stop = offset if stop is None else stop
+        self.member = member
+        self.truncated = truncated
+        self.lost: list[str] = []
+
+
 # ---------------------------------------------------------------------------------------------
 # stage 1: byte stream -> members
 
@@ -64,8 +87,10 @@ def iter_members(
     Every header checksum is verified (unsigned or signed sum). The archive must end with a zero
     block: running out of bytes before it, mid-header or mid-data, is a `ShardError` ("truncated"),
     and no member with incomplete data is ever yielded. A bad checksum is a `ShardError`
-    ("corrupt header"). The generator's return value is the offset of the end-of-archive block
-    (`group_samples` uses it as the last sample's ``__end__``).
+    ("corrupt header"). Both are a `TarDamage` saying where. A shard that is empty, or whose first
+    block is no tar header, says so ("empty file", "not a tar file (starts with ...)"). The
+    generator's return value is the offset of the end-of-archive block (`group_samples` uses it as
+    the last sample's ``__end__``).
     """
     if start_offset < 0 or start_offset % _BLOCK:
         raise ConfigError(f"{url}: start_offset must be a non-negative multiple of 512 (got {start_offset})")
@@ -77,9 +102,12 @@ def iter_members(
     first = -1  # shard offset of the first extension header of the member being assembled
     exts: list[tuple[int, Any]] = []  # (typeflag, payload) of pending extension headers, in order
     global_pax: dict[str, str] = {}
+    if start_offset == 0:  # once per shard: a clear word for files that are no tar at all
+        buf = _first_block(stream, chunk_size, url)
+        blen = len(buf)
     while True:
         if pos + _BLOCK > blen:
-            buf, base = _refill(stream, buf, pos, base, _BLOCK, chunk_size, url, "a tar header or end block")
+            buf, base = _refill(stream, buf, pos, base, _BLOCK, chunk_size, url, "a tar header or end block", first if exts else -1)
             pos, blen = 0, len(buf)
         typeflag = buf[pos + 156]
         field = buf[pos + 148 : pos + 156]
@@ -119,7 +147,7 @@ def iter_members(
                     name, size = _apply_extensions(name, size, exts, global_pax, url, first)
                 need = _BLOCK + ((size + 511) & -512)
                 if pos + need > blen:
-                    buf, base = _refill(stream, buf, pos, base, need, chunk_size, url, f"member {name!r}")
+                    buf, base = _refill(stream, buf, pos, base, need, chunk_size, url, f"member {name!r}", first if exts else -1, name)
                     pos, blen = 0, len(buf)
                 offset = first if exts else base + pos
                 data = buf[pos + _BLOCK : pos + _BLOCK + size]
@@ -132,7 +160,7 @@ def iter_members(
         elif typeflag in _EXTENSIONS:
             need = _BLOCK + ((size + 511) & -512)
             if pos + need > blen:
-                buf, base = _refill(stream, buf, pos, base, need, chunk_size, url, "an extension header")
+                buf, base = _refill(stream, buf, pos, base, need, chunk_size, url, "an extension header", first if exts else -1)
                 pos, blen = 0, len(buf)
             if not exts:
                 first = base + pos
@@ -141,7 +169,7 @@ def iter_members(
             pos += need
             continue
         elif typeflag == _SPARSE:
-            raise ShardError(f"{url}: unsupported GNU sparse member at offset {base + pos}")
+            raise TarDamage(f"{url}: unsupported GNU sparse member at offset {base + pos}", offset=base + pos)
         else:
             has_data = typeflag not in _NO_DATA
         # A non-regular member: consume its extension headers and skip it (and its data, where
@@ -151,29 +179,95 @@ def iter_members(
             exts.clear()
         skip = _BLOCK + ((size + 511) & -512) if has_data else _BLOCK
         if pos + skip > blen:
-            buf, base = _refill(stream, buf, pos, base, skip, chunk_size, url, "a non-regular member")
+            buf, base = _refill(stream, buf, pos, base, skip, chunk_size, url, "a non-regular member", first if exts else -1)
             pos, blen = 0, len(buf)
         pos += skip
 
 
 def _refill(
-    stream: BinaryIO, buf: bytes, pos: int, base: int, need: int, chunk_size: int, url: str, what: str
+    stream: BinaryIO,
+    buf: bytes,
+    pos: int,
+    base: int,
+    need: int,
+    chunk_size: int,
+    url: str,
+    what: str,
+    first: int = -1,
+    member: str | None = None,
 ) -> tuple[bytes, int]:
     """``(buf[pos:] + more of the stream, its shard offset)``, at least `need` bytes long, or a
-    `ShardError` if the stream ends first: every header and every data block must be there."""
+    `TarDamage` if the stream ends (or fails) first: every header and every data block must be there.
+    `first` is the offset of the pending extension headers (-1: none), `member` the name of the member
+    whose data is wanted (None while a header is)."""
     parts = [buf[pos:]]
     have = len(parts[0])
+    offset = base + pos
+    damaged = first if first >= 0 else offset
     while have < need:
-        block = stream.read(max(chunk_size, need - have))
+        try:
+            block = stream.read(max(chunk_size, need - have))
+        except ShardError as exc:  # the byte stream failed (network, decompression): same message
+            truncated = getattr(exc, "truncated", False)  # e.g. a compressed stream cut short
+            raise TarDamage(str(exc), offset=damaged, stop=offset + have, member=member, truncated=truncated) from exc
         if not block:  # b"" is EOF; a short read is not
-            offset = base + pos
-            raise ShardError(
+            raise TarDamage(
                 f"{url}: shard is truncated at byte {offset + have}: expected {what} ({need} bytes) at "
-                f"offset {offset}, and no end-of-archive block"
+                f"offset {offset}, and no end-of-archive block",
+                offset=damaged,
+                stop=offset + have,
+                member=member,
+                truncated=True,
             )
         parts.append(block)
         have += len(block)
-    return b"".join(parts), base + pos
+    return b"".join(parts), offset
+
+
+def _first_block(stream: BinaryIO, chunk_size: int, url: str) -> bytes:
+    """The first bytes of a shard (at least one block when there are that many), checked to look
+    like a tar: an empty file, or a first block that is neither a header with a valid checksum, nor
+    ustar-tagged (a corrupt header), nor zeros (an empty archive), is named for what it is."""
+    buf = b""
+    try:
+        buf = stream.read(chunk_size)
+        while buf and len(buf) < _BLOCK:
+            more = stream.read(chunk_size)
+            if not more:
+                break
+            buf += more
+    except ShardError as exc:
+        raise TarDamage(str(exc), offset=0, stop=len(buf), truncated=getattr(exc, "truncated", False)) from exc
+    if not buf:
+        raise TarDamage(f"{url}: empty file (0 bytes), not a tar shard", offset=0, stop=0, truncated=True)
+    block = buf[:_BLOCK]
+    if len(block) == _BLOCK and (block == _ZERO_BLOCK or block[257:262] == b"ustar" or _checksum_ok(block)):
+        return buf
+    if len(block) < _BLOCK and (block[257:262] == b"ustar" or not block.strip(b"\0")):
+        return buf  # a header or end block cut short: reported as truncated by the caller
+    hint = ""
+    if block[:2] == b"\x1f\x8b":
+        hint = "; gzip-compressed data: name the shard .tar.gz or .tgz"
+    elif block[:6] == b"\xfd7zXZ\x00":
+        hint = "; xz-compressed data: name the shard .tar.xz"
+    elif block[:4] == b"\x28\xb5\x2f\xfd":
+        hint = "; zstd-compressed data, which is not supported"
+    raise TarDamage(f"{url}: not a tar file (starts with {block[:16]!r}, {len(buf)}{'+' if len(buf) >= chunk_size else ''} bytes){hint}", offset=0)
+
+
+def _checksum_ok(block: bytes) -> bool:
+    """Whether a 512-byte block's checksum field holds its unsigned or signed sum (as tarfile checks)."""
+    field = block[148:156]
+    end = field.find(b"\0")
+    text = (field[:end] if end >= 0 else field).strip()
+    try:
+        stored = int(text, 8)
+    except ValueError:
+        return False
+    rest = block[:148] + block[156:]
+    unsigned = 256 + sum(rest)
+    signed = 256 + sum(b - 256 if b > 127 else b for b in rest)
+    return stored in (unsigned, signed)
 
 
 def _extension(typeflag: int, payload: bytes, global_pax: dict[str, str], url: str, offset: int) -> Any:
@@ -236,7 +330,7 @@ def _parse_pax(payload: bytes, url: str, offset: int) -> dict[str, str]:
         keyword = match.group(2).decode("utf-8", "surrogateescape")
         value = payload[match.end(2) + 1 : match.start(1) + length - 1]
         if keyword.startswith("GNU.sparse."):
-            raise ShardError(f"{url}: unsupported GNU sparse member (PAX header at offset {offset})")
+            raise TarDamage(f"{url}: unsupported GNU sparse member (PAX header at offset {offset})", offset=offset)
         records[keyword] = value.decode("utf-8", "surrogateescape")
         pos += length
 
@@ -264,8 +358,8 @@ def _apply_extensions(
     return name, size
 
 
-def _corrupt(url: str, offset: int, why: str) -> ShardError:
-    return ShardError(f"{url}: corrupt header at offset {offset}: {why}")
+def _corrupt(url: str, offset: int, why: str) -> TarDamage:
+    return TarDamage(f"{url}: corrupt header at offset {offset}: {why}", offset=offset)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,6 +383,13 @@ def group_samples(members: Iterable[Member], *, url: str) -> Iterator[dict[str, 
     ``bytes`` entry per extension. ``__end__`` of the last sample is exact when `members` is an
     `iter_members` generator (its return value); for other iterables it assumes the last member had
     no extension headers.
+
+    When `members` breaks off with a `TarDamage` (see `iter_members`), the sample being assembled is
+    still yielded if it is known to be complete: the damaged member's header was read and belongs to
+    another key (its ``__end__`` is then that member's offset). Otherwise (the damage is in one of its
+    own members, or in a header, so that more of its members may have followed) it is held back. The
+    keys of the samples the damage cut (held back, or the damaged member's own) go into the error's
+    ``lost`` before it is re-raised, after the samples before it.
     """
     it = iter(members)
     sample: dict[str, Any] = {}  # empty until the first member
@@ -300,6 +401,9 @@ def group_samples(members: Iterable[Member], *, url: str) -> Iterator[dict[str, 
         except StopIteration as stop:
             last_end = stop.value  # iter_members returns the end-of-archive offset
             break
+        except TarDamage as damage:
+            yield from _after_damage(damage, sample, key, url)
+            raise
         if name[:2] == "__" and _is_meta(name):
             continue
         # Fast path for base_plus_ext: with no newline and a dot after the last slash that is not
@@ -329,6 +433,24 @@ def group_samples(members: Iterable[Member], *, url: str) -> Iterator[dict[str, 
             last_end = offset + _BLOCK + ((len(data) + 511) & -512)
         sample["__end__"] = last_end
         yield sample
+
+
+def _after_damage(damage: TarDamage, sample: dict[str, Any], key: str | None, url: str) -> Iterator[dict[str, Any]]:
+    """The pending sample if the damage proves it complete; records the samples the damage cut."""
+    name = damage.member
+    cut = None  # the key of the damaged member's sample, when it is a sample's member
+    if name is not None and not (name[:2] == "__" and _is_meta(name)):
+        match = _BASE_PLUS_EXT.match(name)
+        cut = match.group(1) if match is not None else None
+    if sample and cut is not None and cut != key:
+        sample["__end__"] = damage.offset
+        yield sample
+        damage.lost = [cut]
+    elif sample:
+        # Held back: the damage is in one of its members, or where its next member might have been.
+        damage.lost = [sample["__key__"]] if cut is None or cut == key else [sample["__key__"], cut]
+    elif cut is not None:
+        damage.lost = [cut]
 
 
 def _duplicate(url: str, key: str, name: str, suffix: str, offset: int) -> SampleError:

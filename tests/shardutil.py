@@ -27,25 +27,30 @@ def expected_tokens(key: str, length: int, *, seed: int = 0, dtype: Any = np.int
     return rng.integers(TOKEN_LO, TOKEN_HI + 1, size=length).astype(dtype)
 
 
-def shard_pattern(folder: str | os.PathLike[str], name: str, num_shards: int) -> str:
+def shard_pattern(folder: str | os.PathLike[str], name: str, num_shards: int, suffix: str = ".tar") -> str:
     """The brace pattern of `folder/name-000000.tar` .. `name-{num_shards-1:06d}.tar`."""
     if num_shards == 1:
-        return os.path.join(folder, f"{name}-000000.tar")
-    return os.path.join(folder, f"{name}-{{000000..{num_shards - 1:06d}}}.tar")
+        return os.path.join(folder, f"{name}-000000{suffix}")
+    return os.path.join(folder, f"{name}-{{000000..{num_shards - 1:06d}}}{suffix}")
 
 
 def write_samples(
-    folder: str | os.PathLike[str], name: str, samples_per_shard: Sequence[Sequence[Mapping[str, Any]]]
+    folder: str | os.PathLike[str],
+    name: str,
+    samples_per_shard: Sequence[Sequence[Mapping[str, Any]]],
+    *,
+    suffix: str = ".tar",
 ) -> str:
     """Write `samples_per_shard[i]` into `folder/name-{i:06d}.tar`; return the brace pattern.
 
     Samples are dicts as `webdataset.TarWriter` takes them (``__key__`` plus members, encoded by
     extension: ``.npy`` arrays, ``txt`` strings, raw ``bytes``); an empty list gives an empty shard.
+    ``suffix=".tar.gz"`` (or ``".tgz"``) makes webdataset's writer gzip each shard.
     """
     if not samples_per_shard:
         raise ValueError("write_samples: need at least one shard")
     os.makedirs(folder, exist_ok=True)
-    pattern = os.path.join(os.fspath(folder).replace("%", "%%"), f"{name}-%06d.tar")
+    pattern = os.path.join(os.fspath(folder).replace("%", "%%"), f"{name}-%06d{suffix}")
     total = sum(len(samples) for samples in samples_per_shard)
     # maxcount never triggers: next_stream() draws the shard boundaries exactly where asked.
     with wds.ShardWriter(pattern, maxcount=total + 1, verbose=0, mtime=MTIME) as writer:
@@ -54,7 +59,7 @@ def write_samples(
                 writer.next_stream()
             for sample in samples:
                 writer.write(dict(sample))
-    return shard_pattern(folder, name, len(samples_per_shard))
+    return shard_pattern(folder, name, len(samples_per_shard), suffix)
 
 
 def write_token_shards(
@@ -65,6 +70,7 @@ def write_token_shards(
     dtype: Any = np.int32,
     member: str = "tokens.npy",
     seed: int = 0,
+    suffix: str = ".tar",
 ) -> str:
     """One sample per length, key ``f"{name}-{shard:06d}-{i:06d}"``, tokens `expected_tokens(key, n)`."""
     samples_per_shard = []
@@ -74,7 +80,7 @@ def write_token_shards(
             key = token_key(name, shard, i)
             samples.append({"__key__": key, member: expected_tokens(key, length, seed=seed, dtype=dtype)})
         samples_per_shard.append(samples)
-    return write_samples(folder, name, samples_per_shard)
+    return write_samples(folder, name, samples_per_shard, suffix=suffix)
 
 
 def token_key(name: str, shard: int, index: int) -> str:

@@ -11,9 +11,11 @@ Two facts fix where the expectations come from:
 * the source reads a few samples up front, in the main process, from shards 0, 2 and 3 of 4 (see
   `mixer.source.profile`), so the streaming faults hit shard 1 and are armed after the `Mixture` is
   built; `test_fault_during_profiling` arms them before;
-* the tar reader yields a sample when the next sample's first member has arrived whole (or at the
-  end-of-archive block), so a shard that breaks inside member ``j`` (one member per sample here)
-  delivers samples ``0 .. j-2`` and loses ``j-1`` onwards: it cannot know ``j-1`` was complete.
+* the tar reader yields a sample once the next sample's first header has arrived (or at the
+  end-of-archive block), so a shard cut inside the data of member ``j`` (one member per sample here)
+  delivers samples ``0 .. j-1`` and loses ``j`` (counted: its header was read) and whatever the cut
+  removed; a corrupt header ``j`` names no member, so ``j-1`` (which might have had more members
+  there) is lost with it, counted, and the rest of the shard is counted in bytes only.
 """
 
 from __future__ import annotations
@@ -159,20 +161,36 @@ def keys_from(layout: dict[int, list[Member]], shard: int, first: int) -> set[st
 # ------------------------------------------------------------------------------------ faults
 
 # (id, arm(server, members of the faulty shard), index of the first lost sample or None, lost member
-# or None, expected counters)
-FAULTS: list[tuple[str, Callable[[FaultyHTTPServer, list[Member]], None], int | None, int | None, dict[str, int]]] = [
-    ("503_twice", lambda s, m: s.fail(NAME, "status", status=503, times=2), None, None, {"retries": 2}),
-    ("reset_mid_shard", lambda s, m: s.fail(NAME, "reset", after=m[4].data + 100, pause=0.05), None, None, {"retries": 1}),
-    ("stall", lambda s, m: s.fail(NAME, "stall", after=m[6].data + 7, seconds=5), None, None, {"retries": 1}),
-    ("404", lambda s, m: s.fail(NAME, "status", status=404, times=None), 0, None, {"skipped_shards": 1}),
-    # cut inside member 6's data: samples 0..4 arrive, 5 (complete, but not known to be) onwards are lost
-    ("truncated", lambda s, m: s.truncate(NAME, m[6].data + 10), 5, None, {"skipped_shards": 1}),
+# or None, expected counters given the members and the intact shard's size)
+Counts = Callable[[list[Member], int], dict[str, int]]
+FAULTS: list[tuple[str, Callable[[FaultyHTTPServer, list[Member]], None], int | None, int | None, Counts]] = [
+    ("503_twice", lambda s, m: s.fail(NAME, "status", status=503, times=2), None, None, lambda m, size: {"retries": 2}),
+    ("reset_mid_shard", lambda s, m: s.fail(NAME, "reset", after=m[4].data + 100, pause=0.05), None, None, lambda m, size: {"retries": 1}),
+    ("stall", lambda s, m: s.fail(NAME, "stall", after=m[6].data + 7, seconds=5), None, None, lambda m, size: {"retries": 1}),
+    # the whole shard, uncounted (a brace pattern lists no sizes, and no response told one)
+    ("404", lambda s, m: s.fail(NAME, "status", status=404, times=None), 0, None, lambda m, size: {"skipped_shards": 1, "skipped_unknown": 1}),
+    # cut inside member 6's data: samples 0..5 arrive (6's header proves 5 complete); 6 is lost,
+    # counted exactly, and the shard ends there: the bytes from 6's header to the cut
+    (
+        "truncated",
+        lambda s, m: s.truncate(NAME, m[6].data + 10),
+        6,
+        None,
+        lambda m, size: {"skipped_shards": 1, "skipped_samples": 1, "skipped_bytes": m[6].data + 10 - m[6].header},
+    ),
     # the first 8 bytes of member 3's data (the .npy magic) overwritten: that sample alone fails to decode
-    ("corrupt_member", lambda s, m: s.corrupt(NAME, m[3].data), None, 3, {"skipped_samples": 1}),
-    # member 7's tar header overwritten (bad checksum): the rest of the shard from sample 6 on is lost
-    ("corrupt_header", lambda s, m: s.corrupt(NAME, m[7].header), 6, None, {"skipped_shards": 1}),
+    ("corrupt_member", lambda s, m: s.corrupt(NAME, m[3].data), None, 3, lambda m, size: {"skipped_samples": 1}),
+    # member 7's tar header overwritten (bad checksum): sample 6 might have continued there, so it is
+    # lost with the rest; the rest is unknown in samples, known in bytes (the server told the size)
+    (
+        "corrupt_header",
+        lambda s, m: s.corrupt(NAME, m[7].header),
+        6,
+        None,
+        lambda m, size: {"skipped_shards": 1, "skipped_samples": 1, "skipped_unknown": 1, "skipped_bytes": size - m[6].header},
+    ),
 ]
-ZERO = {"retries": 0, "skipped_shards": 0, "skipped_samples": 0}
+ZERO = {"retries": 0, "skipped_shards": 0, "skipped_samples": 0, "skipped_bytes": 0, "skipped_unknown": 0}
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -188,7 +206,8 @@ def test_fault_while_streaming(
     arm: Callable[[FaultyHTTPServer, list[Member]], None],
     lost_from: int | None,
     lost_member: int | None,
-    counts: dict[str, int],
+    counts: Counts,
+    root: Path,
 ) -> None:
     urls, options = where(http, transport)
     members = layout[FAULTY]
@@ -201,7 +220,8 @@ def test_fault_while_streaming(
     if lost_member is not None:
         missing = {members[lost_member].key}
     check(keys, everything, missing)
-    assert {k: counters[k] for k in ZERO} == {**ZERO, **counts}
+    size = (root / NAME).stat().st_size
+    assert {k: counters[k] for k in ZERO} == {**ZERO, **counts(members, size)}
     assert counters["samples"] == len(everything) - len(missing)
     if workers == 0 and missing:  # (a worker's warnings stay in the worker)
         skipping = [str(w.message) for w in caught if "skipping" in str(w.message)]
@@ -315,8 +335,9 @@ def test_moto_s3(moto: dict[str, Any], layout: dict[int, list[Member]], everythi
         # a truncated object
         client.put_object(Bucket="bucket", Key=key, Body=original[:cut])
         keys, counters = run(urls, workers=workers, storage_options=moto["options"])
-        check(keys, everything, keys_from(layout, FAULTY, 5))
-        assert counters["skipped_shards"] == 1
+        check(keys, everything, keys_from(layout, FAULTY, 6))
+        assert (counters["skipped_shards"], counters["skipped_samples"], counters["skipped_unknown"]) == (1, 1, 0)
+        assert counters["skipped_bytes"] == cut - layout[FAULTY][6].header
     finally:
         client.put_object(Bucket="bucket", Key=key, Body=original)
         client.close()

@@ -350,14 +350,14 @@ def test_report_and_table(three_sources):
         s = rep["sources"][name]
         assert set(s) == {
             "target", "realized", "error", "token_share", "sample_share", "tokens", "samples", "padding_efficiency",
-            "epochs", "skipped_samples", "skipped_shards", "target_now",
+            "epochs", "skipped_samples", "skipped_shards", "skipped_unknown", "skipped_bytes", "target_now",
         }  # fmt: skip
         assert s["tokens"] == tokens[i] and s["target"] == pytest.approx(w) and s["target_now"] == pytest.approx(w)
     table = format_table(rep)
     lines = table.splitlines()
     assert lines[0].split() == [
         "source", "target", "realized", "error", "sample", "share", "tokens", "samples", "pad", "eff", "epochs", "skipped",
-        "bad", "shards",
+        "bad", "shards", "rest", "unknown", "bytes", "lost",
     ]  # fmt: skip
     assert "target, realized and error are token shares (unit: tokens)" in lines
     assert [line.split()[0] for line in lines[2:5]] == list(WEIGHTS)

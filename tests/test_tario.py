@@ -8,7 +8,9 @@ end silently (a cut or a corrupt header mid-shard), we must raise a `ShardError`
 
 from __future__ import annotations
 
+import gzip
 import io
+import lzma
 import os
 import random
 import tarfile
@@ -22,7 +24,7 @@ import webdataset as wds
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from mixer.errors import ConfigError, SampleError, ShardError
-from mixer.tario import group_samples, iter_members, read_samples
+from mixer.tario import TarDamage, group_samples, iter_members, read_samples
 
 MTIME = 1_700_000_000
 OURS_ONLY = {"__key__", "__url__", "__offset__", "__end__", "__local_path__"}
@@ -388,12 +390,12 @@ def shard(tmp_path: Path) -> tuple[Path, list[dict[str, Any]]]:
     return path, ours(path)
 
 
-def read_damaged(path: Path, data: bytes) -> tuple[list[str], ShardError]:
+def read_damaged(path: Path, data: bytes) -> tuple[list[str], TarDamage]:
     """Keys yielded before the error, and the error."""
     bad = path.with_name("bad.tar")
     bad.write_bytes(data)
     keys = []
-    with pytest.raises(ShardError) as err, open(bad, "rb") as stream:
+    with pytest.raises(TarDamage) as err, open(bad, "rb") as stream:
         for sample in read_samples(stream, url=str(bad)):
             keys.append(sample["__key__"])
     assert str(bad) in str(err.value)
@@ -407,22 +409,43 @@ def test_cut_at_a_member_boundary(shard: tuple[Path, list[dict[str, Any]]]) -> N
     # sample 2 is held back: with no end-of-archive block nobody knows whether it was complete
     assert keys == ["000000", "000001"]
     assert "truncated" in str(err) and f"offset {cut}" in str(err)
+    assert (err.offset, err.member, err.truncated, err.lost) == (cut, None, True, ["000002"])
 
 
 def test_cut_inside_member_data(shard: tuple[Path, list[dict[str, Any]]]) -> None:
     path, good = shard
     cut = good[3]["__offset__"] + 512 + 100
     keys, err = read_damaged(path, path.read_bytes()[:cut])
-    assert keys == ["000000", "000001"]
+    # sample 3's first header was read whole: sample 2 (all of whose members came before it) is
+    # complete and delivered, ending where sample 3 starts; sample 3 is the one the cut lost
+    assert keys == ["000000", "000001", "000002"]
     assert "truncated" in str(err) and f"at byte {cut}" in str(err) and f"offset {good[3]['__offset__']}" in str(err)
+    assert (err.offset, err.member, err.truncated, err.lost) == (good[3]["__offset__"], "000003.tokens.npy", True, ["000003"])
+    got = []
+    with pytest.raises(TarDamage):
+        for sample in read_samples(io.BytesIO(path.read_bytes()[:cut]), url="u"):
+            got.append(sample)
+    assert got == [g | {"__url__": "u"} for g in good[:3]]  # the same bytes and the same __end__
+
+
+def test_cut_inside_the_second_member_of_a_sample(shard: tuple[Path, list[dict[str, Any]]]) -> None:
+    # each sample is tokens.npy then txt: a cut inside sample 3's txt data loses sample 3 (its
+    # tokens.npy arrived whole, its txt did not) and keeps every sample before it
+    path, good = shard
+    txt = [off for name, off, _ in our_members(path) if name == "000003.txt"][0]
+    keys, err = read_damaged(path, path.read_bytes()[: txt + 512 + 1])
+    assert keys == ["000000", "000001", "000002"]
+    assert (err.offset, err.member, err.lost) == (txt, "000003.txt", ["000003"])
 
 
 def test_cut_inside_a_header(shard: tuple[Path, list[dict[str, Any]]]) -> None:
     path, good = shard
     cut = good[4]["__offset__"] + 100
     keys, err = read_damaged(path, path.read_bytes()[:cut])
+    # a header cut short names no member: sample 3 might have had more members there, so it is held back
     assert keys == ["000000", "000001", "000002"]
     assert "truncated" in str(err) and f"offset {good[4]['__offset__']}" in str(err)
+    assert (err.member, err.lost) == (None, ["000003"])
 
 
 @pytest.mark.parametrize("extra", [0, 100, 511])
@@ -441,7 +464,7 @@ def test_one_end_block_is_enough(shard: tuple[Path, list[dict[str, Any]]]) -> No
 
 
 def test_empty_file() -> None:
-    with pytest.raises(ShardError, match=r"u: shard is truncated at byte 0"):
+    with pytest.raises(TarDamage, match=r"^u: empty file \(0 bytes\), not a tar shard$"):
         list(read_samples(io.BytesIO(b""), url="u"))
 
 
@@ -470,8 +493,39 @@ def test_flipped_byte_in_a_pax_header_block(tmp_path: Path) -> None:
 
 
 def test_not_a_tar(tmp_path: Path) -> None:
-    keys, err = read_damaged(tmp_path / "x.tar", np.random.default_rng(0).bytes(4096))
-    assert keys == [] and "corrupt header at offset 0" in str(err)
+    data = np.random.default_rng(0).bytes(4096)
+    keys, err = read_damaged(tmp_path / "x.tar", data)
+    assert keys == [] and str(err) == f"{tmp_path / 'bad.tar'}: not a tar file (starts with {data[:16]!r}, 4096 bytes)"
+
+
+@pytest.mark.parametrize(
+    ("data", "says"),
+    [
+        (b"hello\n", r"not a tar file \(starts with b'hello\\n', 6 bytes\)$"),
+        (b"<html>\x00\xff" + bytes(600), r"not a tar file \(starts with b'<html>\\x00\\xff\\x00.*', 608 bytes\)$"),
+        (gzip.compress(b"x" * 2000), r"not a tar file \(starts with b'\\x1f\\x8b.*; gzip-compressed data: name the shard \.tar\.gz or \.tgz$"),
+        (lzma.compress(b"x" * 2000), r"not a tar file \(starts with b'\\xfd7zXZ.*; xz-compressed data: name the shard \.tar\.xz$"),
+    ],
+    ids=["text", "html", "gzip", "xz"],
+)
+def test_not_a_tar_says_what_it_starts_with(data: bytes, says: str) -> None:
+    with pytest.raises(TarDamage, match=r"^u: " + says):
+        list(read_samples(io.BytesIO(data), url="u"))
+
+
+def test_first_header_corrupt_is_still_a_corrupt_header(shard: tuple[Path, list[dict[str, Any]]]) -> None:
+    # a ustar-tagged first block with a bad checksum is a damaged tar, not "not a tar"
+    path, _ = shard
+    data = bytearray(path.read_bytes())
+    data[10] ^= 1
+    keys, err = read_damaged(path, bytes(data))
+    assert keys == [] and "corrupt header at offset 0: bad checksum" in str(err)
+
+
+def test_short_file_with_a_few_zero_bytes_is_truncated() -> None:
+    # fewer than 512 zero bytes: the start of an end-of-archive block, cut short (not "not a tar")
+    with pytest.raises(TarDamage, match=r"^u: shard is truncated at byte 100: expected a tar header or end block"):
+        list(read_samples(io.BytesIO(bytes(100)), url="u"))
 
 
 @pytest.mark.parametrize(("field", "why"), [(b"-0000000001\0", "negative size"), (b"12z45\0     ", "invalid number field")])

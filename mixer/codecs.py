@@ -1,0 +1,265 @@
+"""Compressed shards: ``.tar.gz`` / ``.tgz`` (gzip, `zlib`) and ``.tar.xz`` (xz, `lzma`), decompressed
+as they stream, with the Python standard library only.
+
+The codec follows from the shard's name (its path, without an http query string), as webdataset's
+shard names say it; the bytes must then be what the name says (a ``.tar`` holding gzip data, or a
+``.tar.gz`` holding a plain tar, is an error that says so). Concatenated gzip members and xz streams
+(as ``pigz`` or ``cat a.gz b.gz`` write them) and zero padding between or after them are read as
+``gzip``/``xz`` read them; every member's checksum is verified.
+
+**Offsets and resume.** Everything above this layer (sample offsets, ``__end__``, saved states) sees
+offsets into the *uncompressed* tar, exactly as for a plain ``.tar``. A compressed stream cannot
+seek, so opening a compressed shard at an offset re-opens it from its first byte and decompresses
+and discards everything before the offset: resuming ``k`` bytes into a compressed shard costs
+reading (or downloading) the compressed bytes before that point and decompressing ``k`` bytes:
+measured here, gzip decompresses ~250 MB of tar per second and core (resuming 42 MB into a shard
+took 0.15 s); xz only ~16 MB/s. Restoring a saved state re-reads each compressed shard
+once, from its start to its last buffered sample.
+"""
+
+from __future__ import annotations
+
+import io
+import lzma
+import re
+import zlib
+from typing import Any, BinaryIO, Protocol
+
+from .errors import ConfigError, ShardError
+
+__all__ = ["SHARD_SUFFIXES", "CodecError", "DecompressingStream", "codec_of", "is_shard_name"]
+
+# Name endings of the shards a folder or prefix listing keeps, and the codec each means.
+SHARD_SUFFIXES: dict[str, str | None] = {".tar": None, ".tar.gz": "gzip", ".tgz": "gzip", ".tar.xz": "xz"}
+_MAGIC = {"gzip": b"\x1f\x8b", "xz": b"\xfd7zXZ\x00"}
+_WEB = re.compile(r"^https?://", re.IGNORECASE)
+READ_SIZE = 1 << 20  # compressed bytes asked of the underlying stream at a time
+
+
+class CodecError(ShardError):
+    """Compressed data that cannot be decompressed. ``truncated``: the compressed file ends before its
+    end-of-stream marker (nothing of the shard follows), as opposed to corrupt bytes."""
+
+    def __init__(self, message: str, *, truncated: bool = False) -> None:
+        super().__init__(message)
+        self.truncated = truncated
+
+
+def codec_of(url: str) -> str | None:
+    """``"gzip"``, ``"xz"`` or None (a plain tar), from the name's ending (case-insensitive)."""
+    path = re.split(r"[?#]", url, maxsplit=1)[0] if _WEB.match(url) else url
+    lower = path.lower()
+    for suffix, codec in SHARD_SUFFIXES.items():
+        if codec is not None and lower.endswith(suffix):
+            return codec
+    return None
+
+
+def is_shard_name(name: str) -> bool:
+    """Whether a listed file is a shard: its name ends in one of `SHARD_SUFFIXES`."""
+    return name.lower().endswith(tuple(SHARD_SUFFIXES))
+
+
+class _Decompressor(Protocol):
+    @property
+    def eof(self) -> bool: ...
+    @property
+    def unused_data(self) -> bytes: ...
+    @property
+    def needs_input(self) -> bool: ...
+
+    def decompress(self, data: bytes, max_length: int = ...) -> bytes: ...
+
+
+class _Gzip:
+    """`zlib.decompressobj` for one gzip member, with `lzma.LZMADecompressor`'s interface (input left
+    over by ``max_length`` is kept here rather than handed back)."""
+
+    def __init__(self) -> None:
+        self._d = zlib.decompressobj(wbits=31)  # 16 + 15: gzip header and trailer (CRC-32, size) checked
+        self._tail = b""
+
+    @property
+    def eof(self) -> bool:
+        return self._d.eof
+
+    @property
+    def unused_data(self) -> bytes:
+        return self._d.unused_data
+
+    @property
+    def needs_input(self) -> bool:
+        return not self._tail
+
+    def decompress(self, data: bytes, max_length: int = -1) -> bytes:
+        if self._tail:
+            data = self._tail + data
+        out = self._d.decompress(data, max(max_length, 0))
+        self._tail = self._d.unconsumed_tail
+        return out
+
+
+def _new(codec: str) -> _Decompressor:
+    return _Gzip() if codec == "gzip" else lzma.LZMADecompressor(format=lzma.FORMAT_XZ)
+
+
+class DecompressingStream(io.BufferedIOBase):
+    """The uncompressed bytes of a compressed shard stream, from ``start_offset`` (an offset into the
+    uncompressed tar) on: the compressed stream ``raw`` must start at its first byte, and the bytes
+    before ``start_offset`` are decompressed and dropped on the first read (see the module docstring).
+
+    ``read(n)`` returns at most ``n`` bytes, b"" only at the clean end; what the decompressor has
+    produced is always handed out before an error is raised, so a reader sees every byte before the
+    damage. Faults of ``raw`` (a `ShardError` of a remote stream) pass through unchanged; bad data is a
+    `CodecError` naming the url, the codec and the position. ``tell()`` is the uncompressed offset,
+    ``retries`` those of ``raw``, ``size`` None (the uncompressed size is unknown until the end), and
+    ``ratio`` the compressed bytes read per uncompressed byte so far. Memory: ``read_size`` compressed
+    bytes and at most ``n`` uncompressed ones per call (a highly compressible shard cannot balloon).
+    """
+
+    size = None
+
+    def __init__(self, raw: BinaryIO, *, url: str, codec: str, start_offset: int = 0, read_size: int = READ_SIZE) -> None:
+        super().__init__()
+        if codec not in _MAGIC:
+            raise ConfigError(f"{url}: unknown codec {codec!r} (known: {', '.join(_MAGIC)})")
+        if start_offset < 0:
+            raise ConfigError(f"{url}: start_offset must be >= 0 (got {start_offset})")
+        self.url = url
+        self.codec = codec
+        self._raw = raw
+        self._read1 = getattr(raw, "read1", raw.read)
+        self._read_size = read_size
+        self._d = _new(codec)
+        self._pending = b""  # compressed bytes read from raw and not yet given to a decompressor
+        self._started = False  # the first member's magic was checked
+        self._in = 0  # compressed bytes read from raw
+        self._pos = 0  # uncompressed bytes produced (handed out or skipped)
+        self._skip = start_offset
+        self._done = False
+
+    @property
+    def retries(self) -> int:
+        return int(getattr(self._raw, "retries", 0))
+
+    @property
+    def ratio(self) -> float:
+        return self._in / self._pos if self._pos else 1.0
+
+    def readable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def read(self, size: int | None = -1) -> bytes:
+        if self.closed:
+            raise ValueError("I/O operation on closed stream")
+        if self._skip:
+            self._skip_ahead()
+        if size is None or size < 0:
+            parts = []
+            while chunk := self._decompress(self._read_size * 4):
+                parts.append(chunk)
+            return b"".join(parts)
+        return self._decompress(size) if size else b""
+
+    def read1(self, size: int = -1) -> bytes:
+        return self.read(size if size is not None and size >= 0 else self._read_size)
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        data = self.read(len(view))
+        view[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._raw.close()
+            self._pending = b""
+        super().close()
+
+    def __repr__(self) -> str:
+        return f"<DecompressingStream {self.codec} of {self.url} at byte {self._pos}>"
+
+    # ------------------------------------------------------------------------------ internals
+    def _skip_ahead(self) -> None:
+        start = self._pos + self._skip
+        while self._skip:
+            chunk = self._decompress(min(self._skip, self._read_size * 4))
+            if not chunk:
+                raise ShardError(f"{self.url}: start_offset {start} is past the end of the uncompressed shard ({self._pos} bytes)")
+            self._skip -= len(chunk)
+
+    def _raw_read(self) -> bytes:
+        data = self._read1(self._read_size)
+        self._in += len(data)
+        return data
+
+    def _decompress(self, n: int) -> bytes:
+        """Up to ``n`` uncompressed bytes (b"" only at the clean end of the last member)."""
+        while not self._done:
+            d = self._d
+            if d.eof:
+                self._next_member(d.unused_data)
+                continue
+            data = b""
+            if d.needs_input:
+                data, self._pending = self._pending or self._raw_read(), b""
+                if not data and not self._in:
+                    raise CodecError(f"{self.url}: empty file (0 bytes), not a {self.codec}-compressed tar shard", truncated=True)
+                if not data:
+                    raise CodecError(
+                        f"{self.url}: the {self.codec} data ends early, after {self._in} compressed bytes "
+                        f"({self._pos} bytes into the tar): the file is truncated",
+                        truncated=True,
+                    )
+                if not self._started:
+                    data = self._check_magic(data)
+            try:
+                out = d.decompress(data, n)
+            except (zlib.error, lzma.LZMAError) as exc:
+                raise CodecError(
+                    f"{self.url}: corrupt {self.codec} data within the first {self._in} compressed bytes "
+                    f"({self._pos} bytes into the tar): {exc}"
+                ) from None
+            if out:
+                self._pos += len(out)
+                return out
+        return b""
+
+    def _check_magic(self, data: bytes) -> bytes:
+        magic = _MAGIC[self.codec]
+        while len(data) < len(magic):
+            more = self._raw_read()
+            if not more:
+                break
+            data += more
+        if not data.startswith(magic):
+            what = "an empty file" if not data else f"it starts with {data[:16]!r}"
+            raise CodecError(f"{self.url}: the name says {self.codec}, but this is not {self.codec} data ({what})")
+        self._started = True
+        return data
+
+    def _next_member(self, rest: bytes) -> None:
+        """After a member's end: skip zero padding; another member follows, or the clean end."""
+        while True:
+            rest = rest.lstrip(b"\0")
+            if rest:
+                break
+            rest = self._raw_read()
+            if not rest:
+                self._done = True
+                return
+        self._d = _new(self.codec)
+        self._started = False
+        self._pending = self._check_trailing(rest)
+
+    def _check_trailing(self, rest: bytes) -> bytes:
+        try:
+            return self._check_magic(rest)
+        except CodecError:
+            raise CodecError(
+                f"{self.url}: data after the end of the {self.codec} stream ({self._pos} bytes of tar): "
+                f"it starts with {rest[:16]!r}"
+            ) from None

@@ -36,7 +36,7 @@ from .errors import ConfigError, MixerError, SampleError, StateError
 if TYPE_CHECKING:
     from .bucket import TokenBudget
     from .mixture import Mixture
-    from .source import Counters, Profile, Source
+    from .source import Counters
 
 T = TypeVar("T")
 
@@ -647,20 +647,6 @@ def make_layout(batching: TokenBudget | Packed, fields: Mapping[str, Field] | No
     if fields is not None:
         return FieldLayout(check_fields(fields), dtype=dtype)
     return None
-
-
-def check_fits(packed: Packed, sources: Sequence[Source], profiles: Sequence[Profile]) -> None:
-    """Up front: documents seen while profiling must fit a row when they cannot be split or cut."""
-    if packed.max_length is not None or packed.split_documents:
-        return
-    for s, p in zip(sources, profiles):
-        longest = int(p.lengths.max())
-        if longest > packed.row_len:
-            what = f"seq_len={packed.seq_len}" if packed.seq_len is not None else f"max_tokens={packed.max_tokens}"
-            raise ConfigError(
-                f"source {s.name!r}: documents of length {longest} seen, longer than a row ({what}); set "
-                "Packed(split_documents=True) to split them, or max_length to truncate or drop them"
-            )
 
 
 def count(counters: Sequence[Counters], sources: np.ndarray, accounted: tuple[np.ndarray, ...]) -> None:

@@ -17,7 +17,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from .batch import _DTYPES, Batch, collate
 from .bucket import TokenBudget, bucket_edges
-from .layout import Field, Level2, Packed, check_fits, count, level2, make_layout, unpair
+from .layout import Field, Level2, Packed, count, level2, make_layout, unpair
 from .decode import Sample
 from .errors import ConfigError
 from .schedule import Schedule, SourceInfo, Static, check_schedule
@@ -122,7 +122,9 @@ class Mixture(IterableDataset[Batch]):
             if isinstance(s.length, str) and (fields is None or s.length not in fields):
                 raise ConfigError(f"source {s.name!r}: length={s.length!r} names a field, but the mixture's fields= {sorted(fields or ())} lack it")
 
-        self.profiles: list[Profile] = [profile(s) for s in sources]
+        # Judges every sample it reads as the readers do: too long for the budget is a SampleError
+        # naming shard and key, raised or skipped by the source's on_error, as mid-stream.
+        self.profiles: list[Profile] = [profile(s, batching) for s in sources]
         self.info = SourceInfo(
             names=tuple(names),
             weights=np.array([s.weight for s in sources], dtype=np.float64),
@@ -132,7 +134,6 @@ class Mixture(IterableDataset[Batch]):
         # Check the whole schedule now (every phase of a curriculum, all-zero weights...), so that
         # it fails here and not in a worker process hours into the run.
         check_schedule(self.schedule, self.info)
-        self._check_fits()
         if isinstance(batching, Packed):
             self.edges: list[list[int]] = [[] for _ in sources]  # no buckets: the Packer places documents
         elif batching.buckets is not None:
@@ -147,19 +148,6 @@ class Mixture(IterableDataset[Batch]):
         b = self.batching
         assert isinstance(b, TokenBudget)
         return {"longest": b.longest, "num_buckets": b.num_buckets, "max_ratio": b.max_bucket_ratio}
-
-    def _check_fits(self) -> None:
-        if isinstance(self.batching, Packed):
-            return check_fits(self.batching, self.sources, self.profiles)
-        if self.batching.max_length is not None:
-            return
-        for s, p in zip(self.sources, self.profiles):
-            longest = int(p.lengths.max())
-            if longest > self.batching.max_tokens:
-                raise ConfigError(
-                    f"source {s.name!r}: samples of length {longest} seen, longer than max_tokens="
-                    f"{self.batching.max_tokens}; raise max_tokens or set max_length to truncate or drop them"
-                )
 
     @property
     def names(self) -> tuple[str, ...]:

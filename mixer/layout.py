@@ -342,6 +342,10 @@ class Packer(Generic[T]):
         self.open: list[_Open[T]] = []
         self.ready: deque[PackedGroup[T]] = deque()
         self.emitted = 0
+        self.held = 0  # never more than open_batches batches: nothing for release() to cap
+
+    def release(self, hold: int) -> bool:
+        return bool(self.ready)
 
     def add(self, item: T, length: int) -> bool:
         """Place ``item`` (``length`` tokens); returns whether a batch is ready."""
@@ -469,10 +473,13 @@ class Level2(Protocol[T]):
     """What the reader needs of level 2: :class:`~mixer.bucket.Bucketer` and :class:`Packer`."""
 
     ready: deque[Any]
+    held: int
 
     def add(self, item: T, length: int) -> bool: ...
 
     def drain(self) -> Iterator[list[T]]: ...
+
+    def release(self, hold: int) -> bool: ...
 
     def state_dict(self, encode: Callable[[T], Any]) -> dict[str, Any]: ...
 

@@ -8,6 +8,7 @@ random numbers and its share of the global step from it.
 from __future__ import annotations
 
 import logging
+import math
 import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
@@ -27,6 +28,9 @@ from .transport import SlotPool
 from .world import World, resolve_rank, worker_place
 
 log = logging.getLogger(__name__)
+
+MIN_SHUFFLE = 16  # the smallest shuffle buffer a rarely read source is cut down to
+HOLD_MIN_BATCHES = 2.0  # the least a rarely read source's buckets may hold, in batches of padded tokens
 
 Unit = Literal["tokens", "samples"]
 MixMode = Literal["batch", "sample"]
@@ -245,6 +249,7 @@ class Reader:
         self.tokens = 0
         self._probs_key: tuple[int, int] | None = None
         self._probs_cache = np.zeros(n)
+        self._holds = [0] * n
         self._resumed_counters: list[list[int]] | None = None
 
     @property
@@ -258,7 +263,24 @@ class Reader:
         if key != self._probs_key:
             self._probs_key = key
             self._probs_cache = self._target()
+            self._hold_ahead(self._probs_cache)
         return self._probs_cache
+
+    def _hold_ahead(self, probs: np.ndarray) -> None:
+        """Size what each source may hold ahead by how often it is read now: ``r = p / max(p)``
+        (1 for the most wanted source). Its shuffle buffer keeps ``max(ceil(r * shuffle_buffer),
+        min(shuffle_buffer, MIN_SHUFFLE))`` samples and its buckets ``max(r * num_buckets, 2)``
+        batches of padded tokens; beyond that the largest batch they can make leaves (see
+        :meth:`mixer.bucket.Bucketer.release`: fewer or shorter-padded samples), so a source at a
+        0.5% share reads about what it delivers instead of filling every bucket first. Unchanged
+        for the most wanted source, whose buckets never hold ``num_buckets`` batches anyway.
+        A pure function of progress: resumed readers size them the same way at the same points."""
+        top = float(probs.max())
+        m = self.mixture
+        for i, (st, edges) in enumerate(zip(self.streams, m.edges)):
+            r = float(probs[i]) / top if top > 0 else 1.0
+            st.limit = max(math.ceil(r * m.shuffle_buffer), min(m.shuffle_buffer, MIN_SHUFFLE))
+            self._holds[i] = int(max(r * len(edges), HOLD_MIN_BATCHES) * m.batching.max_tokens)
 
     def _target(self) -> np.ndarray:
         p = self.mixture.target_at(self.step, float(self.tokens * self.world.readers))
@@ -381,11 +403,12 @@ class Reader:
     def _next_batch(self, i: int) -> list[Sample] | None:
         bucketer: Level2[Sample] = self.bucketers[i]
         ready = bucketer.ready
-        if ready:
+        hold = self._holds[i]
+        if ready or bucketer.release(hold):
             return ready.popleft()
         add = bucketer.add
         for sample in self.streams[i]:
-            if add(sample, sample.length):
+            if add(sample, sample.length) or (bucketer.held > hold and bucketer.release(hold)):
                 return ready.popleft()
         return next(bucketer.drain(), None)
 

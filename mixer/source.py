@@ -298,6 +298,9 @@ class SourceStream:
         # The shuffle buffer's size; shrunk to one epoch's worth when a reader's part of an epoch is
         # smaller, so that the buffer never mixes several epochs of a small source.
         self.buffer_size = shuffle_buffer
+        # A cap the mixture sets from the source's share (see Reader._probs): a rarely read source
+        # keeps a smaller buffer, so it does not read ahead (and hold) a full buffer for a trickle.
+        self.limit = shuffle_buffer
         # A private generator (never the global one): cheap per-sample draws for the shuffle buffer.
         self.rng = random.Random(seed_for(seed, "shuffle", source.name, world.reader))
         # Shards given up under on_error="skip": (epoch, slice position) -> samples read before, so
@@ -319,17 +322,15 @@ class SourceStream:
     def __next__(self) -> Sample:
         buf = self.buffer
         while True:
+            size = min(self.buffer_size, self.limit)
+            if len(buf) > (size if size > 1 else 0):  # the cap went down: hand out the excess first
+                return self._pop()
             sample = self._read()
-            size = self.buffer_size
             if sample is None:
                 if not buf:
                     raise StopIteration
                 # The pass is over: hand out what the buffer holds, in random order.
-                j = int(self.rng.random() * len(buf))
-                out = buf[j]
-                buf[j] = buf[-1]
-                buf.pop()
-                return out
+                return self._pop()
             if size <= 1:
                 return sample
             if len(buf) < size:
@@ -338,6 +339,14 @@ class SourceStream:
             j = int(self.rng.random() * size)
             out, buf[j] = buf[j], sample
             return out
+
+    def _pop(self) -> Sample:
+        buf = self.buffer
+        j = int(self.rng.random() * len(buf))
+        out = buf[j]
+        buf[j] = buf[-1]
+        buf.pop()
+        return out
 
     def _plan(self, epoch: int) -> list[ShardSlice]:
         if epoch not in self._plans:
@@ -393,7 +402,7 @@ class SourceStream:
                     log.warning("source %r: reader %d got no samples in epoch %d", self.source.name, self.world.reader, self.epoch)
                 self.exhausted = True
                 return False
-            if len(self.buffer) < self.buffer_size:
+            if len(self.buffer) < min(self.buffer_size, self.limit):
                 self.buffer_size = len(self.buffer)
             self.epoch += 1
             self.slice_pos = 0

@@ -243,7 +243,7 @@ def log_every(loader: Iterable[Batch], n: int, *, logger: logging.Logger | None 
 
 TABLE_COLUMNS = (
     ("target", "target"), ("realized", "realized"), ("error", "error"), ("tokens", "tokens"), ("samples", "samples"),
-    ("padding_efficiency", "pad eff"), ("epochs", "epochs"), ("skipped_samples", "skipped"),
+    ("read", "read"), ("padding_efficiency", "pad eff"), ("epochs", "epochs"), ("skipped_samples", "skipped"),
     ("skipped_shards", "bad shards"),
 )  # fmt: skip
 
@@ -272,7 +272,7 @@ def format_table(rep: dict[str, Any]) -> str:
     for name, s in rep["sources"].items():
         rows.append((
             name, f"{s['target']:.4f}", f"{s['realized']:.4f}", f"{s['error']:+.4f}", f"{s['tokens']:,}",
-            f"{s['samples']:,}", f"{s['padding_efficiency']:.3f}", f"{s['epochs']:,}", f"{s['skipped_samples']:,}",
+            f"{s['samples']:,}", f"{s['read']:,}", f"{s['padding_efficiency']:.3f}", f"{s['epochs']:,}", f"{s['skipped_samples']:,}",
             f"{s['skipped_shards']:,}",
         ))  # fmt: skip
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]

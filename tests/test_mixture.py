@@ -371,3 +371,33 @@ def test_a_plain_dataloader_over_the_mixture_works(three_sources):
     plain = Counter(k for b in DataLoader(mix, batch_size=None, num_workers=2) for k in b.keys)
     ours = Counter(k for k, _, _ in collect(mixer.make_loader(mix, num_workers=2)))
     assert plain == ours and set(plain.values()) == {1}
+
+
+def test_a_rare_source_reads_about_what_it_delivers(tmp_path):
+    """Issue 12, item 9: a source at a 0.5% share used to fill its whole shuffle buffer and nearly
+    every bucket (about num_buckets batches of tokens, several of its epochs when small) to hand
+    out a batch now and then. What it holds ahead is now sized by its share: its shuffle buffer
+    keeps MIN_SHUFFLE samples, its buckets about 2 batches of padded tokens."""
+    from mixer.mixture import HOLD_MIN_BATCHES, MIN_SHUFFLE
+    from mixer.world import World
+
+    per = {n: split_evenly(lognormal_lengths(6000, median=30, sigma=0.7, lo=2, hi=400, seed=s), 4) for s, n in enumerate(("common", "rare"))}
+    srcs = [mixer.Source(n, write_token_shards(tmp_path, n, p), weight=w) for (n, p), w in zip(per.items(), (0.995, 0.005))]
+    budget = mixer.TokenBudget(max_tokens=4096)
+    mix = mixer.Mixture(srcs, batching=budget, shuffle_buffer=1000, seed=3)
+    reader = mix.reader(World(rank=0, world_size=1, worker=0, num_workers=1))
+    rare, bucketer, stream = reader.counters[1], reader.bucketers[1], reader.streams[1]
+    hold = int(HOLD_MIN_BATCHES * budget.max_tokens)
+    most_held = 0
+    for batch, _ in zip(reader, range(400)):
+        most_held = max(most_held, bucketer.held)
+        assert len(stream.buffer) <= MIN_SHUFFLE
+        # nothing read is lost: it was delivered or it waits in a buffer
+        assert rare.read - rare.samples == len(stream.buffer) + len(bucketer)
+    assert reader._holds[1] == hold
+    assert rare.batches >= 2  # it was read, and released batches before its buckets filled up
+    assert hold / 2 < most_held <= hold + max(mix.edges[1])
+    held_samples = rare.read - rare.samples
+    assert held_samples <= MIN_SHUFFLE + (hold + max(mix.edges[1])) // min(mix.edges[1])
+    # the common source is not capped: its buckets hold what they naturally do
+    assert reader._holds[0] == len(mix.edges[0]) * budget.max_tokens

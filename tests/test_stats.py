@@ -268,13 +268,17 @@ def test_report_and_table(three_sources):
     for i, (name, w) in enumerate(WEIGHTS.items()):
         s = rep["sources"][name]
         assert set(s) == {
-            "target", "realized", "error", "tokens", "samples", "padding_efficiency", "epochs", "skipped_samples",
+            "target", "realized", "error", "tokens", "samples", "read", "padding_efficiency", "epochs", "skipped_samples",
             "skipped_shards", "target_now",
         }  # fmt: skip
         assert s["tokens"] == tokens[i] and s["target"] == pytest.approx(w) and s["target_now"] == pytest.approx(w)
     table = format_table(rep)
     lines = table.splitlines()
-    assert lines[0].split() == ["source", "target", "realized", "error", "tokens", "samples", "pad", "eff", "epochs", "skipped", "bad", "shards"]
+    assert lines[0].split() == ["source", "target", "realized", "error", "tokens", "samples", "read", "pad", "eff", "epochs", "skipped", "bad", "shards"]
+    # read: samples taken from the shards (delivered or still in a buffer), per source
+    counters = loader.counters()
+    assert [line.split()[6] for line in lines[2:5]] == [f"{counters[n]['read']:,}" for n in WEIGHTS]
+    assert all(counters[n]["read"] >= rep["sources"][n]["samples"] for n in WEIGHTS)
     assert [line.split()[0] for line in lines[2:5]] == list(WEIGHTS)
     assert f"{int(tokens[0]):,}" in lines[2] and "30 batches" in table
 

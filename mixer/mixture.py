@@ -269,11 +269,12 @@ class Reader:
     def _hold_ahead(self, probs: np.ndarray) -> None:
         """Size what each source may hold ahead by how often it is read now: ``r = p / max(p)``
         (1 for the most wanted source). Its shuffle buffer keeps ``max(ceil(r * shuffle_buffer),
-        min(shuffle_buffer, MIN_SHUFFLE))`` samples and its buckets ``max(r * num_buckets, 2)``
-        batches of padded tokens; beyond that the largest batch they can make leaves (see
+        min(shuffle_buffer, MIN_SHUFFLE))`` samples and its buckets ``max(r * len(edges), 2)``
+        batches of padded tokens; beyond that the best batch they can make leaves (see
         :meth:`mixer.bucket.Bucketer.release`: fewer or shorter-padded samples), so a source at a
         0.5% share reads about what it delivers instead of filling every bucket first. Unchanged
-        for the most wanted source, whose buckets never hold ``num_buckets`` batches anyway.
+        for the most wanted source: ``len(edges)`` buckets, each short of a full batch, never hold
+        ``len(edges)`` batches.
         A pure function of progress: resumed readers size them the same way at the same points."""
         top = float(probs.max())
         m = self.mixture

@@ -193,8 +193,8 @@ class Bucketer(Generic[T]):
         """When the buffers hold more than ``hold`` padded tokens and no batch is ready, put the
         largest batch they can make on ``ready``: for some bucket ``b``, up to ``capacity[b]``
         items from ``b`` and then from the buckets below it (shorter samples, padded to ``b``'s
-        edge; oldest first), ``b`` chosen to hold the most tokens (counted at bucket edges; the
-        shortest of equals). Returns whether a batch is ready."""
+        edge; oldest first), ``b`` chosen for the most real tokens times padding efficiency (both
+        estimated at bucket edges; the shortest of equals). Returns whether a batch is ready."""
         if self.held <= hold or self.ready:
             return bool(self.ready)
         best, best_b = -1.0, 0

@@ -9,9 +9,12 @@ Data: the built-in demo sources (`mixer.demo.ensure_demo_shards()`: byte-level t
 256) mixed 50/30/20 into token-budget batches, or ``--config`` a mixer YAML file. Every rank builds
 the same Mixture; rank and world size come from the process group, so each rank reads its own
 disjoint part of every source. With ``--stop all_exhausted`` (default) the run makes one pass over
-the data and every rank takes the same number of steps (the loader agrees on the end with an
-``all_reduce(MIN)`` per batch; what a rank could not use is logged and counted in
-``loader.dropped()``); ``--stop never`` streams forever and ``--steps`` ends the run.
+the data and every rank takes the same number of steps: the loader agrees on the end with one
+``all_reduce`` per batch, and a rank whose data ended first gets *filler* batches (``batch.filler``)
+until every rank has ended, so every sample is trained on exactly once. A filler step still runs
+forward and backward (DDP's gradient all-reduce needs every rank) with its loss multiplied by 0, so
+it adds nothing to the gradient; the count is in ``loader.sync_report()``. ``--stop never`` streams
+forever and ``--steps`` ends the run.
 
 Model: a tiny causal LM (token embedding, a causal depthwise convolution over the last 4 tokens,
 GELU, a linear head) predicting each next token, under ``DistributedDataParallel``.
@@ -162,21 +165,27 @@ def main(argv: list[str] | None = None) -> int:
             break
         step += 1
         loss = lm_loss(ddp, batch.tokens, batch.lengths)
+        if batch.filler:  # a copy of a real batch that only keeps this rank in step: no gradient from it
+            loss = loss * 0
         optim.zero_grad(set_to_none=True)
         loss.backward()
         optim.step()
         value = float(loss.detach())  # one host sync per step, as a loop that logs its loss has
         if log_file is not None:
             digest = hashlib.blake2b(batch.buffer.cpu().numpy().tobytes(), digest_size=8).hexdigest()
-            log_file.write(json.dumps({"step": step, "loss": value, "tokens": batch.num_tokens, "keys": len(batch.keys), "digest": digest}) + "\n")
+            if batch.filler:  # trains on nothing
+                record = {"step": step, "loss": value, "tokens": 0, "keys": 0, "filler": True}
+            else:
+                record = {"step": step, "loss": value, "tokens": batch.num_tokens, "keys": len(batch.keys), "digest": digest}
+            log_file.write(json.dumps(record) + "\n")
             log_file.flush()
         if rank == 0 and (step % opts.log_every == 0 or step == 1):
             log.info("step %d loss %.4f (%d tokens, %s)", step, value, batch.num_tokens, batch)
         if opts.ckpt_every and step % opts.ckpt_every == 0:
             save_checkpoint(opts.ckpt_dir / f"step-{step:06d}", step, model, optim, loader)
-    dropped = loader.dropped()
-    if dropped["batches"]:
-        log.info("end of the pass: dropped %d batch(es) to keep every rank at %d steps: %s", dropped["batches"], step, dropped["sources"])
+    report = loader.sync_report()
+    if report["fillers"]:
+        log.info("end of the pass: %d filler step(s) (loss weighed by 0) to keep every rank at %d steps", report["fillers"], step)
     log.info("done: %d steps in %.1f s (world size %d)", step, time.perf_counter() - started, world)
     if log_file is not None:
         log_file.close()

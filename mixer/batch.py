@@ -25,6 +25,13 @@ class Batch:
     into ``Mixture.sources``), the ``keys`` of the samples, and ``info``: a small dict the mixture
     attaches (global step, per-source counters, state) for the loader's bookkeeping.
 
+    ``filler`` is True for a *filler* batch: under ``torchrun`` with a finite mixture, a rank whose
+    data ended before the other ranks' hands out fillers until every rank has ended, so that all
+    ranks take the same number of steps (see :mod:`mixer.distributed`). A filler is a copy of a real
+    batch (same shapes and kinds of values, finite loss) whose samples are *not* delivered by it:
+    the training step must still run (DDP's gradient all-reduce needs every rank) but weigh its loss
+    by 0 (``loss = loss * 0`` when ``batch.filler``). Its ``info`` holds only ``{"filler": True}``.
+
     ``pin_memory()`` and ``to()`` move the one buffer and rebuild the views, so DataLoader's
     ``pin_memory=True`` pins it with a single copy.
     """
@@ -71,6 +78,16 @@ class Batch:
 
     def is_pinned(self) -> bool:
         return self.buffer.is_pinned()
+
+    @property
+    def filler(self) -> bool:
+        return bool(self.info.get("filler", False))
+
+    def as_filler(self) -> Batch:
+        """A filler copy of this batch (own buffer, ``info == {"filler": True}``)."""
+        copy = self._with_buffer(self.buffer.clone())
+        copy.info = {"filler": True}
+        return copy
 
     @property
     def num_tokens(self) -> int:

@@ -153,7 +153,11 @@ class Bucketer(Generic[T]):
     """Per-bucket buffers. ``add`` puts a batch (a list of items) on ``ready`` when the sample's
     bucket is full, and also when the bucket holding the oldest waiting sample has waited while
     ``max_wait`` batches left this bucketer, so a rare length is never held back for long.
-    ``drain`` empties the buffers at the end of a finite pass. Items keep arrival order in a bucket."""
+    ``drain`` empties the buffers at the end of a finite pass. Items keep arrival order in a bucket.
+
+    ``held`` is what the buffers hold in padded tokens (each item counted at its bucket's edge, an
+    upper bound on its length); :meth:`release` caps it, so that a source read rarely does not hold
+    (and read ahead) a whole set of nearly full buckets to hand out one batch now and then."""
 
     def __init__(self, edges: Sequence[int], budget: TokenBudget) -> None:
         self.edges = [int(e) for e in edges]
@@ -165,6 +169,7 @@ class Bucketer(Generic[T]):
         # (batches emitted when the bucket's first item arrived, bucket); stale entries are skipped.
         self._waiting: list[tuple[int, int]] = []
         self._since = [0] * len(self.edges)
+        self.held = 0
 
     def add(self, item: T, length: int) -> bool:
         """Buffer ``item``; returns whether a batch is ready."""
@@ -174,6 +179,7 @@ class Bucketer(Generic[T]):
             self._since[b] = self.emitted
             heapq.heappush(self._waiting, (self.emitted, b))
         buf.append(item)
+        self.held += self.edges[b]
         if len(buf) >= self.capacity[b]:
             self._take(b)
         waiting = self._waiting
@@ -183,7 +189,45 @@ class Bucketer(Generic[T]):
                 self._take(old)
         return bool(self.ready)
 
+    def release(self, hold: int) -> bool:
+        """When the buffers hold more than ``hold`` padded tokens and no batch is ready, put the
+        largest batch they can make on ``ready``: for some bucket ``b``, up to ``capacity[b]``
+        items from ``b`` and then from the buckets below it (shorter samples, padded to ``b``'s
+        edge; oldest first), ``b`` chosen for the most real tokens times padding efficiency (both
+        estimated at bucket edges; the shortest of equals). Returns whether a batch is ready."""
+        if self.held <= hold or self.ready:
+            return bool(self.ready)
+        best, best_b = -1.0, 0
+        for b in range(len(self.buffers)):
+            if not self.buffers[b]:
+                continue
+            room, value = self.capacity[b], 0
+            for k in range(b, -1, -1):
+                t = min(len(self.buffers[k]), room)
+                value += t * self.edges[k]
+                room -= t
+                if not room:
+                    break
+            score = value * value / (self.capacity[b] * self.edges[b])  # real tokens x padding efficiency
+            if score > best:
+                best, best_b = score, b
+        batch: list[T] = []
+        room = self.capacity[best_b]
+        for k in range(best_b, -1, -1):
+            buf = self.buffers[k]
+            t = min(len(buf), room)
+            batch += buf[:t]
+            self.buffers[k] = buf[t:]
+            self.held -= t * self.edges[k]
+            room -= t
+            if not room:
+                break
+        self.ready.append(batch)
+        self.emitted += 1
+        return True
+
     def _take(self, b: int) -> None:
+        self.held -= len(self.buffers[b]) * self.edges[b]
         self.ready.append(self.buffers[b])
         self.buffers[b] = []
         self.emitted += 1
@@ -213,6 +257,7 @@ class Bucketer(Generic[T]):
         if len(state["buffers"]) != len(self.edges):
             raise ConfigError(f"bucketer state has {len(state['buffers'])} buckets, this mixture {len(self.edges)}")
         self.buffers = [[decode(x) for x in buf] for buf in state["buffers"]]
+        self.held = sum(len(buf) * e for buf, e in zip(self.buffers, self.edges))
         self.ready = deque([decode(x) for x in batch] for batch in state["ready"])
         self.emitted = int(state["emitted"])
         self._since = [int(x) for x in state["since"]]

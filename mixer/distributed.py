@@ -1,22 +1,34 @@
-"""Equal batch counts across data-parallel ranks when the stream is finite.
+"""Equal step counts across data-parallel ranks when the stream is finite.
 
 With ``stop="first_exhausted"`` or ``"all_exhausted"`` each rank's stream ends when *its* share of
 the data runs out, so ranks naturally end after different numbers of batches; a rank that stops
 early leaves the others waiting in the training step's next collective until the process-group
-timeout kills the job. :class:`StopSync` makes every rank hand out the same number of batches:
+timeout kills the job. :class:`StopSync` makes every rank hand out the same number of batches, in
+one of two ways (``make_loader(sync_end=...)``):
 
-* before handing out a batch, each rank contributes 1 ("I have one"), 0 ("my stream ended") or -1
-  ("reading failed here") to an ``all_reduce(MIN)`` over the data-parallel group; the batch is
-  handed out only when the minimum is 1, so all ranks stop together, after the same batch;
-* the reduction for batch ``k + 1`` is started (``async_op=True``) right before batch ``k`` is
-  handed out, so it runs during the training step: the rank looks one batch ahead;
+* ``"pad"`` (default): every rank hands out *all* of its batches; a rank whose stream ended while
+  others still have batches hands out **filler** batches (``batch.filler`` is True: a copy of a real
+  batch, to be weighed by 0 in the loss) until every rank has ended. So one pass with
+  ``stop="all_exhausted"`` delivers every sample exactly once over all ranks, and every rank takes
+  ``max`` over ranks of its own batch count steps; fillers never count as delivered samples (not in
+  ``stats()`` counters, not in ``state_dict()``) and are counted in :meth:`StopSync.report`;
+* ``"drop"``: every rank stops after the shortest rank's last batch; the batches the other ranks
+  still had are *dropped*: never handed out, never counted in the loader's bookkeeping, but read to
+  the end of the stream, counted per source in :meth:`StopSync.report` and logged with a warning
+  (so such a rank leaves its loop later, by the time it takes to read them).
+
+How the ranks agree:
+
+* before handing out a batch, each rank contributes whether it has one, whether its reading failed
+  and (``"pad"``) whether it needs a batch to copy, to one ``all_reduce`` over the data-parallel
+  group; the reduction for batch ``k + 1`` is started (``async_op=True``) right before batch ``k``
+  is handed out, so it runs during the training step: the rank looks one batch ahead;
 * a rank whose stream ended still takes part in every reduction until all agree to stop, so a rank
-  with no data at all yields nothing and returns at once, and never hangs;
-* the batches the other ranks still had are *dropped*: never handed out, never counted in the
-  loader's bookkeeping (its ``state_dict()`` stays that of the last batch handed out), but read to
-  the end of the stream, counted per source (:meth:`StopSync.dropped`) and logged with a warning
-  (so such a rank leaves its loop later, by the time it takes to read them: never silent, bounded
-  by how unevenly the ranks' shares end);
+  with no data at all never hangs;
+* a filler copies the last real batch this rank handed out in this iteration; a rank that has none
+  (its part of the data was empty, or it resumed from a state saved in its filler phase) receives
+  one copy of the next batch of the lowest rank that has one (one ``broadcast_object_list``, once);
+  so fillers' contents are not reproduced by a resume, only their number and position are;
 * when one rank's reading fails, every rank stops: the failing rank re-raises its error and the
   others raise :class:`~mixer.errors.MixerError` instead of waiting for a batch that never comes.
 
@@ -29,7 +41,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -43,19 +55,24 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HAVE, ENDED, FAILED = 1, 0, -1
+SyncEnd = Literal["pad", "drop"]
+SYNC_ENDS = ("pad", "drop")
 
 
-def stop_sync(mixture: Mixture, *, sync_stop: bool | None = None, sync_group: Any = None) -> StopSync | None:
+def stop_sync(mixture: Mixture, *, sync_stop: bool | None = None, sync_end: SyncEnd = "pad", sync_group: Any = None) -> StopSync | None:
     """The :class:`StopSync` a loader over ``mixture`` needs, or None.
 
     ``sync_stop=None`` (default): on when the mixture is finite (``stop != "never"``), has more than
     one rank and a process group is initialized. ``True``: the same, but a missing process group is
-    an error. ``False``: off (each rank ends with its own stream). ``sync_group``: the data-parallel
-    group (default: the default group); its size and this process's rank in it must match the
-    mixture's ``world_size`` and ``rank``.
+    an error. ``False``: off (each rank ends with its own stream). ``sync_end``: ``"pad"`` (the ranks
+    that end first hand out fillers) or ``"drop"`` (all stop with the first; see the module
+    docstring). ``sync_group``: the data-parallel group (default: the default group); its size and
+    this process's rank in it must match the mixture's ``world_size`` and ``rank``.
     """
     if sync_stop is not None and not isinstance(sync_stop, bool):
         raise ConfigError(f"sync_stop must be True, False or None (got {sync_stop!r})")
+    if sync_end not in SYNC_ENDS:
+        raise ConfigError(f"sync_end must be one of {SYNC_ENDS} (got {sync_end!r})")
     if sync_stop is False or mixture.stop == "never" or mixture.world_size == 1:
         return None
     import torch.distributed as dist
@@ -77,7 +94,7 @@ def stop_sync(mixture: Mixture, *, sync_stop: bool | None = None, sync_group: An
         )
     if not _handles_cpu(group):
         group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
-    return StopSync(group, mixture.names)
+    return StopSync(group, mixture.names, end=sync_end)
 
 
 def _flag(pending: Batch | None, error: Exception | None) -> int:
@@ -92,37 +109,48 @@ def _handles_cpu(group: Any) -> bool:
 
 
 class StopSync:
-    """Hands out batches only while every rank of ``group`` has one (see the module docstring);
-    :meth:`dropped` counts what this rank read but could not hand out."""
+    """Hands out batches so that every rank of ``group`` hands out the same number (see the module
+    docstring); :meth:`report` counts the fillers handed out or the batches dropped."""
 
-    def __init__(self, group: Any, names: tuple[str, ...]) -> None:
+    def __init__(self, group: Any, names: tuple[str, ...], *, end: SyncEnd = "pad") -> None:
         self.group = group
         self.names = names
+        self.end: SyncEnd = end
         self.reset()
 
     def reset(self) -> None:
+        self.fillers = 0
         self.dropped_batches = 0
         self._dropped = np.zeros((len(self.names), 2), dtype=np.int64)  # samples, tokens
 
-    def dropped(self) -> dict[str, Any]:
-        """What this rank read after the ranks agreed to stop, in the latest pass:
-        ``{"batches": n, "sources": {name: {"samples": n, "tokens": n}}}``."""
+    def report(self) -> dict[str, Any]:
+        """How the latest pass was evened out on this rank: ``{"sync_end": "pad" | "drop", "fillers": n,
+        "dropped": {"batches": n, "sources": {name: {"samples": n, "tokens": n}}}}``: filler batches
+        handed out (``"pad"``), batches read after the ranks agreed to stop (``"drop"``)."""
         return {
-            "batches": self.dropped_batches,
-            "sources": {n: {"samples": int(s), "tokens": int(t)} for n, (s, t) in zip(self.names, self._dropped.tolist())},
+            "sync_end": self.end,
+            "fillers": self.fillers,
+            "dropped": {
+                "batches": self.dropped_batches,
+                "sources": {n: {"samples": int(s), "tokens": int(t)} for n, (s, t) in zip(self.names, self._dropped.tolist())},
+            },
         }
 
     def agreed(self, batches: Iterable[Batch]) -> Iterator[Batch]:
+        self.reset()
+        return self._padded(iter(batches)) if self.end == "pad" else self._dropping(iter(batches))
+
+    # ---- "drop": stop with the first rank that ends ------------------------------------------
+
+    def _dropping(self, it: Iterator[Batch]) -> Iterator[Batch]:
         import torch.distributed as dist
 
-        self.reset()
         flag = torch.zeros(1, dtype=torch.int32)
 
         def post(value: int) -> Any:
             flag.fill_(value)
             return dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
 
-        it = iter(batches)
         pending, error = self._fetch(it)
         work = post(_flag(pending, error))
         if error is not None:
@@ -132,7 +160,7 @@ class StopSync:
             work.wait()
             agreed = int(flag.item())
             if agreed == FAILED:
-                raise MixerError("another data-parallel rank failed while reading its data; stopping this rank too (see that rank's error)")
+                raise _other_failed()
             if agreed == ENDED:
                 break
             batch = pending
@@ -144,6 +172,60 @@ class StopSync:
                 work.wait()
                 raise error
         self._drain(pending, it)
+
+    # ---- "pad": go on with fillers until the last rank ends ----------------------------------
+
+    def _padded(self, it: Iterator[Batch]) -> Iterator[Batch]:
+        import torch.distributed as dist
+
+        world = dist.get_world_size(self.group)
+        rank = dist.get_rank(self.group)
+        # One all_reduce(MAX) per batch over [has a batch, failed, needs a batch to copy, -(rank if it
+        # has a batch else world)]: the last gives the lowest rank with a batch, the copy's source.
+        flags = torch.zeros(4, dtype=torch.int64)
+        template: Batch | None = None  # the last real batch handed out: what fillers copy
+
+        def post(pending: Batch | None, error: Exception | None) -> Any:
+            flags[0] = int(pending is not None)
+            flags[1] = int(error is not None)
+            flags[2] = int(pending is None and template is None)
+            flags[3] = -rank if pending is not None else -world
+            return dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+
+        pending, error = self._fetch(it)
+        work = post(pending, error)
+        if error is not None:
+            work.wait()
+            raise error
+        while True:
+            work.wait()
+            have, failed, need, source = flags.tolist()
+            if failed:
+                raise _other_failed()
+            if not have:
+                break
+            if need:  # some rank has no batch to copy: the lowest rank with one sends it
+                sent: list[Any] = [pending if rank == -source else None]
+                dist.broadcast_object_list(sent, src=dist.get_global_rank(self.group, -source), group=self.group)
+                if template is None and pending is None:
+                    template = sent[0]
+            if pending is not None:
+                batch = template = pending
+                pending, error = self._fetch(it)
+            else:
+                assert template is not None
+                batch = template.as_filler()
+                self.fillers += 1
+            work = post(pending, error)
+            yield batch
+            if error is not None:
+                work.wait()
+                raise error
+        if self.fillers:
+            log.info(
+                "equal step counts across ranks: this rank's stream ended first, so it handed out %d filler batch(es) "
+                "(batch.filler is True: weigh their loss by 0) while the other ranks finished theirs", self.fillers,
+            )
 
     @staticmethod
     def _fetch(it: Iterator[Batch]) -> tuple[Batch | None, Exception | None]:
@@ -164,8 +246,12 @@ class StopSync:
         if self.dropped_batches:
             d = self._dropped
             log.warning(
-                "equal batch counts across ranks: another rank's stream ended first, so this rank dropped its last %d "
-                "batch(es) (%d samples, %d tokens; per source: %s)",
+                "equal batch counts across ranks (sync_end='drop'): another rank's stream ended first, so this rank "
+                "dropped its last %d batch(es) (%d samples, %d tokens; per source: %s)",
                 self.dropped_batches, int(d[:, 0].sum()), int(d[:, 1].sum()),
                 ", ".join(f"{name} {int(s)}" for name, s in zip(self.names, d[:, 0]) if s),
             )
+
+
+def _other_failed() -> MixerError:
+    return MixerError("another data-parallel rank failed while reading its data; stopping this rank too (see that rank's error)")

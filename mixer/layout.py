@@ -36,7 +36,7 @@ from .errors import ConfigError, MixerError, SampleError, StateError
 if TYPE_CHECKING:
     from .bucket import TokenBudget
     from .mixture import Mixture
-    from .source import Counters, Profile, Source
+    from .source import Counters
 
 T = TypeVar("T")
 
@@ -342,6 +342,10 @@ class Packer(Generic[T]):
         self.open: list[_Open[T]] = []
         self.ready: deque[PackedGroup[T]] = deque()
         self.emitted = 0
+        self.held = 0  # never more than open_batches batches: nothing for release() to cap
+
+    def release(self, hold: int) -> bool:
+        return bool(self.ready)
 
     def add(self, item: T, length: int) -> bool:
         """Place ``item`` (``length`` tokens); returns whether a batch is ready."""
@@ -469,10 +473,13 @@ class Level2(Protocol[T]):
     """What the reader needs of level 2: :class:`~mixer.bucket.Bucketer` and :class:`Packer`."""
 
     ready: deque[Any]
+    held: int
 
     def add(self, item: T, length: int) -> bool: ...
 
     def drain(self) -> Iterator[list[T]]: ...
+
+    def release(self, hold: int) -> bool: ...
 
     def state_dict(self, encode: Callable[[T], Any]) -> dict[str, Any]: ...
 
@@ -647,20 +654,6 @@ def make_layout(batching: TokenBudget | Packed, fields: Mapping[str, Field] | No
     if fields is not None:
         return FieldLayout(check_fields(fields), dtype=dtype)
     return None
-
-
-def check_fits(packed: Packed, sources: Sequence[Source], profiles: Sequence[Profile]) -> None:
-    """Up front: documents seen while profiling must fit a row when they cannot be split or cut."""
-    if packed.max_length is not None or packed.split_documents:
-        return
-    for s, p in zip(sources, profiles):
-        longest = int(p.lengths.max())
-        if longest > packed.row_len:
-            what = f"seq_len={packed.seq_len}" if packed.seq_len is not None else f"max_tokens={packed.max_tokens}"
-            raise ConfigError(
-                f"source {s.name!r}: documents of length {longest} seen, longer than a row ({what}); set "
-                "Packed(split_documents=True) to split them, or max_length to truncate or drop them"
-            )
 
 
 def count(counters: Sequence[Counters], sources: np.ndarray, accounted: tuple[np.ndarray, ...]) -> None:

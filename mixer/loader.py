@@ -28,7 +28,7 @@ from .source import Counters
 from .transport import SlotPool
 from .stats import DEFAULT_WINDOW, Stats
 from .world import seed_for
-from .distributed import StopSync, stop_sync
+from .distributed import StopSync, SyncEnd, stop_sync
 
 
 def _init_worker(worker_id: int) -> None:
@@ -102,8 +102,11 @@ class Loader:
     ``pin_memory`` on. ``stats_window``: batches in the sliding window of :meth:`stats` (and so of
     :func:`mixer.log_every`). ``sync_stop`` (default None: on when the mixture is finite, has several
     ranks and a process group is initialized) makes every data-parallel rank hand out the same number
-    of batches, with an ``all_reduce(MIN)`` per batch over ``sync_group`` (default: the default
-    group); what a rank then cannot hand out is counted in :meth:`dropped` (see
+    of batches, with one ``all_reduce`` per batch over ``sync_group`` (default: the default group).
+    ``sync_end="pad"`` (default): a rank whose stream ended first hands out *filler* batches
+    (``batch.filler``; weigh their loss by 0) until every rank has ended, so every sample is still
+    delivered exactly once; ``"drop"``: every rank stops with the first, and what the others then
+    cannot hand out is dropped. Both are counted in :meth:`sync_report` (see
     :mod:`mixer.distributed`). :meth:`state_dict` / :meth:`load_state_dict` give exact resume.
     """
 
@@ -121,6 +124,7 @@ class Loader:
         device_prefetch: int = 2,
         stats_window: int = DEFAULT_WINDOW,
         sync_stop: bool | None = None,
+        sync_end: SyncEnd = "pad",
         sync_group: Any = None,
     ) -> None:
         self.mixture = mixture
@@ -153,7 +157,7 @@ class Loader:
             mixture.names, window=stats_window, num_workers=num_workers, max_tokens=mixture.batching.max_tokens, unit=mixture.unit
         )
         # Equal batch counts over the data-parallel ranks in finite modes (see mixer.distributed).
-        self.sync: StopSync | None = stop_sync(mixture, sync_stop=sync_stop, sync_group=sync_group)
+        self.sync: StopSync | None = stop_sync(mixture, sync_stop=sync_stop, sync_end=sync_end, sync_group=sync_group)
 
     def __iter__(self) -> Iterator[Batch]:
         self._stats.reset(resumed=self._resume is not None)
@@ -185,6 +189,9 @@ class Loader:
         batches = source if self.device is None else to_device(source, self.device, prefetch=self.device_prefetch)
         for batch in batches:
             info = batch.info
+            if "filler" in info:  # delivers nothing: no state, no counters (StopSync counts it)
+                yield batch
+                continue
             reader = info["worker"]
             self._stats.update(info)
             # The state of each reader as of the last batch handed out: its latest snapshot, how
@@ -234,13 +241,17 @@ class Loader:
         self._resume = copy.deepcopy(saved)
         self._reset_bookkeeping(self._resume)
 
-    def dropped(self) -> dict[str, Any]:
-        """Batches this rank read but did not hand out in the latest pass, because another rank's finite
-        stream ended first (equal batch counts, see :mod:`mixer.distributed`): ``{"batches": n,
-        "sources": {name: {"samples": n, "tokens": n}}}``; all zero when the ranks are not synced."""
+    def sync_report(self) -> dict[str, Any]:
+        """How this rank's latest pass was evened out with the other ranks (equal batch counts in finite
+        modes, see :mod:`mixer.distributed`): ``{"sync_end": "pad" | "drop" | None, "fillers": n,
+        "dropped": {"batches": n, "sources": {name: {"samples": n, "tokens": n}}}}``. ``fillers``:
+        filler batches handed out after this rank's stream ended (``"pad"``); ``dropped``: batches
+        read but not handed out because another rank's stream ended first (``"drop"``). ``sync_end``
+        is None and all counts are zero when the ranks are not synced."""
         if self.sync is None:
-            return {"batches": 0, "sources": {n: {"samples": 0, "tokens": 0} for n in self.mixture.names}}
-        return self.sync.dropped()
+            zero = {n: {"samples": 0, "tokens": 0} for n in self.mixture.names}
+            return {"sync_end": None, "fillers": 0, "dropped": {"batches": 0, "sources": zero}}
+        return self.sync.report()
 
     def counters(self) -> dict[str, dict[str, int]]:
         """Cumulative per-source counters summed over the workers, as of the last batch handed out."""
@@ -251,8 +262,10 @@ class Loader:
         """Per-source counters, realized vs target share (in the mixture's unit), padding efficiency and
         tokens/s, over the whole pass and over the last ``stats_window`` batches handed out: a
         JSON-serialisable dict (see :meth:`mixer.stats.Stats.as_dict`), computed from what the batches
-        carry."""
-        return self._stats.as_dict()
+        carry; filler batches (``batch.filler``) count in none of it, only in ``fillers``."""
+        out = self._stats.as_dict()
+        out["fillers"] = 0 if self.sync is None else self.sync.fillers
+        return out
 
 
 def make_loader(mixture: Mixture, **options: Any) -> Loader:

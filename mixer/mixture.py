@@ -8,6 +8,7 @@ random numbers and its share of the global step from it.
 from __future__ import annotations
 
 import logging
+import math
 import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
@@ -17,7 +18,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from .batch import _DTYPES, Batch, collate
 from .bucket import TokenBudget, bucket_edges
-from .layout import Field, Level2, Packed, check_fits, count, level2, make_layout, unpair
+from .layout import Field, Level2, Packed, count, level2, make_layout, unpair
 from .decode import Sample
 from .errors import ConfigError
 from .schedule import Schedule, SourceInfo, Static, check_schedule
@@ -27,6 +28,9 @@ from .transport import SlotPool
 from .world import World, resolve_rank, worker_place
 
 log = logging.getLogger(__name__)
+
+MIN_SHUFFLE = 16  # the smallest shuffle buffer a rarely read source is cut down to
+HOLD_MIN_BATCHES = 2.0  # the least a rarely read source's buckets may hold, in batches of padded tokens
 
 Unit = Literal["tokens", "samples"]
 MixMode = Literal["batch", "sample"]
@@ -122,7 +126,9 @@ class Mixture(IterableDataset[Batch]):
             if isinstance(s.length, str) and (fields is None or s.length not in fields):
                 raise ConfigError(f"source {s.name!r}: length={s.length!r} names a field, but the mixture's fields= {sorted(fields or ())} lack it")
 
-        self.profiles: list[Profile] = [profile(s) for s in sources]
+        # Judges every sample it reads as the readers do: too long for the budget is a SampleError
+        # naming shard and key, raised or skipped by the source's on_error, as mid-stream.
+        self.profiles: list[Profile] = [profile(s, batching) for s in sources]
         self.info = SourceInfo(
             names=tuple(names),
             weights=np.array([s.weight for s in sources], dtype=np.float64),
@@ -132,7 +138,6 @@ class Mixture(IterableDataset[Batch]):
         # Check the whole schedule now (every phase of a curriculum, all-zero weights...), so that
         # it fails here and not in a worker process hours into the run.
         check_schedule(self.schedule, self.info)
-        self._check_fits()
         if isinstance(batching, Packed):
             self.edges: list[list[int]] = [[] for _ in sources]  # no buckets: the Packer places documents
         elif batching.buckets is not None:
@@ -147,19 +152,6 @@ class Mixture(IterableDataset[Batch]):
         b = self.batching
         assert isinstance(b, TokenBudget)
         return {"longest": b.longest, "num_buckets": b.num_buckets, "max_ratio": b.max_bucket_ratio}
-
-    def _check_fits(self) -> None:
-        if isinstance(self.batching, Packed):
-            return check_fits(self.batching, self.sources, self.profiles)
-        if self.batching.max_length is not None:
-            return
-        for s, p in zip(self.sources, self.profiles):
-            longest = int(p.lengths.max())
-            if longest > self.batching.max_tokens:
-                raise ConfigError(
-                    f"source {s.name!r}: samples of length {longest} seen, longer than max_tokens="
-                    f"{self.batching.max_tokens}; raise max_tokens or set max_length to truncate or drop them"
-                )
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -257,6 +249,7 @@ class Reader:
         self.tokens = 0
         self._probs_key: tuple[int, int] | None = None
         self._probs_cache = np.zeros(n)
+        self._holds = [0] * n
         self._resumed_counters: list[list[int]] | None = None
 
     @property
@@ -270,7 +263,25 @@ class Reader:
         if key != self._probs_key:
             self._probs_key = key
             self._probs_cache = self._target()
+            self._hold_ahead(self._probs_cache)
         return self._probs_cache
+
+    def _hold_ahead(self, probs: np.ndarray) -> None:
+        """Size what each source may hold ahead by how often it is read now: ``r = p / max(p)``
+        (1 for the most wanted source). Its shuffle buffer keeps ``max(ceil(r * shuffle_buffer),
+        min(shuffle_buffer, MIN_SHUFFLE))`` samples and its buckets ``max(r * len(edges), 2)``
+        batches of padded tokens; beyond that the best batch they can make leaves (see
+        :meth:`mixer.bucket.Bucketer.release`: fewer or shorter-padded samples), so a source at a
+        0.5% share reads about what it delivers instead of filling every bucket first. Unchanged
+        for the most wanted source: ``len(edges)`` buckets, each short of a full batch, never hold
+        ``len(edges)`` batches.
+        A pure function of progress: resumed readers size them the same way at the same points."""
+        top = float(probs.max())
+        m = self.mixture
+        for i, (st, edges) in enumerate(zip(self.streams, m.edges)):
+            r = float(probs[i]) / top if top > 0 else 1.0
+            st.limit = max(math.ceil(r * m.shuffle_buffer), min(m.shuffle_buffer, MIN_SHUFFLE))
+            self._holds[i] = int(max(r * len(edges), HOLD_MIN_BATCHES) * m.batching.max_tokens)
 
     def _target(self) -> np.ndarray:
         p = self.mixture.target_at(self.step, float(self.tokens * self.world.readers))
@@ -393,11 +404,12 @@ class Reader:
     def _next_batch(self, i: int) -> list[Sample] | None:
         bucketer: Level2[Sample] = self.bucketers[i]
         ready = bucketer.ready
-        if ready:
+        hold = self._holds[i]
+        if ready or bucketer.release(hold):
             return ready.popleft()
         add = bucketer.add
         for sample in self.streams[i]:
-            if add(sample, sample.length):
+            if add(sample, sample.length) or (bucketer.held > hold and bucketer.release(hold)):
                 return ready.popleft()
         return next(bucketer.drain(), None)
 

@@ -115,21 +115,37 @@ class Source:
 class Profile:
     """What one up-front look at a source measured: a sample of lengths (for bucket edges) and the
     size in tokens, given or estimated as ``total shard bytes * tokens per byte`` measured on the
-    samples read (shards whose byte size the listing did not give are assumed average-sized)."""
+    samples read (shards whose byte size the listing did not give are assumed average-sized).
+    ``skipped``: samples the look skipped under ``on_error="skip"`` (the readers meet them again,
+    skip them again and count them in ``skipped_samples``)."""
 
     lengths: np.ndarray
     tokens_per_byte: float
     size: float
     estimated: bool
+    skipped: int = 0
 
 
-def profile(source: Source, *, max_samples: int = 2048, max_shards: int = 3) -> Profile:
+def profile(source: Source, budget: TokenBudget | Packed, *, max_samples: int = 2048, max_shards: int = 3) -> Profile:
     """Read up to ``max_samples`` samples from up to ``max_shards`` shards spread over the sorted
-    list. Runs once in the main process; the result travels to every reader with the mixture."""
+    list. Runs once in the main process; the result travels to every reader with the mixture.
+
+    Every sample read is judged as a reader judges it (:func:`make_sample`'s decode, length policy
+    for ``budget`` and ``on_error``): a sample too long for the budget is the same error naming
+    source, shard and key, raised or skipped (and counted in ``skipped``) by the source's policy.
+    The lengths recorded are those decoded, before truncation, so the size counts source tokens."""
     n = len(source.shards)
     picks = sorted({round(i * (n - 1) / max(max_shards - 1, 1)) for i in range(min(max_shards, n))})
     per_shard = max(1, max_samples // len(picks))
     lengths: list[int] = []
+    scratch = Counters()  # the policy's counts while profiling (skipped_samples is reported)
+    warned: set[int] = set()
+
+    def warn_once(shard: int, message: str) -> None:
+        if shard not in warned:
+            warned.add(shard)
+            warn(f"{message} (seen while profiling the source)")
+
     nbytes = 0
     told: list[int] = []  # shard sizes the servers gave while we read (remote shards listed without sizes)
     for shard in picks:
@@ -147,12 +163,14 @@ def profile(source: Source, *, max_samples: int = 2048, max_shards: int = 3) -> 
                         start = raw["__offset__"]
                     end = raw["__end__"]
                     try:
-                        tokens = _decode(source, raw)
-                        if tokens is not None:  # None: the decode filtered the sample out
-                            got.append(_length_of(source, raw, tokens))
-                    except SampleError:
-                        if source.on_error == "raise":
-                            raise
+                        decoded = _decoded(source, raw, scratch)
+                        if decoded is None:  # the decode filtered the sample out
+                            continue
+                        _fit(source, budget, scratch, raw, *decoded)
+                    except SampleError as exc:
+                        _skip_or_raise(source, scratch, raw, shard, exc, warn_once)
+                        continue
+                    got.append(decoded[1])
                 size_told = getattr(stream, "size", None)
                 if size_told is not None:
                     told.append(int(size_told))
@@ -165,12 +183,16 @@ def profile(source: Source, *, max_samples: int = 2048, max_shards: int = 3) -> 
         lengths += got
         scale = getattr(stream, "ratio", 1.0)  # compressed shards: offsets are uncompressed, listed sizes not
         nbytes += round((end - (start or 0)) * scale)
+    skipped = scratch.skipped_samples
     if not lengths:
-        raise ShardError(f"source {source.name!r}: no samples found in shards {[io.redact(source.shards[p]) for p in picks]}")
+        also = f" ({skipped} skipped as bad)" if skipped else ""
+        raise ShardError(f"source {source.name!r}: no samples found in shards {[io.redact(source.shards[p]) for p in picks]}{also}")
+    if skipped:
+        log.warning("source %r: profiling skipped %d bad sample(s) of %d read (on_error='skip')", source.name, skipped, len(lengths) + skipped)
     arr = np.asarray(lengths, dtype=np.int64)
     tpb = float(arr.sum()) / max(nbytes, 1)
     if source.size is not None:
-        return Profile(arr, tpb, source.size, False)
+        return Profile(arr, tpb, source.size, False, skipped)
     known = [b for b in source.shard_bytes if b is not None]
     if len(known) < n:
         pool: list[float] = [*known, *told] or [nbytes / len(picks)]
@@ -180,7 +202,7 @@ def profile(source: Source, *, max_samples: int = 2048, max_shards: int = 3) -> 
         total = float(sum(known))
     size = max(total * tpb, 1.0)
     log.info("source %r: estimated size %.3g tokens (%.4f tokens/byte over %d samples)", source.name, size, tpb, arr.size)
-    return Profile(arr, tpb, size, True)
+    return Profile(arr, tpb, size, True, skipped)
 
 
 def _decode(source: Source, raw: dict[str, Any]) -> Any:
@@ -296,6 +318,9 @@ class SourceStream:
         # The shuffle buffer's size; shrunk to one epoch's worth when a reader's part of an epoch is
         # smaller, so that the buffer never mixes several epochs of a small source.
         self.buffer_size = shuffle_buffer
+        # A cap the mixture sets from the source's share (see Reader._probs): a rarely read source
+        # keeps a smaller buffer, so it does not read ahead (and hold) a full buffer for a trickle.
+        self.limit = shuffle_buffer
         # A private generator (never the global one): cheap per-sample draws for the shuffle buffer.
         self.rng = random.Random(seed_for(seed, "shuffle", source.name, world.reader))
         # Shards given up under on_error="skip": (epoch, slice position) -> (samples read before,
@@ -319,17 +344,15 @@ class SourceStream:
     def __next__(self) -> Sample:
         buf = self.buffer
         while True:
+            size = min(self.buffer_size, self.limit)
+            if len(buf) > (size if size > 1 else 0):  # the cap went down: hand out the excess first
+                return self._pop()
             sample = self._read()
-            size = self.buffer_size
             if sample is None:
                 if not buf:
                     raise StopIteration
                 # The pass is over: hand out what the buffer holds, in random order.
-                j = int(self.rng.random() * len(buf))
-                out = buf[j]
-                buf[j] = buf[-1]
-                buf.pop()
-                return out
+                return self._pop()
             if size <= 1:
                 return sample
             if len(buf) < size:
@@ -338,6 +361,14 @@ class SourceStream:
             j = int(self.rng.random() * size)
             out, buf[j] = buf[j], sample
             return out
+
+    def _pop(self) -> Sample:
+        buf = self.buffer
+        j = int(self.rng.random() * len(buf))
+        out = buf[j]
+        buf[j] = buf[-1]
+        buf.pop()
+        return out
 
     def _plan(self, epoch: int) -> list[ShardSlice]:
         if epoch not in self._plans:
@@ -361,7 +392,7 @@ class SourceStream:
                     self.next_offset = raw["__end__"]
                     if sl.parts > 1 and i % sl.parts != sl.part:
                         continue
-                    sample = make_sample(self.source, self.budget, self.counters, raw, sl.shard, warn=self._warn_once)
+                    sample = make_sample(self.source, self.budget, self.counters, raw, sl.shard, warn_once=self._warn_once)
                     if sample is not None:
                         self.counters.read += 1
                         self.got_in_epoch += 1
@@ -430,7 +461,7 @@ class SourceStream:
                     log.warning("source %r: reader %d got no samples in epoch %d", self.source.name, self.world.reader, self.epoch)
                 self.exhausted = True
                 return False
-            if len(self.buffer) < self.buffer_size:
+            if len(self.buffer) < min(self.buffer_size, self.limit):
                 self.buffer_size = len(self.buffer)
             self.epoch += 1
             self.slice_pos = 0
@@ -531,7 +562,7 @@ def _raising(exc: BaseException) -> Iterator[dict[str, Any]]:
     yield  # a generator that raises when first advanced
 
 
-def make_sample(source: Source, budget: TokenBudget | Packed, counters: Counters, raw: dict[str, Any], shard: int, *, warn: Callable[[int, str], None] | None = None) -> Sample | None:
+def make_sample(source: Source, budget: TokenBudget | Packed, counters: Counters, raw: dict[str, Any], shard: int, *, warn_once: Callable[[int, str], None] | None = None) -> Sample | None:
     """Decode one tar sample into a :class:`Sample`, applying the length policy (truncate/drop,
     counted) and the source's ``on_error`` policy; None when it is dropped or skipped."""
     try:
@@ -539,33 +570,56 @@ def make_sample(source: Source, budget: TokenBudget | Packed, counters: Counters
             tokens = default_tokens(raw)
             n = len(tokens)
         else:
-            tokens = _decode(source, raw)
-            if tokens is None:  # the decode filtered it out (e.g. a duration filter)
-                counters.dropped += 1
+            decoded = _decoded(source, raw, counters)
+            if decoded is None:
                 return None
-            n = _length_of(source, raw, tokens)
+            tokens, n = decoded
         if n > budget.longest:
-            if budget.max_length is None:
-                seq_len = getattr(budget, "seq_len", None)  # mixer.Packed rows
-                limit = f"seq_len={seq_len}" if seq_len else f"max_tokens={budget.max_tokens}"
-                raise SampleError(
-                    f"shard {io.redact(raw['__url__'])}, key {raw['__key__']!r}: length {n} exceeds {limit}; "
-                    f"set {type(budget).__name__}(max_length=...) to truncate or drop such samples"
-                )
-            if budget.overlong == "drop" or source.length is not None or isinstance(tokens, dict):
-                counters.dropped += 1
+            fitted = _fit(source, budget, counters, raw, tokens, n)
+            if fitted is None:
                 return None
-            tokens = tokens[: budget.longest]
-            n = budget.longest
-            counters.truncated += 1
+            tokens, n = fitted
     except SampleError as exc:
-        if source.on_error == "raise":
-            raise SampleError(f"source {source.name!r}: {exc}") from exc
-        counters.skipped_samples += 1
-        if warn is not None:
-            warn(shard, f"source {source.name!r}: skipping bad sample(s) in shard {io.redact(raw.get('__url__', '?'))}: {exc}")
+        _skip_or_raise(source, counters, raw, shard, exc, warn_once)
         return None
     return Sample(raw["__key__"], tokens, n, shard, raw["__offset__"])
+
+
+def _decoded(source: Source, raw: dict[str, Any], counters: Counters) -> tuple[Any, int] | None:
+    """Tokens and length of a sample; None (counted as dropped) when the decode filters it out."""
+    tokens = _decode(source, raw)
+    if tokens is None:  # the decode filtered it out (e.g. a duration filter)
+        counters.dropped += 1
+        return None
+    return tokens, _length_of(source, raw, tokens)
+
+
+def _fit(source: Source, budget: TokenBudget | Packed, counters: Counters, raw: dict[str, Any], tokens: Any, n: int) -> tuple[Any, int] | None:
+    """The length policy, the one place that judges a sample's length, up front and mid-stream:
+    ``(tokens, n)`` when it fits or is cut to ``budget.longest`` (counted as truncated), None when
+    dropped (counted); a :class:`SampleError` naming shard and key when it is too long and the
+    budget has no ``max_length`` (the caller applies ``on_error``)."""
+    if n <= budget.longest:
+        return tokens, n
+    if budget.max_length is None:
+        seq_len = getattr(budget, "seq_len", None)  # mixer.Packed rows
+        limit = f"seq_len={seq_len}" if seq_len else f"max_tokens={budget.max_tokens}"
+        how = "split_documents=True to split them, or max_length=... to truncate or drop them" if isinstance(budget, Packed) else "max_length=... to truncate or drop such samples"
+        raise SampleError(f"shard {io.redact(raw['__url__'])}, key {raw['__key__']!r}: length {n} exceeds {limit}; set {type(budget).__name__}({how})")
+    if budget.overlong == "drop" or source.length is not None or isinstance(tokens, dict):
+        counters.dropped += 1
+        return None
+    counters.truncated += 1
+    return tokens[: budget.longest], budget.longest
+
+
+def _skip_or_raise(source: Source, counters: Counters, raw: dict[str, Any], shard: int, exc: SampleError, warn_once: Callable[[int, str], None] | None) -> None:
+    """The ``on_error`` policy for a bad sample: raise naming the source, or count and warn."""
+    if source.on_error == "raise":
+        raise SampleError(f"source {source.name!r}: {exc}") from exc
+    counters.skipped_samples += 1
+    if warn_once is not None:
+        warn_once(shard, f"source {source.name!r}: skipping bad sample(s) in shard {io.redact(raw.get('__url__', '?'))}: {exc}")
 
 
 _where = operator.attrgetter("shard", "offset")

@@ -283,7 +283,7 @@ def log_every(loader: Iterable[Batch], n: int, *, logger: logging.Logger | None 
 TABLE_COLUMNS = (
     ("target", "target", ".4f"), ("realized", "realized", ".4f"), ("error", "error", "+.4f"),
     ("token_share", "token share", ".4f"), ("sample_share", "sample share", ".4f"), ("tokens", "tokens", ","),
-    ("samples", "samples", ","), ("padding_efficiency", "pad eff", ".3f"), ("epochs", "epochs", ","),
+    ("samples", "samples", ","), ("read", "read", ","), ("padding_efficiency", "pad eff", ".3f"), ("epochs", "epochs", ","),
     ("skipped_samples", "skipped", ","), ("skipped_shards", "bad shards", ","),
     ("skipped_unknown", "rest unknown", ","), ("skipped_bytes", "bytes lost", ","),
 )  # fmt: skip

@@ -2,12 +2,16 @@
 
     python -m torch.distributed.run --nproc_per_node=N tests/dist_worker.py SPEC.json OUT_DIR run|resume
 
-SPEC.json lists cases (sources, stop policy, num_workers, sync_stop, where to save a state). For each
-case, in order, every rank builds the Mixture (rank and world size from the process group), iterates
-its loader to the end and writes ``OUT_DIR/<case>-<phase>-rank<r>.json``: per batch the keys, the
-source of each sample and a digest of the tensors, plus ``loader.dropped()``. In the ``run`` phase
-the loader state after batch ``save_at`` goes to ``OUT_DIR/<case>-rank<r>.state.pt`` (torch.save);
-the ``resume`` phase loads it into a fresh loader and records the continuation. A case whose stream
+SPEC.json lists cases (sources, stop policy, num_workers, sync_stop, sync_end, where to save a
+state). For each case, in order, every rank builds the Mixture (rank and world size from the process
+group), iterates its loader to the end and writes ``OUT_DIR/<case>-<phase>-rank<r>.json``: per batch
+the keys, the source of each sample and a digest of the tensors (a filler batch: only that it is one
+and has rows, since its contents are a copy), plus ``loader.sync_report()`` and what ``stats()``
+counted. In the ``run`` phase the loader state after batch ``save_at`` goes to
+``OUT_DIR/<case>-rank<r>.state.pt`` (torch.save); ``save_at="filler"`` picks the batch count at which
+the first rank handed out its first filler (agreed over the ranks after the pass), so the state is
+saved inside that rank's filler phase. The ``resume`` phase loads it into a fresh loader and records
+the continuation. A case whose stream
 raises records the error instead, and the next case still runs (every rank took part in the same
 collectives up to the failure).
 """
@@ -59,14 +63,18 @@ def build(case: dict[str, Any]) -> mixer.Loader:
     if case.get("group") == "side":  # as with an NCCL-only group: the loader makes its own gloo group
         mixer.distributed._handles_cpu = lambda group: False  # type: ignore[assignment]
     try:
-        return mixer.make_loader(mix, num_workers=case["num_workers"], sync_stop=case.get("sync_stop"), sync_group=group)
+        return mixer.make_loader(
+            mix, num_workers=case["num_workers"], sync_stop=case.get("sync_stop"), sync_end=case.get("sync_end", "pad"), sync_group=group
+        )
     finally:
         mixer.distributed._handles_cpu = handles_cpu  # type: ignore[assignment]
 
 
 def view(batch: mixer.Batch) -> dict[str, Any]:
+    if batch.filler:
+        return {"filler": True, "rows": len(batch) > 0 and batch.num_tokens > 0}
     digest = hashlib.blake2b(batch.buffer.numpy().tobytes(), digest_size=8).hexdigest()
-    return {"keys": list(batch.keys), "source": batch.source.tolist(), "step": batch.info["step"], "digest": digest}
+    return {"filler": False, "keys": list(batch.keys), "source": batch.source.tolist(), "step": batch.info["step"], "digest": digest}
 
 
 def run_case(case: dict[str, Any], out: Path, phase: str, rank: int) -> dict[str, Any]:
@@ -79,14 +87,33 @@ def run_case(case: dict[str, Any], out: Path, phase: str, rank: int) -> dict[str
         loader.load_state_dict(torch.load(state_path, weights_only=True))
     batches: list[dict[str, Any]] = []
     result: dict[str, Any] = {"rank": rank, "world_size": dist.get_world_size(), "batches": batches}
+    save_at = case.get("save_at")
+    states: dict[int, dict[str, Any]] = {}
     try:
         for batch in loader:
             batches.append(view(batch))
-            if phase == "run" and len(batches) == case.get("save_at"):
+            if phase == "run" and save_at == "filler":
+                states[len(batches)] = loader.state_dict()
+            elif phase == "run" and len(batches) == save_at:
                 torch.save(loader.state_dict(), state_path)
     except Exception as exc:  # recorded for the test to judge
         result["error"] = {"type": type(exc).__name__, "message": str(exc)}
-    result["dropped"] = loader.dropped()
+    if phase == "run" and save_at == "filler":
+        first = next((k for k, b in enumerate(batches, 1) if b["filler"]), len(batches) + 1)
+        agreed = torch.tensor([first])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        result["save_at"] = k = int(agreed.item())
+        torch.save(states[k], state_path)
+    report = loader.sync_report()
+    result["dropped"] = report["dropped"]
+    result["fillers"] = report["fillers"]
+    result["sync_end"] = report["sync_end"]
+    stats = loader.stats()
+    result["stats"] = {
+        "fillers": stats["fillers"],
+        "batches": stats["batches"],
+        "samples": {name: s["total"]["samples"] for name, s in stats["sources"].items()},
+    }
     result["synced"] = loader.sync is not None
     return result
 

@@ -97,3 +97,34 @@ def test_waiting_bucket_released_as_soon_as_it_has_waited():
     assert add(bucketer, 60) == [60]
     assert bucketer.add(60, 60)
     assert list(bucketer.ready) == [[60], [5]]  # waited 2 batches: out right after the second
+
+
+def test_release_caps_what_the_buckets_hold_with_the_best_batch_they_can_make():
+    # edges 10, 20, 40 with max_tokens=80: capacities 8, 4, 2; held counts items at their edge
+    b = Bucketer([10, 20, 40], TokenBudget(max_tokens=80, max_wait=100))
+    for n in (5, 6, 7, 15, 35):
+        assert not b.add(n, n)
+    assert b.held == 3 * 10 + 20 + 40
+    assert not b.release(90) and not b.ready  # not over the cap: nothing leaves
+    # Over 80: per top bucket b, up to capacity[b] items from b then the buckets below it, scored by
+    # tokens (at edges) x padding efficiency: b0 takes 3 (30 -> 30*30/(8*10) = 11.25), b1 takes
+    # 15 then 3 (50 -> 31.25), b2 takes 35 then 15 (60 -> 60*60/(2*40) = 45): b2 wins.
+    assert b.release(80)
+    assert list(b.ready) == [[35, 15]] and b.buffers == [[5, 6, 7], [], []]
+    assert b.held == 30 and b.emitted == 1
+    b.ready.clear()
+    assert not b.release(30)
+    assert b.release(29) and b.ready.popleft() == [5, 6, 7]  # what is left goes as it is
+    assert b.held == 0 and not b.ready
+
+
+def test_release_takes_the_oldest_of_a_lower_bucket_and_restores_held():
+    b = Bucketer([10, 20], TokenBudget(max_tokens=80, max_wait=100))  # capacities 8, 4
+    for n in (1, 2, 3, 11, 12, 13):
+        b.add(n, n)
+    # b0 alone: 30 -> 11.25; b1 with room 4: 11, 12, 13 and the oldest of b0 (1): 70 -> 61.25
+    assert b.release(80) and b.ready.popleft() == [11, 12, 13, 1]
+    assert b.buffers == [[2, 3], []] and b.held == 20
+    restored = Bucketer([10, 20], TokenBudget(max_tokens=80, max_wait=100))
+    restored.load_state_dict(b.state_dict(lambda x: x), lambda x: x)
+    assert restored.held == 20 and restored.buffers == b.buffers

@@ -1,5 +1,6 @@
 """Real multi-process runs under `torchrun` (gloo on CPU, 127.0.0.1): disjoint and complete data per
-rank, equal batch counts in finite modes, and exact resume per rank (issue 6, item 5).
+rank, equal batch counts in finite modes (fillers by default, every sample exactly once; or dropping
+with ``sync_end="drop"``), and exact resume per rank, also from inside a rank's filler phase.
 
 Each world size costs two launches (a run that saves a state on every rank, then a resume from it):
 tests/dist_worker.py runs every case of the spec in one process group and writes per-rank JSON.
@@ -59,16 +60,27 @@ def _cases(datasets: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     for stop, save_at in (("all_exhausted", 7), ("first_exhausted", 3)):
         short = stop.split("_")[0]
         for nw in (0, 2):
-            cases.append({"name": f"{short}-w{nw}", "data": "skew", "sources": sources("skew"), "stop": stop, "num_workers": nw, "save_at": save_at})
+            for end in ("pad", "drop"):
+                name = f"{short}-w{nw}" + ("-drop" if end == "drop" else "")
+                cases.append({"name": name, "data": "skew", "sources": sources("skew"), "stop": stop, "num_workers": nw, "save_at": save_at, "sync_end": end})
         # the same without the sync: what each rank's stream naturally holds
         cases.append({"name": f"{short}-nosync", "data": "skew", "sources": sources("skew"), "stop": stop, "num_workers": 0, "sync_stop": False})
+    # saved one batch into the filler phase of the rank that ends first
+    for nw in (0, 2):
+        cases.append({"name": f"all-w{nw}-fill", "data": "skew", "sources": sources("skew"), "stop": "all_exhausted", "num_workers": nw, "save_at": "filler"})
     # the group given explicitly, and a gloo side group (what an NCCL-only group gets)
     for group in ("explicit", "side"):
-        cases.append({"name": f"all-{group}", "data": "skew", "sources": sources("skew"), "stop": "all_exhausted", "num_workers": 0, "group": group})
+        for end in ("pad", "drop"):
+            name = f"all-{group}" + ("-drop" if end == "drop" else "")
+            cases.append({"name": name, "data": "skew", "sources": sources("skew"), "stop": "all_exhausted", "num_workers": 0, "group": group, "sync_end": end})
     for nw in (0, 2):
-        cases.append({"name": f"empty-w{nw}", "data": "empty", "sources": sources("empty"), "stop": "all_exhausted", "num_workers": nw})
+        # pad: ranks without data have no batch of their own to copy; saved in their filler phase
+        cases.append({"name": f"empty-w{nw}", "data": "empty", "sources": sources("empty"), "stop": "all_exhausted", "num_workers": nw, "save_at": "filler"})
+        cases.append({"name": f"empty-w{nw}-drop", "data": "empty", "sources": sources("empty"), "stop": "all_exhausted", "num_workers": nw, "sync_end": "drop"})
     # rank 0's reading fails after 120 samples, a few batches in: every rank must stop, none may hang
-    cases.append({"name": "fail", "data": "skew", "sources": sources("skew"), "stop": "all_exhausted", "num_workers": 0, "fail_rank": 0, "fail_after": 120})
+    for end in ("pad", "drop"):
+        name = "fail" + ("-drop" if end == "drop" else "")
+        cases.append({"name": name, "data": "skew", "sources": sources("skew"), "stop": "all_exhausted", "num_workers": 0, "fail_rank": 0, "fail_after": 120, "sync_end": end})
     for c in cases:
         c["max_tokens"] = MAX_TOKENS
     return cases
@@ -113,7 +125,7 @@ def runs(request: pytest.FixtureRequest, datasets: dict[str, Any], tmp_path_fact
 
 
 def _keys(rank_result: dict[str, Any]) -> list[str]:
-    return [k for b in rank_result["batches"] for k in b["keys"]]
+    return [k for b in rank_result["batches"] if not b["filler"] for k in b["keys"]]  # fillers deliver nothing
 
 
 def _by_source(keys: list[str], names: list[str]) -> Counter[str]:
@@ -149,11 +161,58 @@ def test_without_the_sync_each_rank_reads_a_disjoint_part_and_together_everythin
         assert len(tiny_ranks) <= 1
 
 
-@pytest.mark.parametrize("name", ["all-w0", "all-w2", "first-w0", "first-w2", "all-explicit", "all-side"])
-def test_equal_batch_counts_and_dropped_batches_are_counted(runs, datasets, name):
+def _real(rank_result: dict[str, Any]) -> list[dict[str, Any]]:
+    return [b for b in rank_result["batches"] if not b["filler"]]
+
+
+@pytest.mark.parametrize("name", ["all-w0", "all-w2", "all-w0-fill", "all-w2-fill", "all-explicit", "all-side"])
+def test_fillers_deliver_every_sample_exactly_once_with_equal_step_counts(runs, datasets, name):
+    per_rank = runs["run"][name]
+    assert all(r["synced"] and r["sync_end"] == "pad" and "error" not in r for r in per_rank)
+    counts = [len(r["batches"]) for r in per_rank]
+    assert len(set(counts)) == 1, f"unequal step counts {counts}"
+    # every sample of every source exactly once over the ranks, in real batches only
+    _assert_disjoint(per_rank)
+    everything = sorted(k for d in datasets["skew"].values() for k in d["keys"])
+    assert sorted(k for r in per_rank for k in _keys(r)) == everything
+    real = [len(_real(r)) for r in per_rank]
+    # the ranks really ended at different points, and the step count is the longest rank's
+    assert len(set(real)) > 1, real
+    assert counts[0] == max(real)
+    for r, res in enumerate(per_rank):
+        # fillers come only after the rank's last real batch, are marked, counted and never empty
+        flags = [b["filler"] for b in res["batches"]]
+        assert flags == [False] * real[r] + [True] * (counts[r] - real[r]), (r, flags)
+        assert all(b["rows"] for b in res["batches"] if b["filler"])
+        assert res["fillers"] == res["stats"]["fillers"] == counts[r] - real[r]
+        assert res["dropped"]["batches"] == 0
+        # stats count the real batches and samples, never the fillers
+        assert res["stats"]["batches"] == real[r]
+        assert res["stats"]["samples"] == {n: _by_source(_keys(res), [n])[n] for n in datasets["skew"]}
+    if runs["cases"][name]["num_workers"] == 0:
+        # what each rank handed out for real is exactly its natural (unsynced) stream
+        nosync = runs["run"]["all-nosync"]
+        assert [_real(r) for r in per_rank] == [r["batches"] for r in nosync]
+
+
+@pytest.mark.parametrize("name", ["first-w0", "first-w2"])
+def test_fillers_with_first_exhausted_hand_out_every_batch_each_rank_read(runs, name):
+    per_rank = runs["run"][name]
+    counts = [len(r["batches"]) for r in per_rank]
+    real = [len(_real(r)) for r in per_rank]
+    assert len(set(counts)) == 1 and counts[0] == max(real) and len(set(real)) > 1, (counts, real)
+    _assert_disjoint(per_rank)
+    assert [r["fillers"] for r in per_rank] == [c - n for c, n in zip(counts, real)]
+    if name == "first-w0":
+        assert [_real(r) for r in per_rank] == [r["batches"] for r in runs["run"]["first-nosync"]]
+
+
+@pytest.mark.parametrize("name", ["all-w0-drop", "all-w2-drop", "first-w0-drop", "first-w2-drop", "all-explicit-drop", "all-side-drop"])
+def test_sync_end_drop_stops_with_the_first_rank_and_counts_what_it_drops(runs, datasets, name):
     per_rank = runs["run"][name]
     nosync = runs["run"][f"{name.split('-')[0]}-nosync"] if runs["cases"][name]["num_workers"] == 0 else None
-    assert all(r["synced"] and "error" not in r for r in per_rank)
+    assert all(r["synced"] and r["sync_end"] == "drop" and "error" not in r and r["fillers"] == 0 for r in per_rank)
+    assert not any(b["filler"] for r in per_rank for b in r["batches"])
     counts = [len(r["batches"]) for r in per_rank]
     assert len(set(counts)) == 1, f"unequal batch counts {counts}"
     _assert_disjoint(per_rank)
@@ -176,18 +235,29 @@ def test_equal_batch_counts_and_dropped_batches_are_counted(runs, datasets, name
     assert max(r["dropped"]["batches"] for r in per_rank) > 0
 
 
-@pytest.mark.parametrize("name", ["empty-w0", "empty-w2"])
-def test_a_rank_without_any_data_still_takes_part_and_nobody_hangs(runs, datasets, name):
-    per_rank = runs["run"][name]
-    # rank 0 holds every sample, the others none: all stop at once, rank 0 drops (and counts) it all
-    assert [len(r["batches"]) for r in per_rank] == [0] * runs["world"]
+@pytest.mark.parametrize("nw", [0, 2])
+def test_a_rank_without_any_data_still_takes_part_and_nobody_hangs(runs, datasets, nw):
+    world = runs["world"]
+    # pad: rank 0 holds every sample and hands it all out; the others, with no batch of their own
+    # to copy, hand out fillers copied from rank 0's
+    per_rank = runs["run"][f"empty-w{nw}"]
+    n = len(per_rank[0]["batches"])
+    assert n > 0 and [len(r["batches"]) for r in per_rank] == [n] * world
+    assert sorted(_keys(per_rank[0])) == sorted(k for d in datasets["empty"].values() for k in d["keys"])
+    assert per_rank[0]["fillers"] == 0
+    for r in per_rank[1:]:
+        assert r["fillers"] == n and all(b["filler"] and b["rows"] for b in r["batches"])
+    # drop: all stop at once, rank 0 drops (and counts) it all
+    per_rank = runs["run"][f"empty-w{nw}-drop"]
+    assert [len(r["batches"]) for r in per_rank] == [0] * world
     for source, d in datasets["empty"].items():
         assert per_rank[0]["dropped"]["sources"][source]["samples"] == len(d["keys"])
         assert all(r["dropped"]["sources"][source]["samples"] == 0 for r in per_rank[1:])
 
 
-def test_a_failing_rank_stops_every_rank(runs):
-    per_rank = runs["run"]["fail"]
+@pytest.mark.parametrize("name", ["fail", "fail-drop"])
+def test_a_failing_rank_stops_every_rank(runs, name):
+    per_rank = runs["run"][name]
     assert "injected read failure on rank 0" in json.dumps(per_rank[0]["error"])
     for r in range(1, runs["world"]):
         assert per_rank[r]["error"]["type"] == "MixerError"
@@ -195,7 +265,7 @@ def test_a_failing_rank_stops_every_rank(runs):
     assert len({len(r["batches"]) for r in per_rank}) == 1 and per_rank[0]["batches"]
 
 
-@pytest.mark.parametrize("name", ["all-w0", "all-w2", "first-w0", "first-w2"])
+@pytest.mark.parametrize("name", ["all-w0", "all-w2", "first-w0", "first-w2", "all-w0-drop", "all-w2-drop", "first-w0-drop", "first-w2-drop"])
 def test_a_second_torchrun_resumes_every_rank_exactly(runs, name):
     k = runs["cases"][name]["save_at"]
     for r, (full, resumed) in enumerate(zip(runs["run"][name], runs["resume"][name])):
@@ -203,6 +273,24 @@ def test_a_second_torchrun_resumes_every_rank_exactly(runs, name):
         assert len(full["batches"]) > k, "the state must be saved inside the stream"
         assert resumed["batches"] == full["batches"][k:], f"rank {r}: the resumed run differs from the uninterrupted one"
         assert resumed["dropped"] == full["dropped"]
+
+
+@pytest.mark.parametrize("name", ["all-w0-fill", "all-w2-fill", "empty-w0", "empty-w2"])
+def test_a_state_saved_in_a_filler_phase_resumes_exactly(runs, name):
+    """Saved right after the first filler of the rank that ended first: on resume that rank has no
+    batch left and none of its own to copy, the others go on with theirs; the continuation must be
+    the same real batches and the same fillers at the same steps (filler contents are copies and are
+    not compared: they carry nothing)."""
+    full, resumed = runs["run"][name], runs["resume"][name]
+    k = full[0]["save_at"]
+    assert all(r["save_at"] == k for r in full)
+    in_filler = [r for r in full if r["batches"][k - 1]["filler"]]
+    assert in_filler, "the state must be saved inside some rank's filler phase"
+    assert any(not b["filler"] for r in full for b in r["batches"][k:]), "and some rank must still have real batches"
+    for r, (f, res) in enumerate(zip(full, resumed)):
+        assert "error" not in res
+        assert res["batches"] == f["batches"][k:], f"rank {r}: the resumed run differs from the uninterrupted one"
+        assert res["fillers"] == sum(b["filler"] for b in f["batches"][k:])
 
 
 def test_sync_stop_needs_a_process_group_and_a_matching_group(datasets):
@@ -214,6 +302,8 @@ def test_sync_stop_needs_a_process_group_and_a_matching_group(datasets):
         mixer.make_loader(mix, sync_stop=True)
     with pytest.raises(mixer.ConfigError, match="sync_stop must be"):
         mixer.make_loader(mix, sync_stop="yes")
+    with pytest.raises(mixer.ConfigError, match=r"sync_end must be one of \('pad', 'drop'\) \(got 'truncate'\)"):
+        mixer.make_loader(mix, sync_end="truncate")
     never = mixer.Mixture(srcs, batching=mixer.TokenBudget(max_tokens=MAX_TOKENS), rank=1, world_size=2)
     assert mixer.make_loader(never, sync_stop=True).sync is None  # an endless stream needs no agreement
 
@@ -246,3 +336,30 @@ def test_train_ddp_example_resumes_loss_for_loss(demo_shards, tmp_path):
     # the two ranks read different data
     first = [json.loads((tmp_path / "full" / f"rank{r}.jsonl").read_text().splitlines()[0])["digest"] for r in (0, 1)]
     assert first[0] != first[1]
+
+
+def test_train_ddp_example_trains_on_every_demo_sample_once_with_zero_loss_fillers(demo_shards, tmp_path):
+    """examples/train_ddp.py over a whole pass of the demo data (2 ranks, stop=all_exhausted): both
+    ranks take the same number of steps, the real steps together train on every demo sample once,
+    and the filler steps (some rank always ends first here) log a loss of exactly 0."""
+    import tarfile
+
+    cache_dir = Path(demo_shards["prose"]).parents[2]
+    total = 0
+    for pattern in demo_shards.values():
+        for shard in sorted(Path(pattern).parent.glob("*.tar")):
+            with tarfile.open(shard) as tar:
+                total += len({m.name.split(".", 1)[0] for m in tar.getmembers() if m.isfile()})
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1", "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}", str(HERE.parent / "examples" / "train_ddp.py"), "--steps", "100000", "--workers", "0",
+        "--max-tokens", "4096", "--cache-dir", str(cache_dir), "--log-dir", str(tmp_path / "log"),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    logs = [[json.loads(line) for line in (tmp_path / "log" / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
+    assert len(logs[0]) == len(logs[1])
+    assert sum(rec["keys"] for log in logs for rec in log) == total
+    fillers = [rec for log in logs for rec in log if rec.get("filler")]
+    assert fillers and all(rec["loss"] == 0.0 for rec in fillers)
+    assert "filler step(s) (loss weighed by 0)" in proc.stderr

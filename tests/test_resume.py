@@ -86,6 +86,28 @@ def test_time_varying_schedule_resumes_at_the_same_step(shards):
     assert [r[-1] for r in reference[:5]] == [0, 1, 2, 3, 4]  # global steps
 
 
+def test_a_source_whose_share_rises_and_falls_resumes_exactly(shards):
+    """What a source holds ahead follows its share (issue 12, item 9): 'code' starts rare (a small
+    shuffle buffer, buckets released early), becomes the main source, then rare again (its buffers
+    hand out their excess first). Cuts at every change and inside the ramps."""
+    schedule = mixer.Floored(
+        mixer.Curriculum(
+            [
+                mixer.Phase(weights={"web": 1.0, "tiny": 0.3}, until=25),
+                mixer.Phase(weights={"code": 1.0, "web": 0.2}, until=55, ramp=10),
+                mixer.Phase(weights={"web": 1.0, "tiny": 0.3}, until=None, ramp=5),
+            ],
+            unit="steps",
+        ),
+        0.005,
+    )
+    mix = mixture(shards, schedule=schedule, shuffle_buffer=200)
+    reference = oracle(mix, cuts=[3, 24, 25, 30, 36, 54, 55, 58, 61, 80], window=12)
+    # 'code' (source 1) really was rare, then common: a handful of batches early, most in the middle
+    sources = [int(r[1][0]) for r in reference]
+    assert sum(s == 1 for s in sources[:25]) <= 3 and sum(s == 1 for s in sources[35:55]) >= 10
+
+
 def test_resume_of_a_resumed_run(shards):
     mix = mixture(shards)
     reference = [batch_view(b) for b in take(mixer.make_loader(mix, num_workers=2), 60)]

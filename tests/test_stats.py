@@ -349,17 +349,21 @@ def test_report_and_table(three_sources):
     for i, (name, w) in enumerate(WEIGHTS.items()):
         s = rep["sources"][name]
         assert set(s) == {
-            "target", "realized", "error", "token_share", "sample_share", "tokens", "samples", "padding_efficiency",
+            "target", "realized", "error", "token_share", "sample_share", "tokens", "samples", "read", "padding_efficiency",
             "epochs", "skipped_samples", "skipped_shards", "skipped_unknown", "skipped_bytes", "target_now",
         }  # fmt: skip
         assert s["tokens"] == tokens[i] and s["target"] == pytest.approx(w) and s["target_now"] == pytest.approx(w)
     table = format_table(rep)
     lines = table.splitlines()
     assert lines[0].split() == [
-        "source", "target", "realized", "error", "sample", "share", "tokens", "samples", "pad", "eff", "epochs", "skipped",
+        "source", "target", "realized", "error", "sample", "share", "tokens", "samples", "read", "pad", "eff", "epochs", "skipped",
         "bad", "shards", "rest", "unknown", "bytes", "lost",
     ]  # fmt: skip
     assert "target, realized and error are token shares (unit: tokens)" in lines
+    # read: samples taken from the shards (delivered or still in a buffer), per source
+    counters = loader.counters()
+    assert [line.split()[7] for line in lines[2:5]] == [f"{counters[n]['read']:,}" for n in WEIGHTS]
+    assert all(counters[n]["read"] >= rep["sources"][n]["samples"] for n in WEIGHTS)
     assert [line.split()[0] for line in lines[2:5]] == list(WEIGHTS)
     assert f"{int(tokens[0]):,}" in lines[2] and "30 batches" in table
 

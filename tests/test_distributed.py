@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 import mixer
-from shardutil import key_lengths, lognormal_lengths, write_token_shards
+from shardutil import LogNormal
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "dist_worker.py"
@@ -34,22 +34,16 @@ EMPTY = {"a": ([30, 0, 0, 0, 0, 0], 80, 0.7), "b": ([10, 0, 0, 0, 0, 0], 150, 0.
 MAX_TOKENS = 1024
 
 
-def _write(folder: Path, spec: dict[str, tuple[list[int], int, float]]) -> dict[str, Any]:
-    out = {}
-    for seed, (name, (sizes, median, weight)) in enumerate(spec.items()):
-        lengths = lognormal_lengths(sum(sizes), median=median, sigma=0.6, lo=4, hi=MAX_TOKENS, seed=seed)
-        per, i = [], 0
-        for n in sizes:
-            per.append(lengths[i : i + n])
-            i += n
-        out[name] = {"pattern": write_token_shards(folder, name, per), "weight": weight, "keys": sorted(key_lengths(name, per))}
-    return out
+def _write(make_sources: Any, spec: dict[str, tuple[list[int], int, float]]) -> dict[str, Any]:
+    written = make_sources(
+        {name: LogNormal(shards=tuple(sizes), median=median, sigma=0.6, lo=4, hi=MAX_TOKENS, seed=seed) for seed, (name, (sizes, median, _)) in enumerate(spec.items())}
+    )
+    return {name: {"pattern": written[name][0], "weight": weight, "keys": sorted(written[name][1])} for name, (_, _, weight) in spec.items()}
 
 
 @pytest.fixture(scope="module")
-def datasets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    folder = tmp_path_factory.mktemp("dist_shards")
-    return {"skew": _write(folder, SKEW), "empty": _write(folder, EMPTY)}
+def datasets(make_sources: Any) -> dict[str, dict[str, Any]]:
+    return {"skew": _write(make_sources, SKEW), "empty": _write(make_sources, EMPTY)}
 
 
 def _cases(datasets: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:

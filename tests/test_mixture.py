@@ -370,6 +370,7 @@ def test_a_plain_dataloader_over_the_mixture_works(three_sources):
     assert plain == ours and set(plain.values()) == {1}
 
 
+@pytest.mark.slow
 def test_a_rare_source_reads_about_what_it_delivers(make_sources):
     """Issue 12, item 9: a source at a 0.5% share used to fill its whole shuffle buffer and nearly
     every bucket (about num_buckets batches of tokens, several of its epochs when small) to hand

@@ -44,6 +44,7 @@ def oracle(mix, *, num_workers=0, cuts, window=12, reference=None):
     )
 
 
+@pytest.mark.slow
 def test_fifty_random_cut_points_with_the_uninterrupted_run_as_oracle(shards):
     mix = mixture(shards)
     reference = [batch_view(b) for b in take(mixer.make_loader(mix), 260)]
@@ -56,7 +57,7 @@ def test_fifty_random_cut_points_with_the_uninterrupted_run_as_oracle(shards):
     oracle(mix, cuts=cuts, window=10, reference=reference)
 
 
-@pytest.mark.parametrize("num_workers", [1, 3])
+@pytest.mark.parametrize("num_workers", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_resume_with_workers(shards, num_workers):
     mix = mixture(shards)
     oracle(mix, num_workers=num_workers, cuts=[1, 7, 8, 9, 31, 50])

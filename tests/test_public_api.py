@@ -3,6 +3,7 @@
 Adding, removing or renaming a public name is a deliberate change to this list, not a side effect.
 """
 
+import re
 import types
 
 import pytest
@@ -73,3 +74,19 @@ def test_removed_spellings_stay_removed():
     # device feed is built by mixer.to_device (or make_loader(device=...)), never by its class.
     for name in ("World", "bucket_edges", "DeviceFeed"):
         assert not hasattr(mixer, name)
+
+
+def test_user_facing_text_builds_loaders_and_device_feeds_one_way():
+    # The README, the examples and the docstrings show make_loader and to_device, never the classes;
+    # to_device itself is the one place that builds a DeviceFeed.
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    texts = [repo / "README.md", *sorted((repo / "examples").iterdir()), *sorted((repo / "mixer").rglob("*.py"))]
+    direct = re.compile(r"(?<![\w.])(?<!class )(?:mixer\.)?(?:Loader|DeviceFeed)\(")
+    found = [
+        f"{path.relative_to(repo)}: {line.strip()}"
+        for path in texts if path.is_file()
+        for line in path.read_text(encoding="utf-8").splitlines() if direct.search(line)
+    ]  # fmt: skip
+    assert found == ["mixer/device.py: return DeviceFeed(batches, device, prefetch=prefetch, timing=timing)"]

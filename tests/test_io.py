@@ -747,7 +747,6 @@ def test_read_ahead_local_files(root: Path, files: dict[str, bytes]) -> None:
         ahead.open(str(root / "missing.tar"))
 
 
-@pytest.mark.slow
 def test_no_false_timeout_after_an_idle_pause(http: FaultyHTTPServer, files: dict[str, bytes]) -> None:
     # aiohttp 3.14.0-3.14.5 re-arms its read timer on a keep-alive connection released to the pool
     # while the body is drained (aio-libs/aiohttp#12953): the next request on that connection, a

@@ -12,10 +12,13 @@ import io
 import os
 import tarfile
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import webdataset as wds
+
+if TYPE_CHECKING:
+    import mixer
 
 MTIME = 1_700_000_000
 TOKEN_LO, TOKEN_HI = 1, 30000  # 0 stays free as the pad id
@@ -170,12 +173,14 @@ def write_sources(folder: str | os.PathLike[str], spec: Mapping[str, LogNormal])
     return out
 
 
-def mixture(sources: Mapping[str, tuple[str, Any]], *, weights: Mapping[str, float | None], source_options: Mapping[str, Any] | None = None, **options: Any) -> Any:
+def mixture(
+    sources: Mapping[str, tuple[str, Any]], *, weights: Mapping[str, float | None], source_options: Mapping[str, Any] | None = None, **options: Any
+) -> mixer.Mixture:
     """A `mixer.Mixture` over `sources` (``{name: (pattern, ...)}``, as `write_sources` returns), one
     `mixer.Source` per name of `weights` in that order (None: the default weight), each with
     `source_options`; `options` are the Mixture's keywords. Test files fix their defaults with
     ``functools.partial(mixture, weights=..., ...)``; a call's keywords override them."""
-    import mixer
+    import mixer  # here, so a broken `mixer` import fails tests, not collection
 
     srcs = []
     for name, weight in weights.items():

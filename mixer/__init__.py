@@ -5,9 +5,10 @@ The distribution is named ``wds-mixer`` on PyPI; the import package is ``mixer``
 
 from .audio import SpeechDecode
 from .batch import Batch
-from .bucket import TokenBudget, bucket_edges
+from .bucket import TokenBudget
 from .device import to_device
 from .errors import ConfigError, MixerError, SampleError, ShardError, StateError
+from .io import IOOptions
 from .layout import Field, FieldBatch, Packed, PackedBatch
 from .loader import Loader, make_loader
 from .mixture import Mixture
@@ -15,7 +16,6 @@ from .config import MixtureSpec, build_mixture, load_config, parse_config
 from .schedule import Curriculum, Floored, Hierarchical, Phase, Schedule, SourceInfo, Static, Temperature, Weights
 from .source import Source
 from .stats import log_every
-from .world import World
 
 __all__ = [
     "Batch",
@@ -25,6 +25,7 @@ __all__ = [
     "FieldBatch",
     "Floored",
     "Hierarchical",
+    "IOOptions",
     "Loader",
     "MixerError",
     "Mixture",
@@ -43,8 +44,6 @@ __all__ = [
     "Temperature",
     "TokenBudget",
     "Weights",
-    "World",
-    "bucket_edges",
     "build_mixture",
     "load_config",
     "log_every",

@@ -49,7 +49,8 @@ def resolve_device(device: DeviceLike) -> torch.device:
 
 
 class DeviceFeed(Generic[T]):
-    """Iterates ``batches`` with every tensor moved to ``device`` (see :func:`to_device`).
+    """What :func:`to_device` returns (the one way to build one): iterates ``batches`` with every
+    tensor moved to ``device``.
 
     Each ``iter()`` starts a new pass over ``batches`` (a :class:`~mixer.Loader` restarts its
     stream), with its own side stream. ``copies``, ``bytes_copied`` and, with ``timing=True``,

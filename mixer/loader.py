@@ -97,20 +97,15 @@ class Loader:
     (``batch_size=None``: the mixture already batches). Batches arrive in order: worker ``w`` of
     ``W`` delivers global steps ``w, w + W, ...``.
 
-    With ``device`` (``"cuda"``, ``"cuda:N"``, ``"cpu"``) batches arrive on that device through
-    :func:`mixer.to_device`, ``device_prefetch`` batches copied ahead; a CUDA device turns
-    ``pin_memory`` on. ``stats_window``: batches in the sliding window of :meth:`stats` (and so of
-    :func:`mixer.log_every`). ``sync_stop`` (default None: on when the mixture is finite, has several
-    ranks and a process group is initialized) makes every data-parallel rank hand out the same number
-    of batches, with one ``all_reduce`` per batch over ``sync_group`` (default: the default group).
-    ``sync_end="pad"`` (default): a rank whose stream ended first hands out *filler* batches
-    (``batch.filler``; weigh their loss by 0) until every rank has ended, so every sample is still
-    delivered exactly once; ``"drop"``: every rank stops with the first, and what the others then
-    cannot hand out is dropped. Both are counted in :meth:`sync_report` (see
-    :mod:`mixer.distributed`). :meth:`state_dict` / :meth:`load_state_dict` give exact resume.
+    Built by :func:`make_loader` (which documents the options); the class is public for type
+    annotations and ``isinstance`` only, and calling it raises ``TypeError``.
+    :meth:`state_dict` / :meth:`load_state_dict` give exact resume.
     """
 
-    def __init__(
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("mixer.Loader is not built directly: use mixer.make_loader(mixture, **options)")
+
+    def _setup(
         self,
         mixture: Mixture,
         *,
@@ -269,5 +264,22 @@ class Loader:
 
 
 def make_loader(mixture: Mixture, **options: Any) -> Loader:
-    """A :class:`Loader` over ``mixture``; ``options`` are :class:`Loader`'s keywords."""
-    return Loader(mixture, **options)
+    """A :class:`Loader` over ``mixture``: the one way to build one.
+
+    ``options`` (keyword-only): ``num_workers`` (0), ``pin_memory`` (False), ``prefetch_factor``,
+    ``persistent_workers`` (False), ``timeout`` (0) and ``multiprocessing_context`` as for
+    ``torch.utils.data.DataLoader``. With ``device`` (``"cuda"``, ``"cuda:N"``, ``"cpu"``) batches
+    arrive on that device through :func:`mixer.to_device`, ``device_prefetch`` (2) batches copied
+    ahead; a CUDA device turns ``pin_memory`` on. ``stats_window``: batches in the sliding window of
+    :meth:`Loader.stats` (and so of :func:`mixer.log_every`). ``sync_stop`` (default None: on when the
+    mixture is finite, has several ranks and a process group is initialized) makes every
+    data-parallel rank hand out the same number of batches, with one ``all_reduce`` per batch over
+    ``sync_group`` (default: the default group). ``sync_end="pad"`` (default): a rank whose stream
+    ended first hands out *filler* batches (``batch.filler``; weigh their loss by 0) until every rank
+    has ended, so every sample is still delivered exactly once; ``"drop"``: every rank stops with the
+    first, and what the others then cannot hand out is dropped. Both are counted in
+    :meth:`Loader.sync_report` (see :mod:`mixer.distributed`). An unknown option is a ``TypeError``.
+    """
+    loader = Loader.__new__(Loader)
+    loader._setup(mixture, **options)
+    return loader

@@ -2,28 +2,40 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 import pytest
 
-from shardutil import key_lengths, lognormal_lengths, split_evenly, write_token_shards
+from shardutil import LogNormal, Sources, write_sources
 
-# name: (shards, samples, lognormal median, sigma, lo, hi): clearly different length distributions.
+# Clearly different length distributions.
 THREE_SOURCES = {
-    "web": (8, 512, 200, 0.7, 8, 2048),
-    "code": (4, 192, 600, 1.0, 16, 8192),
-    "books": (2, 24, 4000, 0.4, 1024, 16384),
+    "web": LogNormal(shards=8, samples=512, median=200, sigma=0.7, lo=8, hi=2048, seed=0),
+    "code": LogNormal(shards=4, samples=192, median=600, sigma=1.0, lo=16, hi=8192, seed=1),
+    "books": LogNormal(shards=2, samples=24, median=4000, sigma=0.4, lo=1024, hi=16384, seed=2),
 }
 
 
 @pytest.fixture(scope="session")
-def three_sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, dict[str, int]]]:
-    """``{name: (brace pattern, {key: length})}``; tokens are `shardutil.expected_tokens(key, length)`."""
-    folder = tmp_path_factory.mktemp("three_sources")
-    sources = {}
-    for seed, (name, (shards, n, median, sigma, lo, hi)) in enumerate(THREE_SOURCES.items()):
-        lengths = lognormal_lengths(n, median=median, sigma=sigma, lo=lo, hi=hi, seed=seed)
-        per_shard = split_evenly(lengths, shards)
-        sources[name] = (write_token_shards(folder, name, per_shard), key_lengths(name, per_shard))
-    return sources
+def make_sources(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Mapping[str, LogNormal]], Sources]:
+    """The one source factory: ``make_sources({name: LogNormal(...)})`` is
+    ``{name: (brace pattern, {key: length})}`` (see `shardutil.write_sources`), written once per
+    session for each distinct spec; tokens are `shardutil.expected_tokens(key, length)`."""
+    written: dict[tuple[tuple[str, LogNormal], ...], Sources] = {}
+
+    def make(spec: Mapping[str, LogNormal]) -> Sources:
+        key = tuple(spec.items())
+        if key not in written:
+            written[key] = write_sources(tmp_path_factory.mktemp("sources"), spec)
+        return written[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def three_sources(make_sources: Callable[[Mapping[str, LogNormal]], Sources]) -> Sources:
+    """``{name: (brace pattern, {key: length})}`` for 'web', 'code' and 'books' (`THREE_SOURCES`)."""
+    return make_sources(THREE_SOURCES)
 
 
 @pytest.fixture(scope="session")

@@ -6,15 +6,19 @@ one makes tarfile add a PAX header to every member, which is not what real shard
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import os
 import tarfile
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import webdataset as wds
+
+if TYPE_CHECKING:
+    import mixer
 
 MTIME = 1_700_000_000
 TOKEN_LO, TOKEN_HI = 1, 30000  # 0 stays free as the pad id
@@ -127,3 +131,61 @@ def npy_bytes(array: np.ndarray) -> bytes:
     buffer = io.BytesIO()
     np.save(buffer, array, allow_pickle=False)
     return buffer.getvalue()
+
+
+@dataclasses.dataclass(frozen=True)
+class LogNormal:
+    """One source of token shards: `samples` log-normal lengths (this `median` and `sigma`, rounded,
+    clipped to [`lo`, `hi`], drawn from `seed`) cut into `shards` shards whose sizes differ by at most
+    one, or, when `shards` is a tuple, into consecutive shards of exactly those sizes (`samples` is
+    then their sum). Frozen, so a spec is a cache key for the session-wide `make_sources` fixture."""
+
+    shards: int | tuple[int, ...]
+    median: float
+    sigma: float
+    seed: int
+    samples: int | None = None
+    lo: int = 1
+    hi: int | None = None
+
+    def per_shard(self) -> list[list[int]]:
+        sizes = self.shards if isinstance(self.shards, tuple) else None
+        n = sum(sizes) if sizes is not None else self.samples
+        assert n is not None and (sizes is None or self.samples in (None, n)), self
+        lengths = lognormal_lengths(n, median=self.median, sigma=self.sigma, lo=self.lo, hi=self.hi, seed=self.seed)
+        if sizes is None:
+            assert isinstance(self.shards, int)
+            return split_evenly(lengths, self.shards)
+        bounds = np.cumsum((0,) + sizes).tolist()
+        return [lengths[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+Sources = dict[str, tuple[str, dict[str, int]]]
+
+
+def write_sources(folder: str | os.PathLike[str], spec: Mapping[str, LogNormal]) -> Sources:
+    """``{name: (brace pattern, {key: length})}`` for each source of `spec`, written into `folder`;
+    the tokens of each sample are `expected_tokens(key, length)`."""
+    out = {}
+    for name, source in spec.items():
+        per_shard = source.per_shard()
+        out[name] = (write_token_shards(folder, name, per_shard), key_lengths(name, per_shard))
+    return out
+
+
+def mixture(
+    sources: Mapping[str, tuple[str, Any]], *, weights: Mapping[str, float | None], source_options: Mapping[str, Any] | None = None, **options: Any
+) -> mixer.Mixture:
+    """A `mixer.Mixture` over `sources` (``{name: (pattern, ...)}``, as `write_sources` returns), one
+    `mixer.Source` per name of `weights` in that order (None: the default weight), each with
+    `source_options`; `options` are the Mixture's keywords. Test files fix their defaults with
+    ``functools.partial(mixture, weights=..., ...)``; a call's keywords override them."""
+    import mixer  # here, so a broken `mixer` import fails tests, not collection
+
+    srcs = []
+    for name, weight in weights.items():
+        kwargs = dict(source_options or {})
+        if weight is not None:
+            kwargs["weight"] = weight
+        srcs.append(mixer.Source(name, sources[name][0], **kwargs))
+    return mixer.Mixture(srcs, **options)

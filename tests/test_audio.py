@@ -192,6 +192,7 @@ def test_bad_sample_rate_in_a_mixture_follows_on_error(tmp_path):
         mixer.Mixture([strict], batching=mixer.TokenBudget(max_tokens=64000), fields=fields)
 
 
+@pytest.mark.slow
 def test_the_asr_example_runs_and_reports_sample_shares(tmp_path):
     # examples/asr_mix.py mixes by utterances (unit="samples"): its table's realized column is
     # loader.stats()'s, a share of utterances, within a batch or so of NeMo's T=5 target.

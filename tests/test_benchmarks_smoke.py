@@ -23,6 +23,7 @@ def _mixture_importable() -> bool:
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _mixture_importable(), reason="mixer.Mixture is not importable yet")
 def test_throughput_quick_runs_and_prints_the_table(tmp_path: Path) -> None:
     proc = subprocess.run(

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from mixer import ConfigError, TokenBudget, bucket_edges
-from mixer.bucket import Bucketer
+from mixer import ConfigError, TokenBudget
+from mixer.bucket import Bucketer, bucket_edges
 
 
 def padding_efficiency(lengths, budget, edges):

@@ -311,6 +311,7 @@ def test_demo_in_process(demo_cache, tmp_path, capsys):
     assert stats.format_table(stats.report(rep["stats"])) in out
 
 
+@pytest.mark.slow
 def test_console_script(demo_cache):
     script = Path(sys.executable).with_name("mixer")
     assert script.exists(), f"{script}: the console script is not installed (pip install -e .)"
@@ -334,6 +335,7 @@ def cli_command(*args):
     return [sys.executable, "-m", "mixer.cli", *args], env
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers, whole_group", [(0, False), (2, True)])
 def test_ctrl_c_during_run_prints_the_summary_writes_the_report_and_exits_130(three_sources, tmp_path, workers, whole_group):
     # whole_group: SIGINT to the process group, as a terminal's Ctrl-C does (the DataLoader workers
@@ -381,6 +383,7 @@ def test_ctrl_c_during_run_prints_the_summary_writes_the_report_and_exits_130(th
     assert f"interrupted (Ctrl-C) after {n:,} of 1,000,000 batches" in out and f"report written to {report_path}" in out
 
 
+@pytest.mark.slow
 def test_plan_into_a_pipe_closed_early_exits_quietly(tmp_path):
     # `mixer plan x.yaml | head -n 3` with far more output than a pipe buffer holds: head exits after
     # three lines and the next write fails with EPIPE. No traceback, the status of a SIGPIPE death.

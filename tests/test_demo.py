@@ -112,6 +112,7 @@ def test_source_length_distributions_differ(demo_shards: dict[str, str]) -> None
     assert np.quantile(lengths["code"], 0.99) > 8 * medians["code"], medians
 
 
+@pytest.mark.slow
 def test_generation_is_deterministic(demo_shards: dict[str, str], tmp_path: Path) -> None:
     again = ensure_demo_shards(tmp_path)
     first, second = demo_root(demo_shards) / "v1", tmp_path / "v1"
@@ -142,6 +143,7 @@ def quick_harvest(monkeypatch: pytest.MonkeyPatch, harvested: dict[str, list[str
     monkeypatch.setattr(demo, "_harvest", lambda: harvested)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("quick_harvest")
 def test_leftovers_of_an_interrupted_run_do_not_break_a_later_run(
     demo_shards: dict[str, str], tmp_path: Path

@@ -20,7 +20,6 @@ import torch
 
 import mixer
 from mixer.batch import Batch, collate
-from mixer.device import DeviceFeed
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA (run benchmarks/gpu_check.sh on a GPU machine)")
@@ -175,7 +174,8 @@ def drive(n: int, prefetch: int, ops: RecordingOps, take: int | None = None) -> 
             pulled += 1
             yield make_batch(k)
 
-    feed = DeviceFeed(source(), "cpu", prefetch=prefetch)
+    # The CUDA stream protocol driven on the CPU: the stand-in records every stream operation.
+    feed = mixer.to_device(source(), "cpu", prefetch=prefetch)
     gen = feed._side_stream_feed(ops)
     got = []
     for batch in gen:

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 import mixer
-from shardutil import key_lengths, lognormal_lengths, write_token_shards
+from shardutil import LogNormal
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "dist_worker.py"
@@ -34,22 +34,16 @@ EMPTY = {"a": ([30, 0, 0, 0, 0, 0], 80, 0.7), "b": ([10, 0, 0, 0, 0, 0], 150, 0.
 MAX_TOKENS = 1024
 
 
-def _write(folder: Path, spec: dict[str, tuple[list[int], int, float]]) -> dict[str, Any]:
-    out = {}
-    for seed, (name, (sizes, median, weight)) in enumerate(spec.items()):
-        lengths = lognormal_lengths(sum(sizes), median=median, sigma=0.6, lo=4, hi=MAX_TOKENS, seed=seed)
-        per, i = [], 0
-        for n in sizes:
-            per.append(lengths[i : i + n])
-            i += n
-        out[name] = {"pattern": write_token_shards(folder, name, per), "weight": weight, "keys": sorted(key_lengths(name, per))}
-    return out
+def _write(make_sources: Any, spec: dict[str, tuple[list[int], int, float]]) -> dict[str, Any]:
+    written = make_sources(
+        {name: LogNormal(shards=tuple(sizes), median=median, sigma=0.6, lo=4, hi=MAX_TOKENS, seed=seed) for seed, (name, (sizes, median, _)) in enumerate(spec.items())}
+    )
+    return {name: {"pattern": written[name][0], "weight": weight, "keys": sorted(written[name][1])} for name, (_, _, weight) in spec.items()}
 
 
 @pytest.fixture(scope="module")
-def datasets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    folder = tmp_path_factory.mktemp("dist_shards")
-    return {"skew": _write(folder, SKEW), "empty": _write(folder, EMPTY)}
+def datasets(make_sources: Any) -> dict[str, dict[str, Any]]:
+    return {"skew": _write(make_sources, SKEW), "empty": _write(make_sources, EMPTY)}
 
 
 def _cases(datasets: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -142,6 +136,7 @@ def _assert_disjoint(per_rank: list[dict[str, Any]]) -> None:
             seen[k] = r
 
 
+@pytest.mark.slow
 def test_without_the_sync_each_rank_reads_a_disjoint_part_and_together_everything(runs, datasets):
     world = runs["world"]
     everything = sorted(k for d in datasets["skew"].values() for k in d["keys"])
@@ -165,6 +160,7 @@ def _real(rank_result: dict[str, Any]) -> list[dict[str, Any]]:
     return [b for b in rank_result["batches"] if not b["filler"]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["all-w0", "all-w2", "all-w0-fill", "all-w2-fill", "all-explicit", "all-side"])
 def test_fillers_deliver_every_sample_exactly_once_with_equal_step_counts(runs, datasets, name):
     per_rank = runs["run"][name]
@@ -195,6 +191,7 @@ def test_fillers_deliver_every_sample_exactly_once_with_equal_step_counts(runs, 
         assert [_real(r) for r in per_rank] == [r["batches"] for r in nosync]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["first-w0", "first-w2"])
 def test_fillers_with_first_exhausted_hand_out_every_batch_each_rank_read(runs, name):
     per_rank = runs["run"][name]
@@ -207,6 +204,7 @@ def test_fillers_with_first_exhausted_hand_out_every_batch_each_rank_read(runs, 
         assert [_real(r) for r in per_rank] == [r["batches"] for r in runs["run"]["first-nosync"]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["all-w0-drop", "all-w2-drop", "first-w0-drop", "first-w2-drop", "all-explicit-drop", "all-side-drop"])
 def test_sync_end_drop_stops_with_the_first_rank_and_counts_what_it_drops(runs, datasets, name):
     per_rank = runs["run"][name]
@@ -235,6 +233,7 @@ def test_sync_end_drop_stops_with_the_first_rank_and_counts_what_it_drops(runs, 
     assert max(r["dropped"]["batches"] for r in per_rank) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nw", [0, 2])
 def test_a_rank_without_any_data_still_takes_part_and_nobody_hangs(runs, datasets, nw):
     world = runs["world"]
@@ -255,6 +254,7 @@ def test_a_rank_without_any_data_still_takes_part_and_nobody_hangs(runs, dataset
         assert all(r["dropped"]["sources"][source]["samples"] == 0 for r in per_rank[1:])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["fail", "fail-drop"])
 def test_a_failing_rank_stops_every_rank(runs, name):
     per_rank = runs["run"][name]
@@ -265,6 +265,7 @@ def test_a_failing_rank_stops_every_rank(runs, name):
     assert len({len(r["batches"]) for r in per_rank}) == 1 and per_rank[0]["batches"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["all-w0", "all-w2", "first-w0", "first-w2", "all-w0-drop", "all-w2-drop", "first-w0-drop", "first-w2-drop"])
 def test_a_second_torchrun_resumes_every_rank_exactly(runs, name):
     k = runs["cases"][name]["save_at"]
@@ -275,6 +276,7 @@ def test_a_second_torchrun_resumes_every_rank_exactly(runs, name):
         assert resumed["dropped"] == full["dropped"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["all-w0-fill", "all-w2-fill", "empty-w0", "empty-w2"])
 def test_a_state_saved_in_a_filler_phase_resumes_exactly(runs, name):
     """Saved right after the first filler of the rank that ended first: on resume that rank has no
@@ -308,6 +310,7 @@ def test_sync_stop_needs_a_process_group_and_a_matching_group(datasets):
     assert mixer.make_loader(never, sync_stop=True).sync is None  # an endless stream needs no agreement
 
 
+@pytest.mark.slow
 def test_train_ddp_example_resumes_loss_for_loss(demo_shards, tmp_path):
     """examples/train_ddp.py under torchrun (2 ranks, 1 worker each): a run of 6 steps that
     checkpoints at step 3, then a second run resumed from that checkpoint; steps 4-6 must see the
@@ -338,6 +341,7 @@ def test_train_ddp_example_resumes_loss_for_loss(demo_shards, tmp_path):
     assert first[0] != first[1]
 
 
+@pytest.mark.slow
 def test_train_ddp_example_trains_on_every_demo_sample_once_with_zero_loss_fillers(demo_shards, tmp_path):
     """examples/train_ddp.py over a whole pass of the demo data (2 ranks, stop=all_exhausted): both
     ranks take the same number of steps, the real steps together train on every demo sample once,

@@ -8,12 +8,11 @@ import numpy as np
 import pytest
 
 import mixer
+import shardutil
 from shardutil import (
     expected_tokens,
-    key_lengths,
-    lognormal_lengths,
+    LogNormal,
     npy_bytes,
-    split_evenly,
     write_tar_members,
     write_token_shards,
 )
@@ -40,14 +39,12 @@ def collect(loader, limit=None):
 
 
 @pytest.fixture(scope="module")
-def small_sources(tmp_path_factory):
+def small_sources(make_sources):
     """Two sources: 'few' has 2 shards (fewer than most reader counts), 'many' has 5."""
-    folder = tmp_path_factory.mktemp("small")
-    out = {}
-    for name, shards, n, seed in (("few", 2, 37, 1), ("many", 5, 61, 2)):
-        per = split_evenly(lognormal_lengths(n, median=40, sigma=0.6, lo=2, hi=400, seed=seed), shards)
-        out[name] = (write_token_shards(folder, name, per), key_lengths(name, per))
-    return out
+    return make_sources({
+        "few": LogNormal(shards=2, samples=37, median=40, sigma=0.6, lo=2, hi=400, seed=1),
+        "many": LogNormal(shards=5, samples=61, median=40, sigma=0.6, lo=2, hi=400, seed=2),
+    })
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -102,13 +99,13 @@ def test_round_robin_alternates_sources(three_sources):
     assert firsts == [0, 1, 2] * 3
 
 
-def test_padding_efficiency_on_lognormal_mix(tmp_path):
+def test_padding_efficiency_on_lognormal_mix(make_sources):
     # Long-tailed lengths (sigma 1.0-1.2) where count quantiles waste 15-25%.
-    srcs = []
-    for seed, (name, median, sigma) in enumerate((("a", 120, 1.0), ("b", 900, 1.2))):
-        per = split_evenly(lognormal_lengths(6000, median=median, sigma=sigma, lo=1, hi=16384, seed=seed), 4)
-        srcs.append(mixer.Source(name, write_token_shards(tmp_path, name, per)))
-    mix = mixer.Mixture(srcs, batching=mixer.TokenBudget(max_tokens=16384), stop="all_exhausted")
+    srcs = make_sources({
+        "a": LogNormal(shards=4, samples=6000, median=120, sigma=1.0, lo=1, hi=16384, seed=0),
+        "b": LogNormal(shards=4, samples=6000, median=900, sigma=1.2, lo=1, hi=16384, seed=1),
+    })
+    mix = shardutil.mixture(srcs, weights={"a": None, "b": None}, batching=mixer.TokenBudget(max_tokens=16384), stop="all_exhausted")
     real = slots = 0
     for batch in mixer.make_loader(mix):
         assert batch.batch_size * batch.seq_len <= 16384
@@ -373,7 +370,8 @@ def test_a_plain_dataloader_over_the_mixture_works(three_sources):
     assert plain == ours and set(plain.values()) == {1}
 
 
-def test_a_rare_source_reads_about_what_it_delivers(tmp_path):
+@pytest.mark.slow
+def test_a_rare_source_reads_about_what_it_delivers(make_sources):
     """Issue 12, item 9: a source at a 0.5% share used to fill its whole shuffle buffer and nearly
     every bucket (about num_buckets batches of tokens, several of its epochs when small) to hand
     out a batch now and then. What it holds ahead is now sized by its share: its shuffle buffer
@@ -381,10 +379,12 @@ def test_a_rare_source_reads_about_what_it_delivers(tmp_path):
     from mixer.mixture import HOLD_MIN_BATCHES, MIN_SHUFFLE
     from mixer.world import World
 
-    per = {n: split_evenly(lognormal_lengths(6000, median=30, sigma=0.7, lo=2, hi=400, seed=s), 4) for s, n in enumerate(("common", "rare"))}
-    srcs = [mixer.Source(n, write_token_shards(tmp_path, n, p), weight=w) for (n, p), w in zip(per.items(), (0.995, 0.005))]
+    srcs = make_sources({
+        "common": LogNormal(shards=4, samples=6000, median=30, sigma=0.7, lo=2, hi=400, seed=0),
+        "rare": LogNormal(shards=4, samples=6000, median=30, sigma=0.7, lo=2, hi=400, seed=1),
+    })
     budget = mixer.TokenBudget(max_tokens=4096)
-    mix = mixer.Mixture(srcs, batching=budget, shuffle_buffer=1000, seed=3)
+    mix = shardutil.mixture(srcs, weights={"common": 0.995, "rare": 0.005}, batching=budget, shuffle_buffer=1000, seed=3)
     reader = mix.reader(World(rank=0, world_size=1, worker=0, num_workers=1))
     rare, bucketer, stream = reader.counters[1], reader.bucketers[1], reader.streams[1]
     hold = int(HOLD_MIN_BATCHES * budget.max_tokens)

@@ -11,6 +11,7 @@ import torch
 
 import mixer
 from resume_oracle import _equal, assert_resumes_exactly, take
+import shardutil
 from shardutil import lognormal_lengths, split_evenly, write_samples
 from test_audio import RATE, encode, pcm, text_tokens, write_speech_shards
 
@@ -31,13 +32,11 @@ def corpora(tmp_path_factory):
     return out
 
 
-def mixture(corpora, *, decode=None, fields=FIELDS, **kwargs):
-    decode = decode or mixer.SpeechDecode()
-    srcs = [mixer.Source(n, corpora[n][0], decode=decode, length="audio") for n in ("read", "commands")]
-    kwargs.setdefault("batching", mixer.TokenBudget(max_tokens=8 * RATE, multiple_of=2))
-    kwargs.setdefault("shuffle_buffer", 16)
-    kwargs.setdefault("state_every", 3)
-    return mixer.Mixture(srcs, fields=fields, **kwargs)
+def mixture(corpora, *, decode=None, **kwargs):
+    """`shardutil.mixture` over both corpora, each decoded by `decode` (default: SpeechDecode())."""
+    options = {"fields": FIELDS, "batching": mixer.TokenBudget(max_tokens=8 * RATE, multiple_of=2), "shuffle_buffer": 16, "state_every": 3}
+    source_options = {"decode": decode or mixer.SpeechDecode(), "length": "audio"}
+    return shardutil.mixture(corpora, weights={"read": None, "commands": None}, source_options=source_options, **{**options, **kwargs})
 
 
 def test_audio_and_text_round_trip_exactly_for_every_key(corpora):

@@ -16,6 +16,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_two_cpu_ranks_under_gloo(three_sources, tmp_path):
     config = tmp_path / "mix.yaml"

@@ -3,6 +3,7 @@ counted), boundaries consistent, token shares as in the padded layout, exact res
 
 from __future__ import annotations
 
+import functools
 import pickle
 from collections import defaultdict
 
@@ -14,27 +15,23 @@ import mixer
 from mixer.decode import Sample
 from mixer.layout import PackedGroup, PackedLayout, Packer
 from resume_oracle import _equal, assert_resumes_exactly, take
-from shardutil import expected_tokens, key_lengths, lognormal_lengths, split_evenly, write_token_shards
+import shardutil
+from shardutil import LogNormal, expected_tokens
 
 SEQ = 512
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory):
+def shards(make_sources):
     """'short' documents well under a row, 'long' ones around and beyond it (up to 4 rows)."""
-    folder = tmp_path_factory.mktemp("packed")
-    out = {}
-    for seed, (name, n_shards, n, median, hi) in enumerate([("short", 4, 600, 60, 400), ("long", 2, 120, 400, 4 * SEQ)]):
-        per = split_evenly(lognormal_lengths(n, median=median, sigma=0.9, lo=1, hi=hi, seed=seed), n_shards)
-        out[name] = (write_token_shards(folder, name, per), key_lengths(name, per))
-    return out
+    return make_sources({
+        "short": LogNormal(shards=4, samples=600, median=60, sigma=0.9, lo=1, hi=400, seed=0),
+        "long": LogNormal(shards=2, samples=120, median=400, sigma=0.9, lo=1, hi=4 * SEQ, seed=1),
+    })
 
 
-def mixture(shards, batching, **kwargs):
-    srcs = [mixer.Source(n, shards[n][0], weight=w) for n, w in (("short", 0.4), ("long", 0.6))]
-    kwargs.setdefault("shuffle_buffer", 32)
-    kwargs.setdefault("state_every", 4)
-    return mixer.Mixture(srcs, batching=batching, **kwargs)
+# mixture(shards, batching=..., **mixture_options)
+mixture = functools.partial(shardutil.mixture, weights={"short": 0.4, "long": 0.6}, shuffle_buffer=32, state_every=4)
 
 
 # ---- the packer, by hand ---------------------------------------------------------------------
@@ -169,7 +166,7 @@ def check_batches(batches, packed, pad_id=0):
     ids=["flat", "flat-split", "rows-split"],
 )
 def test_every_document_whole_and_once_or_split_and_counted(shards, packed):
-    loader = mixer.make_loader(mixture(shards, packed, stop="all_exhausted"))
+    loader = mixer.make_loader(mixture(shards, batching=packed, stop="all_exhausted"))
     pieces, _ = check_batches(loader, packed)
     lengths = {**shards["short"][1], **shards["long"][1]}
     assert set(pieces) == set(lengths)
@@ -191,16 +188,16 @@ def test_every_document_whole_and_once_or_split_and_counted(shards, packed):
 
 def test_rows_without_splitting_keep_documents_whole(shards):
     packed = mixer.Packed(max_tokens=8 * SEQ, seq_len=4 * SEQ)
-    pieces, _ = check_batches(mixer.make_loader(mixture(shards, packed, stop="all_exhausted")), packed, pad_id=0)
+    pieces, _ = check_batches(mixer.make_loader(mixture(shards, batching=packed, stop="all_exhausted")), packed, pad_id=0)
     assert all(len(p) == 1 for p in pieces.values()) and len(pieces) == 720
 
 
 def test_a_document_longer_than_a_row_needs_splitting_or_max_length(shards):
     # found while profiling: the readers' error, naming shard and key
     with pytest.raises(mixer.SampleError, match=r"source 'long': shard \S*long-\d+\.tar, key '[^']+': length \d+ exceeds seq_len=512; set Packed\(split_documents=True"):
-        mixture(shards, mixer.Packed(max_tokens=4 * SEQ, seq_len=SEQ))
+        mixture(shards, batching=mixer.Packed(max_tokens=4 * SEQ, seq_len=SEQ))
     packed = mixer.Packed(max_tokens=4 * SEQ, seq_len=SEQ, max_length=SEQ, overlong="drop")
-    loader = mixer.make_loader(mixture(shards, packed, stop="all_exhausted"))
+    loader = mixer.make_loader(mixture(shards, batching=packed, stop="all_exhausted"))
     pieces, _ = check_batches(loader, packed)
     too_long = {k for k, n in shards["long"][1].items() if n > SEQ}
     assert too_long and set(pieces) == set(shards["short"][1]) | (set(shards["long"][1]) - too_long)
@@ -224,7 +221,7 @@ def test_packed_configuration_is_checked(kwargs, match):
 
 def test_packing_multi_field_samples_is_refused(shards):
     with pytest.raises(mixer.ConfigError, match="fields: multi-field samples are batched with TokenBudget"):
-        mixture(shards, mixer.Packed(max_tokens=1024), fields={"x": mixer.Field()})
+        mixture(shards, batching=mixer.Packed(max_tokens=1024), fields={"x": mixer.Field()})
 
 
 def shares(counters):
@@ -238,7 +235,7 @@ def test_token_shares_per_source_as_in_the_padded_layout(shards, mix):
     real tokens both layouts sit on the 0.4 / 0.6 target."""
     results = {}
     for name, batching in (("padded", mixer.TokenBudget(max_tokens=4 * SEQ, max_length=4 * SEQ)), ("packed", mixer.Packed(max_tokens=4 * SEQ, seq_len=SEQ, split_documents=True))):
-        loader = mixer.make_loader(mixture(shards, batching, mix=mix))
+        loader = mixer.make_loader(mixture(shards, batching=batching, mix=mix))
         delivered = np.zeros(2)
         for b in loader:
             delivered += np.bincount(b.source.numpy(), weights=b.lengths.numpy(), minlength=2)
@@ -266,24 +263,24 @@ WHOLE = mixer.Packed(max_tokens=8 * SEQ, seq_len=4 * SEQ, open_batches=3)  # sev
     [(0, "batch", "never", SPLIT), (2, "batch", "all_exhausted", SPLIT), (2, "sample", "never", SPLIT), (0, "sample", "all_exhausted", SPLIT), (0, "batch", "never", WHOLE), (2, "sample", "never", WHOLE)],
 )
 def test_resume_oracle_packed(shards, num_workers, mix, stop, packed):
-    mix_ = mixture(shards, packed, mix=mix, stop=stop)
+    mix_ = mixture(shards, batching=packed, mix=mix, stop=stop)
     assert_resumes_exactly(lambda: mixer.make_loader(mix_, num_workers=num_workers), cuts=[1, 3, 4, 9, 22], window=8, view=packed_view)
 
 
 def test_int64_buffer_keeps_int32_cu_seqlens(shards):
     packed = mixer.Packed(max_tokens=4 * SEQ, seq_len=SEQ, split_documents=True)
-    batches = take(mixer.make_loader(mixture(shards, packed, dtype="int64"), num_workers=2), 5)
+    batches = take(mixer.make_loader(mixture(shards, batching=packed, dtype="int64"), num_workers=2), 5)
     assert all(b.tokens.dtype == torch.int64 and b.cu_seqlens.dtype == torch.int32 for b in batches)
     check_batches(batches, packed)
 
 
 def test_pickle_to_and_device_feed_keep_views_consistent(shards):
     packed = mixer.Packed(max_tokens=4 * SEQ, seq_len=SEQ, split_documents=True)
-    (b,) = take(mixer.make_loader(mixture(shards, packed)), 1)
+    (b,) = take(mixer.make_loader(mixture(shards, batching=packed)), 1)
     for c in (pickle.loads(pickle.dumps(b)), b.to("cpu")):
         assert type(c) is mixer.PackedBatch and _equal(packed_view(c), packed_view(b))
         assert c.max_seqlen == b.max_seqlen and c.rows.shape == b.rows.shape
-    fed = take(mixer.make_loader(mixture(shards, packed), device="cpu"), 2)
+    fed = take(mixer.make_loader(mixture(shards, batching=packed), device="cpu"), 2)
     assert all(isinstance(x, mixer.PackedBatch) for x in fed)
 
 

@@ -260,6 +260,7 @@ def test_fault_during_profiling(
 # ------------------------------------------------------------------------------ on_error="raise"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 def test_raise_names_url_shard_and_byte(http: FaultyHTTPServer, layout: dict[int, list[Member]], workers: int) -> None:
     urls, _ = where(http, "http")
@@ -311,7 +312,7 @@ def moto(root: Path) -> Iterator[dict[str, Any]]:
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the skips are counted; their warnings are tested above
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_moto_s3(moto: dict[str, Any], layout: dict[int, list[Member]], everything: set[str], workers: int) -> None:
     urls = "s3://bucket/x-{000000..000003}.tar"
     client = s3_client(moto["endpoint"])
@@ -420,6 +421,7 @@ def test_io_options_are_validated(http: FaultyHTTPServer) -> None:
     assert mixer.Source("x", urls, io_options={"read_ahead": 0}).io_options == mio.IOOptions(read_ahead=0)
 
 
+@pytest.mark.slow
 def test_remote_benchmark_runs(tmp_path: Path) -> None:
     # `python -m benchmarks remote --quick` end to end (local vs loopback HTTP); no figure is judged
     import json

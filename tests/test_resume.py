@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 
@@ -12,28 +13,28 @@ import torch
 import mixer
 from mixer.select import Deficit, RandomPick, RoundRobin
 from resume_oracle import assert_resumes_exactly, batch_view, take
-from shardutil import key_lengths, lognormal_lengths, split_evenly, write_token_shards
+import shardutil
+from shardutil import LogNormal
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory):
+def shards(make_sources):
     """'tiny' turns over its epoch every few batches, so cuts land right after epoch restarts."""
-    folder = tmp_path_factory.mktemp("resume")
-    spec = {"web": (6, 900, 120, 0.8), "code": (3, 300, 400, 1.0), "tiny": (2, 40, 60, 0.5)}
-    out = {}
-    for seed, (name, (n_shards, n, median, sigma)) in enumerate(spec.items()):
-        per = split_evenly(lognormal_lengths(n, median=median, sigma=sigma, lo=2, hi=2048, seed=seed), n_shards)
-        out[name] = (write_token_shards(folder, name, per), key_lengths(name, per))
-    return out
+    return make_sources({
+        "web": LogNormal(shards=6, samples=900, median=120, sigma=0.8, lo=2, hi=2048, seed=0),
+        "code": LogNormal(shards=3, samples=300, median=400, sigma=1.0, lo=2, hi=2048, seed=1),
+        "tiny": LogNormal(shards=2, samples=40, median=60, sigma=0.5, lo=2, hi=2048, seed=2),
+    })
 
 
-def mixture(shards, **kwargs):
-    weights = {"web": 0.5, "code": 0.3, "tiny": 0.2}
-    srcs = [mixer.Source(n, shards[n][0], weight=w) for n, w in weights.items()]
-    kwargs.setdefault("batching", mixer.TokenBudget(max_tokens=2048))
-    kwargs.setdefault("state_every", 8)
-    kwargs.setdefault("shuffle_buffer", 64)
-    return mixer.Mixture(srcs, **kwargs)
+# mixture(shards, **mixture_options)
+mixture = functools.partial(
+    shardutil.mixture,
+    weights={"web": 0.5, "code": 0.3, "tiny": 0.2},
+    batching=mixer.TokenBudget(max_tokens=2048),
+    state_every=8,
+    shuffle_buffer=64,
+)
 
 
 def oracle(mix, *, num_workers=0, cuts, window=12, reference=None):
@@ -43,6 +44,7 @@ def oracle(mix, *, num_workers=0, cuts, window=12, reference=None):
     )
 
 
+@pytest.mark.slow
 def test_fifty_random_cut_points_with_the_uninterrupted_run_as_oracle(shards):
     mix = mixture(shards)
     reference = [batch_view(b) for b in take(mixer.make_loader(mix), 260)]
@@ -55,7 +57,7 @@ def test_fifty_random_cut_points_with_the_uninterrupted_run_as_oracle(shards):
     oracle(mix, cuts=cuts, window=10, reference=reference)
 
 
-@pytest.mark.parametrize("num_workers", [1, 3])
+@pytest.mark.parametrize("num_workers", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_resume_with_workers(shards, num_workers):
     mix = mixture(shards)
     oracle(mix, num_workers=num_workers, cuts=[1, 7, 8, 9, 31, 50])

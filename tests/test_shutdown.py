@@ -62,6 +62,7 @@ def gone_by(pids: list[int], deadline: float) -> bool:
     return False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", ["break", "del", "worker-error"])
 def test_leaving_a_pass_leaves_no_worker_and_no_shared_memory(pattern, scenario):
     before = shm_entries()
@@ -76,6 +77,7 @@ def test_leaving_a_pass_leaves_no_worker_and_no_shared_memory(pattern, scenario)
     assert shm_entries() <= before
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_workers_and_main_cleanly(pattern):
     before = shm_entries()
     proc = start("sigint", pattern)
@@ -88,6 +90,7 @@ def test_ctrl_c_stops_workers_and_main_cleanly(pattern):
     assert shm_entries() <= before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_workers_exit_promptly_when_the_main_process_dies(pattern, sig):
     """DataLoader's own check runs every 5 s and only while a worker waits for a request; a worker

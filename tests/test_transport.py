@@ -78,7 +78,7 @@ def keys_and_tokens(loader):
     return [(k, row[:n].tolist()) for b in loader for k, row, n in zip(b.keys, b.tokens, b.lengths.tolist())]
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.parametrize("context", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
 def test_workers_deliver_the_same_samples_by_either_path(three_sources, context):
     def run(workers, ctx=None):
         srcs = [mixer.Source(n, three_sources[n][0]) for n in ("web", "code")]

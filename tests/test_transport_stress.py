@@ -65,6 +65,7 @@ def test_workers_that_end_early_never_lose_or_repeat_a_batch(tmp_path, num_worke
     {"persistent_workers": True},
     {"pin_memory": True, "persistent_workers": True},
 ])
+@pytest.mark.slow
 def test_slots_hold_with_the_pin_thread_and_persistent_workers(tmp_path, options):
     pattern, lengths = lopsided_source(tmp_path, 4)
     mix = mixer.Mixture(

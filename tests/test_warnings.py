@@ -47,6 +47,7 @@ def test_warnings_name_the_callers_line(bad_shards):
     assert {(w.filename, w.lineno) for w in streamed} == {(__file__, line)}
 
 
+@pytest.mark.slow
 def test_a_worker_process_warning_names_the_users_line_too(bad_shards, tmp_path):
     # A forked worker's stack still holds the parent's frames down to the user's loop; the warning
     # printed by the worker shows that line, and no line of the library (nor of torch).

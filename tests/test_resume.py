@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import mixer
-from mixer.select import Deficit, RandomPick, RoundRobin
+from mixer.selector import Deficit, RandomPick, RoundRobin
 from resume_oracle import assert_resumes_exactly, batch_view, take
 from shardutil import key_lengths, lognormal_lengths, split_evenly, write_token_shards
 

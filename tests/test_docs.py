@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from mixer.io import IOOptions
+from mixer.storage import IOOptions
 
 REPO = Path(__file__).resolve().parents[1]
 USER_FACING = [REPO / "README.md", *sorted((REPO / "examples").iterdir()), *sorted((REPO / "mixer").rglob("*.py"))]

@@ -163,7 +163,7 @@ def speech_method(mixture, utterances: int, workers: int) -> Callable[[Tally], N
 def speech_decode_only(corpora: dict[str, tuple[str, int, float]]) -> Callable[[Tally], None]:
     def run(tally: Tally) -> None:
         import mixer
-        from mixer.io import expand_urls
+        from mixer.storage import expand_urls
         from mixer.tario import read_samples
 
         decode = mixer.SpeechDecode(sample_rate=RATE)

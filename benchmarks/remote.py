@@ -5,14 +5,14 @@ shard set (`stop="all_exhausted"`) through `mixer.make_loader(num_workers=0)`, a
 `mixer_all_exhausted`:
 
 * `local` — the shards by path (plain files, the page cache warm).
-* `http` — the same shards as `http://127.0.0.1:PORT/...` URLs, read through `mixer.io`'s
+* `http` — the same shards as `http://127.0.0.1:PORT/...` URLs, read through `mixer.storage`'s
   `RemoteStream`s with the default read-ahead (`io_options={"read_ahead": 2}`: while one shard is
   decoded, the next two are already downloading).
 * `http_no_ahead` — the same with `read_ahead=0`: one shard open at a time (what read-ahead buys).
 * `http_ttfb`, `http_ttfb_no_ahead` — `http` and `http_no_ahead` against a server that waits
   ``TTFB_MS`` before answering each request, as an object store does (S3's time to first byte is
   typically tens of ms): loopback has no latency to hide, this shows what read-ahead hides.
-* `http_raw` — `mixer.io.open_shard` over every shard URL, bytes only (1 MiB reads): the transport's
+* `http_raw` — `mixer.storage.open_shard` over every shard URL, bytes only (1 MiB reads): the transport's
   ceiling on this machine, no tar parsing, decoding or batching.
 
 The server is a small range-capable HTTP/1.1 file server in its own process (`os.sendfile`, so it costs
@@ -171,7 +171,7 @@ def one_pass(shards: ShardSet, patterns: list[str], io_options: dict[str, Any] |
 
 def raw_http(shards: ShardSet, server: FileServer) -> Callable[[Tally], None]:
     def run(tally: Tally) -> None:
-        from mixer import io as mio
+        from mixer import storage as mio
 
         buf = bytearray(1 << 20)
         total = 0
@@ -189,7 +189,7 @@ def raw_http(shards: ShardSet, server: FileServer) -> Callable[[Tally], None]:
 
 def build_methods(shards: ShardSet, server: FileServer, opts: argparse.Namespace) -> list[Method]:
     skip = common.missing("mixer", "Source", "Mixture", "TokenBudget", "make_loader") or common.missing(
-        "mixer.io", "ReadAhead", "IOOptions"
+        "mixer.storage", "ReadAhead", "IOOptions"
     )
     local = [s.pattern for s in shards.sources]
     remote = [server.pattern(s.pattern) for s in shards.sources]

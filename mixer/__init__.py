@@ -8,7 +8,7 @@ from .batch import Batch
 from .bucket import TokenBudget
 from .device import to_device
 from .errors import ConfigError, MixerError, SampleError, ShardError, StateError
-from .io import IOOptions
+from .storage import IOOptions
 from .layout import Field, FieldBatch, Packed, PackedBatch
 from .loader import Loader, make_loader
 from .mixture import Mixture

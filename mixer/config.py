@@ -23,7 +23,7 @@ commands). Beyond the obvious ones:
   samples (``Mixture(fields=...)``; both keys optional, with :class:`~mixer.Field`'s defaults; not
   with ``packed``). A source's ``length`` is then either an import path or the name of a field.
 * ``state_every``: batches between the full reader states carried for exact resume.
-* ``sources[i].io_options``: :class:`mixer.io.IOOptions` keys (``timeout``, ``retries``, ``backoff``,
+* ``sources[i].io_options``: :class:`mixer.storage.IOOptions` keys (``timeout``, ``retries``, ``backoff``,
   ``block_size``, ``read_ahead``) for remote shards.
 """
 
@@ -42,7 +42,7 @@ import numpy as np
 import yaml
 
 from .errors import ConfigError
-from .io import IOOptions
+from .storage import IOOptions
 from .schedule import Curriculum, Floored, Hierarchical, Phase, Schedule, Static, Temperature, Weights
 
 if TYPE_CHECKING:

@@ -22,7 +22,7 @@ from .layout import Field, Level2, Packed, count, level2, make_layout, unpair
 from .decode import Sample
 from .errors import ConfigError
 from .schedule import Schedule, SourceInfo, Static, check_schedule
-from .select import SELECTORS, make_selector
+from .selector import SELECTORS, make_selector
 from .source import Counters, Profile, Source, SourceStream, profile, reread
 from .transport import SlotPool
 from .world import World, resolve_rank, worker_place

@@ -17,9 +17,9 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from . import io
+from . import storage
 from ._warn import warn
-from .codecs import codec_of
+from .storage import codec_of
 from .bucket import TokenBudget
 from .decode import Sample, default_tokens
 from .layout import Packed, decoded_fields, field_length
@@ -40,7 +40,7 @@ class Source:
 
     ``urls``: a brace pattern (``shard-{000..127}.tar``), a list of patterns, a local folder or glob,
     or a remote prefix ending in ``/``; shards are ``.tar`` files, or ``.tar.gz`` / ``.tgz`` /
-    ``.tar.xz`` ones decompressed as they stream (:mod:`mixer.codecs`). ``weight`` is the static
+    ``.tar.xz`` ones decompressed as they stream (:mod:`mixer.storage.compressed`). ``weight`` is the static
     target share (normalised over sources). ``size`` is the source's size in tokens for temperature/proportional schedules; when
     None it is estimated once, up front, identically for every reader (see :func:`profile`).
     ``decode(sample) -> 1-D int array`` and ``length(sample) -> int`` replace the default (tokens from
@@ -51,7 +51,7 @@ class Source:
     ``on_error``: ``"raise"`` stops on a bad shard or sample with an error naming it; ``"skip"``
     skips it, counts it (see :class:`Counters` for what a damaged shard loses) and warns once per shard.
     ``storage_options`` go to the fsspec filesystem of remote URLs (endpoint, credentials, ...);
-    ``io_options`` (a mapping or :class:`mixer.io.IOOptions`: ``timeout``, ``retries``, ``backoff``,
+    ``io_options`` (a mapping or :class:`mixer.storage.IOOptions`: ``timeout``, ``retries``, ``backoff``,
     ``block_size``, ``read_ahead``) set how remote shards are read. ``allow_pipe=True`` accepts
     ``pipe:`` URLs (shell commands): only code can pass it, a config file cannot.
     """
@@ -69,7 +69,7 @@ class Source:
         storage_options: Mapping[str, Any] | None = None,
         group: str | None = None,
         allow_pipe: bool = False,
-        io_options: Mapping[str, Any] | io.IOOptions | None = None,
+        io_options: Mapping[str, Any] | storage.IOOptions | None = None,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"source name must be a non-empty string (got {name!r})")
@@ -98,10 +98,10 @@ class Source:
         self.group = group
         self.allow_pipe = bool(allow_pipe)
         try:
-            self.io_options = io.IOOptions.of(io_options)
+            self.io_options = storage.IOOptions.of(io_options)
             for p in patterns:
-                io.check_url(p, allow_pipe=allow_pipe)
-            listed = io.expand_urls(patterns, storage_options=self.storage_options)
+                storage.check_url(p, allow_pipe=allow_pipe)
+            listed = storage.expand_urls(patterns, storage_options=self.storage_options)
         except MixerError as exc:
             raise type(exc)(f"{where}: {exc}") from exc
         self.shards: tuple[str, ...] = tuple(url for url, _ in listed)
@@ -155,8 +155,8 @@ def profile(source: Source, budget: TokenBudget | Packed, *, max_samples: int = 
         got: list[int] = []
         stream = None
         try:
-            with io.open_shard(url, storage_options=source.storage_options, allow_pipe=source.allow_pipe, **source.io_options.open_kwargs()) as stream:
-                for i, raw in enumerate(read_samples(stream, url=io.redact(url))):
+            with storage.open_shard(url, storage_options=source.storage_options, allow_pipe=source.allow_pipe, **source.io_options.open_kwargs()) as stream:
+                for i, raw in enumerate(read_samples(stream, url=storage.redact(url))):
                     if i >= per_shard:
                         break
                     if start is None:
@@ -179,14 +179,14 @@ def profile(source: Source, budget: TokenBudget | Packed, *, max_samples: int = 
             # read whole before the damage still tell lengths.
             if source.on_error == "raise":
                 raise ShardError(f"source {source.name!r}: {exc}") from exc
-            warn(f"source {source.name!r}: profiling skips shard {io.redact(url)}: {exc}")
+            warn(f"source {source.name!r}: profiling skips shard {storage.redact(url)}: {exc}")
         lengths += got
         scale = getattr(stream, "ratio", 1.0)  # compressed shards: offsets are uncompressed, listed sizes not
         nbytes += round((end - (start or 0)) * scale)
     skipped = scratch.skipped_samples
     if not lengths:
         also = f" ({skipped} skipped as bad)" if skipped else ""
-        raise ShardError(f"source {source.name!r}: no samples found in shards {[io.redact(source.shards[p]) for p in picks]}{also}")
+        raise ShardError(f"source {source.name!r}: no samples found in shards {[storage.redact(source.shards[p]) for p in picks]}{also}")
     if skipped:
         log.warning("source %r: profiling skipped %d bad sample(s) of %d read (on_error='skip')", source.name, skipped, len(lengths) + skipped)
     arr = np.asarray(lengths, dtype=np.int64)
@@ -213,7 +213,7 @@ def _decode(source: Source, raw: dict[str, Any]) -> Any:
         tokens = np.asarray(tokens)
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
             raise SampleError(
-                f"shard {io.redact(raw.get('__url__', '?'))}, key {raw.get('__key__')!r}: decode must return a 1-D "
+                f"shard {storage.redact(raw.get('__url__', '?'))}, key {raw.get('__key__')!r}: decode must return a 1-D "
                 f"integer array (got dtype {tokens.dtype}, shape {tokens.shape})"
             )
     return tokens
@@ -225,7 +225,7 @@ def _length_of(source: Source, raw: dict[str, Any], tokens: Any) -> int:
         return int(length(raw)) if callable(length) else field_length(raw, tokens, length)
     if isinstance(length, str):
         raise SampleError(
-            f"shard {io.redact(raw.get('__url__', '?'))}, key {raw.get('__key__')!r}: length={length!r} names a field, "
+            f"shard {storage.redact(raw.get('__url__', '?'))}, key {raw.get('__key__')!r}: length={length!r} names a field, "
             "but decode returned one array, not a mapping of fields"
         )
     return int(length(raw)) if length is not None else len(tokens)
@@ -332,7 +332,7 @@ class SourceStream:
         self._plans: dict[int, list[ShardSlice]] = {}
         self._samples: Iterator[dict[str, Any]] | None = None
         self._handle: Any = None
-        self._ahead = io.ReadAhead(options=source.io_options, storage_options=source.storage_options, allow_pipe=source.allow_pipe)
+        self._ahead = storage.ReadAhead(options=source.io_options, storage_options=source.storage_options, allow_pipe=source.allow_pipe)
         self._opened_at = 0
         self._warned_shards: set[int] = set()
 
@@ -412,7 +412,7 @@ class SourceStream:
                 decision = (self.next_index, *loss)
                 self.skips[(self.epoch, self.slice_pos)] = decision
                 self.new_skips.append((self.epoch, self.slice_pos, *decision))
-                self._warn_once(sl.shard, f"source {self.source.name!r}: skipping the rest of shard {io.redact(self.source.shards[sl.shard])} ({words}): {exc}")
+                self._warn_once(sl.shard, f"source {self.source.name!r}: skipping the rest of shard {storage.redact(self.source.shards[sl.shard])} ({words}): {exc}")
             else:
                 self._close()
                 self.counters.shards_finished += 1
@@ -483,7 +483,7 @@ class SourceStream:
             self._handle = None
             self._samples = _raising(exc)
         else:
-            self._samples = read_samples(self._handle, url=io.redact(url), start_offset=self.next_offset)
+            self._samples = read_samples(self._handle, url=storage.redact(url), start_offset=self.next_offset)
         return True
 
     def _close(self) -> None:
@@ -605,7 +605,7 @@ def _fit(source: Source, budget: TokenBudget | Packed, counters: Counters, raw: 
         seq_len = getattr(budget, "seq_len", None)  # mixer.Packed rows
         limit = f"seq_len={seq_len}" if seq_len else f"max_tokens={budget.max_tokens}"
         how = "split_documents=True to split them, or max_length=... to truncate or drop them" if isinstance(budget, Packed) else "max_length=... to truncate or drop such samples"
-        raise SampleError(f"shard {io.redact(raw['__url__'])}, key {raw['__key__']!r}: length {n} exceeds {limit}; set {type(budget).__name__}({how})")
+        raise SampleError(f"shard {storage.redact(raw['__url__'])}, key {raw['__key__']!r}: length {n} exceeds {limit}; set {type(budget).__name__}({how})")
     if budget.overlong == "drop" or source.length is not None or isinstance(tokens, dict):
         counters.dropped += 1
         return None
@@ -619,7 +619,7 @@ def _skip_or_raise(source: Source, counters: Counters, raw: dict[str, Any], shar
         raise SampleError(f"source {source.name!r}: {exc}") from exc
     counters.skipped_samples += 1
     if warn_once is not None:
-        warn_once(shard, f"source {source.name!r}: skipping bad sample(s) in shard {io.redact(raw.get('__url__', '?'))}: {exc}")
+        warn_once(shard, f"source {source.name!r}: skipping bad sample(s) in shard {storage.redact(raw.get('__url__', '?'))}: {exc}")
 
 
 _where = operator.attrgetter("shard", "offset")
@@ -650,19 +650,19 @@ def reread(source: Source, budget: TokenBudget | Packed, wanted: Sequence[tuple[
         gap = _REREAD_GAP if codec_of(url) is None else 1 << 62
         for run in _runs(sorted(offsets), gap):
             start, last = run[0], run[-1]
-            with io.open_shard(url, start_offset=start, storage_options=source.storage_options, allow_pipe=source.allow_pipe, **source.io_options.open_kwargs()) as stream:
-                for raw in read_samples(stream, url=io.redact(url), start_offset=start, chunk_size=1 << 16):
+            with storage.open_shard(url, start_offset=start, storage_options=source.storage_options, allow_pipe=source.allow_pipe, **source.io_options.open_kwargs()) as stream:
+                for raw in read_samples(stream, url=storage.redact(url), start_offset=start, chunk_size=1 << 16):
                     off = raw["__offset__"]
                     if off in offsets:
                         sample = make_sample(source, budget, scratch, raw, shard)
                         if sample is None:
-                            raise StateError(f"source {source.name!r}: the sample at byte {off} of {io.redact(url)} no longer decodes as it did")
+                            raise StateError(f"source {source.name!r}: the sample at byte {off} of {storage.redact(url)} no longer decodes as it did")
                         out[(shard, off)] = sample
                     if off >= last:
                         break
         missing = offsets - {off for sh, off in out if sh == shard}
         if missing:
-            raise StateError(f"source {source.name!r}: no sample starts at byte(s) {sorted(missing)[:5]} of {io.redact(url)}: the shard changed since the state was saved")
+            raise StateError(f"source {source.name!r}: no sample starts at byte(s) {sorted(missing)[:5]} of {storage.redact(url)}: the shard changed since the state was saved")
     return out
 
 

@@ -28,8 +28,9 @@ from servers import FaultyHTTPServer, make_bucket, s3_server, s3_storage_options
 from shardutil import expected_tokens, key_lengths, lognormal_lengths, split_evenly, write_token_shards
 
 import mixer
-from mixer import io as mio
-from mixer.codecs import CodecError, DecompressingStream, codec_of
+from mixer import storage as mio
+from mixer.storage.filesystems import close_filesystems
+from mixer.storage.compressed import CodecError, DecompressingStream, codec_of
 from mixer.errors import ShardError
 from mixer.tario import TarDamage, read_samples
 
@@ -53,7 +54,7 @@ def plain(path: Path) -> list[dict[str, Any]]:
 def loopback() -> Iterator[None]:
     with servers.loopback_only(), servers.no_aws_config():
         yield
-    mio._close_filesystems()
+    close_filesystems()
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,7 @@ def root(tmp_path_factory: pytest.TempPathFactory, lengths: list[list[int]]) -> 
 def http(root: Path) -> Iterator[FaultyHTTPServer]:
     with FaultyHTTPServer(root) as server:
         yield server
-        mio._close_filesystems()
+        close_filesystems()
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +99,7 @@ def s3(root: Path) -> Iterator[dict[str, Any]]:
         files = {f"{p.parent.name}/{p.name}": p for sub in ("gz", "mixed") for p in sorted((root / sub).iterdir())}
         make_bucket(endpoint, "shards", files)  # type: ignore[arg-type]
         yield s3_storage_options(endpoint)
-        mio._close_filesystems()
+        close_filesystems()
 
 
 # ------------------------------------------------------------------------------------ names

@@ -21,7 +21,8 @@ import pytest
 import servers
 from servers import FaultyHTTPServer, make_bucket, s3_server, s3_storage_options
 
-from mixer import io as mio
+from mixer import storage as mio
+from mixer.storage.filesystems import close_filesystems
 from mixer.errors import ConfigError, ShardError
 
 SIZE = 300_007  # not a multiple of any block or chunk size used below
@@ -87,7 +88,7 @@ def http_server(root: Path) -> Iterator[FaultyHTTPServer]:
     before = {t.ident for t in threading.enumerate()}
     with FaultyHTTPServer(root) as server:
         yield server
-        mio._close_filesystems()
+        close_filesystems()
     assert not _new_threads(before), f"threads left running: {_new_threads(before)}"
 
 
@@ -128,7 +129,7 @@ def s3(aws_env: None, root: Path, files: dict[str, bytes]) -> Iterator[dict[str,
     with s3_server() as endpoint:
         make_bucket(endpoint, "shards", {k: v for k, v in files.items()})
         yield s3_storage_options(endpoint)
-        mio._close_filesystems()
+        close_filesystems()
     deadline = time.monotonic() + 5
     while True:  # moto's handler threads end once their (closed) connections are done
         if not _new_threads(before) or time.monotonic() > deadline:
@@ -143,7 +144,7 @@ def fake_s3_server(aws_env: None, root: Path) -> Iterator[FaultyHTTPServer]:
     style), so faults reach the real botocore/aiobotocore stack. The bucket is the folder ``data``."""
     with FaultyHTTPServer(root) as server:
         yield server
-        mio._close_filesystems()
+        close_filesystems()
 
 
 @pytest.fixture

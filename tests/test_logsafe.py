@@ -12,8 +12,9 @@ import pytest
 import servers
 from servers import FaultyHTTPServer, make_bucket, s3_server, s3_storage_options
 
-from mixer import io as mio
-from mixer import logsafe
+from mixer import storage as mio
+from mixer.storage.filesystems import close_filesystems
+from mixer.storage import logsafe
 
 SECRETS = ("PASSWORD9", "SIGSECRET9", "AKIAKEY9", "SESSIONTOKEN9", "SECRETKEY9")
 
@@ -22,7 +23,7 @@ SECRETS = ("PASSWORD9", "SIGSECRET9", "AKIAKEY9", "SESSIONTOKEN9", "SECRETKEY9")
 def guarded() -> Iterator[None]:
     with servers.loopback_only(), servers.no_aws_config():
         yield
-    mio._close_filesystems()
+    close_filesystems()
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def test_fsspec_http_debug_log_of_a_url_with_credentials(
 
         assert fsspec.filesystem("http", skip_instance_cache=True).cat(base + "a.tar" + query) == bytes(1024)
         port = http.port
-    mio._close_filesystems()
+    close_filesystems()
     fsspec_records = [r.getMessage() for r in caplog.records if r.name.startswith("fsspec")]
     # fsspec did log the URLs it fetched (else this test would prove nothing), without the secrets
     assert f"http://127.0.0.1:{port}/d/" in fsspec_records
@@ -75,7 +76,7 @@ def test_botocore_debug_log_of_signed_s3_requests(
         assert [u for u, _ in mio.expand_urls("s3://logs/d/", storage_options=options)] == ["s3://logs/d/a.tar"]
         with mio.open_shard("s3://logs/d/a.tar", storage_options=options) as stream:
             assert stream.read() == bytes(1024)
-        mio._close_filesystems()
+        close_filesystems()
     messages = [r.getMessage() for r in caplog.records if r.name.startswith("botocore")]
     # botocore logged the signatures, canonical requests and headers, each masked
     assert "Signature:\n***" in messages

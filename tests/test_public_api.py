@@ -51,7 +51,7 @@ def test_all_is_exactly_the_public_list():
 
 
 def test_every_public_name_is_exported_and_every_export_resolves():
-    # Submodules (mixer.io, mixer.world, ...) are reachable but not part of the flat API.
+    # Submodules (mixer.storage, mixer.world, ...) are reachable but not part of the flat API.
     public = {n for n in dir(mixer) if not n.startswith("_") and not isinstance(getattr(mixer, n), types.ModuleType)}
     assert public == set(mixer.__all__)
     for name in mixer.__all__:

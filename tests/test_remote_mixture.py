@@ -35,7 +35,8 @@ from servers import FaultyHTTPServer, loopback_only, make_bucket, no_aws_config,
 from shardutil import expected_tokens, token_key, write_token_shards
 
 import mixer
-from mixer import io as mio
+from mixer import storage as mio
+from mixer.storage.filesystems import close_filesystems
 from mixer.errors import ConfigError, SampleError, ShardError
 
 SHARDS = 4
@@ -62,7 +63,7 @@ class Member(NamedTuple):
 def guarded() -> Iterator[None]:
     with loopback_only(), no_aws_config():
         yield
-    mio._close_filesystems()
+    close_filesystems()
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +97,7 @@ def everything(layout: dict[int, list[Member]]) -> set[str]:
 def server(root: Path) -> Iterator[FaultyHTTPServer]:
     with FaultyHTTPServer(root) as s:
         yield s
-        mio._close_filesystems()
+        close_filesystems()
 
 
 @pytest.fixture
@@ -308,7 +309,7 @@ def moto(root: Path) -> Iterator[dict[str, Any]]:
         files = {p.name: p for p in sorted((root / "bucket").glob("*.tar"))}
         make_bucket(endpoint, "bucket", files)  # type: ignore[arg-type]
         yield {"endpoint": endpoint, "options": s3_storage_options(endpoint), "files": files}
-        mio._close_filesystems()
+        close_filesystems()
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the skips are counted; their warnings are tested above

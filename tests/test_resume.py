@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import mixer
-from mixer.select import Deficit, RandomPick, RoundRobin
+from mixer.selector import Deficit, RandomPick, RoundRobin
 from resume_oracle import assert_resumes_exactly, batch_view, take
 import shardutil
 from shardutil import LogNormal

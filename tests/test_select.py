@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from mixer.select import Deficit, RandomPick, RoundRobin
+from mixer.selector import Deficit, RandomPick, RoundRobin
 
 
 def run(selector, probs, amounts, steps):

@@ -19,13 +19,13 @@ once, from its start to its last buffered sample.
 
 from __future__ import annotations
 
-import io
 import lzma
 import re
 import zlib
-from typing import Any, BinaryIO, Protocol
+from typing import BinaryIO, Protocol
 
-from .errors import ConfigError, ShardError
+from ..errors import ConfigError, ShardError
+from .streams import ForwardStream
 
 __all__ = ["SHARD_SUFFIXES", "CodecError", "DecompressingStream", "codec_of", "is_shard_name"]
 
@@ -103,7 +103,7 @@ def _new(codec: str) -> _Decompressor:
     return _Gzip() if codec == "gzip" else lzma.LZMADecompressor(format=lzma.FORMAT_XZ)
 
 
-class DecompressingStream(io.BufferedIOBase):
+class DecompressingStream(ForwardStream):
     """The uncompressed bytes of a compressed shard stream, from ``start_offset`` (an offset into the
     uncompressed tar) on: the compressed stream ``raw`` must start at its first byte, and the bytes
     before ``start_offset`` are decompressed and dropped on the first read (see the module docstring).
@@ -146,12 +146,6 @@ class DecompressingStream(io.BufferedIOBase):
     def ratio(self) -> float:
         return self._in / self._pos if self._pos else 1.0
 
-    def readable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
     def read(self, size: int | None = -1) -> bytes:
         if self.closed:
             raise ValueError("I/O operation on closed stream")
@@ -167,17 +161,9 @@ class DecompressingStream(io.BufferedIOBase):
     def read1(self, size: int = -1) -> bytes:
         return self.read(size if size is not None and size >= 0 else self._read_size)
 
-    def readinto(self, b: Any) -> int:
-        view = memoryview(b).cast("B")
-        data = self.read(len(view))
-        view[: len(data)] = data
-        return len(data)
-
-    def close(self) -> None:
-        if not self.closed:
-            self._raw.close()
-            self._pending = b""
-        super().close()
+    def _release(self) -> None:
+        self._raw.close()
+        self._pending = b""
 
     def __repr__(self) -> str:
         return f"<DecompressingStream {self.codec} of {self.url} at byte {self._pos}>"

@@ -26,6 +26,8 @@ import re
 import threading
 from typing import Any
 
+from .urls import redact
+
 __all__ = ["LIBRARIES", "install", "scrub"]
 
 #: Top-level logger names whose records are scrubbed (the libraries mixer's I/O layer drives, and
@@ -51,10 +53,8 @@ _installed = False
 
 
 def scrub(text: str) -> str:
-    """`text` without URL credentials, query strings and fragments (`mixer.io.redact`), and with the
+    """`text` without URL credentials, query strings and fragments (`mixer.storage.redact`), and with the
     values of credential-like fields (signatures, tokens, secrets, passwords, Authorization) masked."""
-    from .io import redact  # (io imports this module)
-
     text = redact(text)
     text = _AUTHORIZATION.sub(lambda m: m.group(1) + _MASK, text)
     return _FIELD.sub(lambda m: m.group(1) + m.group(2) + _MASK, text)

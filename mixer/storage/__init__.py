@@ -1,0 +1,26 @@
+"""Storage: shard URLs as byte streams. Local paths, ``file://``, ``s3://``, ``http(s)://`` and other
+installed fsspec protocols; listing and expanding shard patterns; redacting URLs for messages.
+
+One concern per module, from the bottom up:
+
+* `urls`: schemes, validation at the door (`check_url`), redaction (`redact`).
+* `faults`: transient or permanent, and the one retry loop (backoff with jitter).
+* `options`: `IOOptions`, how a source reads its remote shards.
+* `filesystems`: the fsspec filesystems remote shards are read through.
+* `listing`: `expand_urls`, the shards of a pattern, folder or prefix.
+* `streams`, `remote`, `pump`, `backends`: `RemoteStream`, which resumes at the byte after a fault;
+  the async pump that reads a response ahead; HTTP, S3, other fsspec protocols and ``pipe:``.
+* `compressed`: ``.tar.gz`` / ``.tgz`` / ``.tar.xz`` shards, decompressed as they stream.
+* `shard`: `open_shard` and `ReadAhead`, what the readers call.
+* `logsafe`: secrets out of the DEBUG logs of the libraries underneath.
+
+fsspec, s3fs and aiohttp are optional (the ``s3`` / ``http`` extras) and imported only when needed.
+"""
+
+from .compressed import codec_of
+from .listing import expand_urls
+from .options import IOOptions
+from .shard import ReadAhead, open_shard
+from .urls import check_url, redact
+
+__all__ = ["IOOptions", "ReadAhead", "check_url", "codec_of", "expand_urls", "open_shard", "redact"]

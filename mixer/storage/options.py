@@ -1,0 +1,76 @@
+"""`IOOptions`: how a source reads its remote shards (timeouts, retries, backoff, block size, read-ahead)."""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ConfigError
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "IO_OPTIONS", "IOOptions"]
+
+DEFAULT_BLOCK_SIZE = 1 << 20
+"""Bytes asked of the network per read call; also the read-ahead an open HTTP stream buffers."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class IOOptions:
+    """How a source reads its remote shards (local files ignore these options).
+
+    ``timeout`` (default 60): seconds a request may wait for an answer, and a response for its next
+    byte, before the attempt counts as a (transient) failure. ``retries`` (default 5): transient
+    faults in a row, without a byte of progress in between, before the shard fails. ``backoff``
+    (default 0.5): the first retry waits about this many seconds, doubling each time (with jitter,
+    at most 30 s). ``block_size`` (default 1 MiB): bytes asked of the network per read; each open
+    stream buffers up to about 3 x ``block_size``. ``read_ahead`` (default 2): how many of the
+    reader's next shards start downloading while it reads the current one (see `ReadAhead`); 0
+    turns read-ahead off.
+    """
+
+    timeout: float = 60.0
+    retries: int = 5
+    backoff: float = 0.5
+    block_size: int = DEFAULT_BLOCK_SIZE
+    read_ahead: int = 2
+
+    def __post_init__(self) -> None:
+        for name, lo, strict, integer in (
+            ("timeout", 0.0, True, False),
+            ("retries", 0, False, True),
+            ("backoff", 0.0, False, False),
+            ("block_size", 1, False, True),
+            ("read_ahead", 0, False, True),
+        ):
+            value = getattr(self, name)
+            kind = int if integer else (int, float)
+            ok = isinstance(value, kind) and not isinstance(value, bool) and math.isfinite(value)
+            if not ok or value < lo or (strict and value == lo):
+                what = "an integer" if integer else "a number"
+                raise ConfigError(f"io_options: {name} must be {what} {'>' if strict else '>='} {lo:g} (got {value!r})")
+
+    @classmethod
+    def of(cls, value: IOOptions | Mapping[str, Any] | None) -> IOOptions:
+        """``value`` itself, the options a mapping names (unknown keys are a `ConfigError` with a
+        hint), or the defaults for None."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"io_options: must be a mapping of {', '.join(IO_OPTIONS)} (got {value!r})")
+        for key in value:
+            if key not in IO_OPTIONS:
+                close = difflib.get_close_matches(str(key), IO_OPTIONS, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(IO_OPTIONS)}"
+                raise ConfigError(f"io_options: unknown key {key!r}{hint}")
+        return cls(**value)
+
+    def open_kwargs(self) -> dict[str, Any]:
+        """The keywords of `open_shard` these options set."""
+        return {"timeout": self.timeout, "retries": self.retries, "backoff": self.backoff, "block_size": self.block_size}
+
+
+IO_OPTIONS = ("timeout", "retries", "backoff", "block_size", "read_ahead")

@@ -1,0 +1,194 @@
+"""Opening one shard: `open_shard` (any URL, at a byte offset, decompressed where the name says so)
+and `ReadAhead` (one reader's shards in turn, the next ones already downloading)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any, BinaryIO, cast
+
+from ..errors import ConfigError, MixerError, ShardError
+from .backends import PUMPED, PipeStream, remote_for
+from .compressed import DecompressingStream, codec_of
+from .filesystems import filesystem
+from .options import DEFAULT_BLOCK_SIZE, IOOptions
+from .remote import RemoteStream
+from .urls import check_url, is_local, local_path, redact, scheme_of
+
+__all__ = ["ReadAhead", "open_shard"]
+
+
+def open_shard(
+    url: str,
+    *,
+    start_offset: int = 0,
+    storage_options: dict[str, Any] | None = None,
+    timeout: float = 60.0,
+    retries: int = 5,
+    backoff: float = 0.5,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    allow_pipe: bool = False,
+) -> BinaryIO:
+    """A readable binary stream of the shard at ``url``, positioned at ``start_offset``.
+
+    Local paths and ``file://`` give a plain buffered file (with ``retries = 0``). Remote URLs give a
+    `RemoteStream`: resumable, with a timeout on every open and read, and retries of transient faults
+    from the exact byte where the stream broke (see there). The stream is opened eagerly, so a missing
+    or forbidden shard raises `ShardError` here. ``pipe:`` commands need ``allow_pipe=True``.
+
+    A compressed shard (``.tar.gz``, ``.tgz``, ``.tar.xz``) gives a `mixer.storage.compressed.DecompressingStream`:
+    ``start_offset`` is then an offset into the uncompressed tar, reached by reading the shard from its
+    start and dropping what comes before (see `mixer.storage.compressed` for what that costs).
+    """
+    codec = codec_of(url)
+    stream = _new_stream(
+        url,
+        start_offset=0 if codec else start_offset,
+        storage_options=storage_options,
+        timeout=timeout,
+        retries=retries,
+        backoff=backoff,
+        block_size=block_size,
+        allow_pipe=allow_pipe,
+    )
+    if isinstance(stream, RemoteStream):
+        stream.open_body()
+    return _decoded(stream, url, codec, start_offset)
+
+
+def _decoded(stream: BinaryIO, url: str, codec: str | None, start_offset: int) -> BinaryIO:
+    """``stream`` itself, or for a compressed shard its uncompressed bytes from ``start_offset``."""
+    if codec is None:
+        return stream
+    if start_offset < 0:
+        stream.close()
+        raise ConfigError(f"{redact(url)}: start_offset must be >= 0 (got {start_offset})")
+    return cast(BinaryIO, DecompressingStream(stream, url=redact(url), codec=codec, start_offset=start_offset))
+
+
+def _new_stream(
+    url: str,
+    *,
+    start_offset: int,
+    storage_options: dict[str, Any] | None,
+    timeout: float,
+    retries: int,
+    backoff: float,
+    block_size: int,
+    allow_pipe: bool,
+) -> BinaryIO:
+    """`open_shard` up to, not including, the first request of a remote shard (local files and pipes
+    are opened)."""
+    if start_offset < 0:
+        raise ConfigError(f"{redact(url)}: start_offset must be >= 0 (got {start_offset})")
+    if block_size < 1:
+        raise ConfigError(f"block_size must be >= 1 (got {block_size})")
+    if timeout <= 0 or retries < 0 or backoff < 0:
+        raise ConfigError(f"need timeout > 0, retries >= 0 and backoff >= 0 (got {timeout}, {retries}, {backoff})")
+    check_url(url, allow_pipe=allow_pipe)
+    scheme = scheme_of(url)
+    if scheme == "pipe":
+        if start_offset:
+            raise ConfigError(f"{redact(url)}: a pipe: stream cannot start at an offset")
+        return cast(BinaryIO, PipeStream(url))
+    if is_local(scheme):
+        return _open_local(local_path(url), start_offset)
+    assert scheme is not None
+    remote = remote_for(scheme, filesystem(scheme, storage_options, timeout), url, timeout, block_size)
+    stream = RemoteStream(
+        url, remote, start_offset=start_offset, retries=retries, backoff=backoff, block_size=block_size
+    )
+    return cast(BinaryIO, stream)
+
+
+class ReadAhead:
+    """Opens one reader's shards one after another, with the next ``options.read_ahead`` remote
+    shards already downloading while the current one is read: several shards of one reader are
+    open at once, so the latency of each request and the first ``block_size`` bytes of each body
+    overlap with the decoding of the shard before.
+
+    ``open(url, start_offset, upcoming)`` returns the shard's stream exactly as `open_shard` would
+    (raising what it would: a shard begun ahead that turned out missing is a `ShardError` here, at
+    its turn, under its retry policy and the caller's error policy), using the download begun ahead
+    when it starts at that offset; then it begins the first ``read_ahead`` of ``upcoming`` (the URLs
+    that follow, consumed lazily) and drops begun downloads no longer among them. Memory stays
+    bounded: a shard begun ahead holds at most about 3 x ``block_size`` bytes until it is opened
+    (its response then waits, flow-controlled). Local files and pipes are opened on demand. A
+    `ShardError` from a remote open carries ``retries``, the retries made before it gave up.
+    Not thread-safe; ``close()`` drops every download begun ahead (the streams handed out are the
+    caller's to close).
+    """
+
+    def __init__(
+        self,
+        *,
+        options: IOOptions | Mapping[str, Any] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        allow_pipe: bool = False,
+    ) -> None:
+        self.options = IOOptions.of(options)
+        self._kwargs: dict[str, Any] = {
+            "storage_options": storage_options,
+            "allow_pipe": allow_pipe,
+            **self.options.open_kwargs(),
+        }
+        self._begun: dict[str, RemoteStream] = {}
+
+    def open(self, url: str, start_offset: int = 0, upcoming: Iterable[str] = ()) -> BinaryIO:
+        codec = codec_of(url)  # a compressed shard is always read from its first byte
+        stream = self._begun.pop(url, None)
+        if stream is not None and start_offset != 0 and codec is None:
+            stream.close()
+            stream = None
+        if stream is None:
+            stream = cast(RemoteStream, _new_stream(url, start_offset=0 if codec else start_offset, **self._kwargs))
+        nxt = [u for u in itertools.islice(upcoming, self.options.read_ahead) if u != url]
+        for u in [u for u in self._begun if u not in nxt]:
+            self._begun.pop(u).close()
+        try:
+            if isinstance(stream, RemoteStream):
+                stream.open_body()
+        except ShardError as exc:
+            exc.retries = stream.retries  # type: ignore[attr-defined]
+            raise
+        finally:
+            # Only now: the shard needed first gets its answer before the ones after it compete.
+            for u in nxt:
+                if u not in self._begun and scheme_of(u) in PUMPED:
+                    self._begin(u)
+        return _decoded(cast(BinaryIO, stream), url, codec, start_offset)
+
+    def _begin(self, url: str) -> None:
+        try:
+            stream = cast(RemoteStream, _new_stream(url, start_offset=0, **self._kwargs))
+        except MixerError:
+            return  # open() raises it again, at this shard's turn
+        stream.begin()
+        self._begun[url] = stream
+
+    def close(self) -> None:
+        begun, self._begun = self._begun, {}
+        for stream in begun.values():
+            stream.close()
+
+    def __repr__(self) -> str:
+        return f"<ReadAhead {len(self._begun)} begun: {[redact(u) for u in self._begun]}>"
+
+
+def _open_local(path: str, start_offset: int) -> BinaryIO:
+    try:
+        f = open(path, "rb")  # noqa: SIM115 (the caller closes it)
+    except OSError as exc:
+        raise ShardError(f"cannot open shard {path!r}: {exc.strerror or exc}") from exc
+    try:
+        if start_offset:
+            size = os.fstat(f.fileno()).st_size
+            if start_offset > size:
+                raise ShardError(f"shard {path!r}: start_offset {start_offset} is past its end ({size} bytes)")
+            f.seek(start_offset)
+        f.retries = 0  # type: ignore[attr-defined]  # the same counter a remote stream has
+    except BaseException:
+        f.close()
+        raise
+    return f

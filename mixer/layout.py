@@ -36,7 +36,7 @@ from .errors import ConfigError, MixerError, SampleError, StateError
 if TYPE_CHECKING:
     from .bucket import TokenBudget
     from .mixture import Mixture
-    from .source import Counters
+    from .stream import Counters
 
 T = TypeVar("T")
 

@@ -23,7 +23,9 @@ from .decode import Sample
 from .errors import ConfigError
 from .schedule import Schedule, SourceInfo, Static, check_schedule
 from .select import SELECTORS, make_selector
-from .source import Counters, Profile, Source, SourceStream, profile, reread
+from .profile import Profile, profile
+from .source import Source
+from .stream import Counters, SourceStream, reread
 from .transport import SlotPool
 from .world import World, resolve_rank, worker_place
 

@@ -5,10 +5,11 @@ The distribution is named ``wds-mixer`` on PyPI; the import package is ``mixer``
 
 from .audio import SpeechDecode
 from .batch import Batch
-from .bucket import TokenBudget, bucket_edges
+from .bucket import bucket_edges
+from .budget import Field, Packed, TokenBudget
 from .device import to_device
 from .errors import ConfigError, MixerError, SampleError, ShardError, StateError
-from .layout import Field, FieldBatch, Packed, PackedBatch
+from .layout import FieldBatch, PackedBatch
 from .loader import Loader, make_loader
 from .mixture import Mixture
 from .config import MixtureSpec, build_mixture, load_config, parse_config

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from .batch import Batch
-from .bucket import TokenBudget
+from .budget import TokenBudget
 from .config import MixtureSpec, build_mixture, parse_config
 from .errors import ConfigError, MixerError
 from .loader import Loader, make_loader
@@ -103,7 +103,7 @@ def _demo(args: argparse.Namespace) -> int:
     patterns = ensure_demo_shards(args.cache_dir)
     sources = [Source(name, patterns[name], weight=DEMO_WEIGHTS[name]) for name in DEMO_WEIGHTS]
     mixture = Mixture(sources, batching=TokenBudget(max_tokens=args.max_tokens, max_length=args.max_tokens), seed=args.seed)
-    print(f"demo sources: {', '.join(f'{s.name} ({len(s.shards)} shards)' for s in sources)}")
+    print(f"demo sources: {', '.join(f'{s.name} ({len(s.shards)} shards)' for s in mixture.listed)}")
     print("source sizes (tokens, estimated up front): " + ", ".join(f"{k}={v:,.0f}" for k, v in mixture.sizes.items()))
     return _run_mixture(mixture, args, "demo")
 

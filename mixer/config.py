@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import yaml
 
+from .budget import FIELD_DTYPES, RESERVED_FIELDS
 from .errors import ConfigError
 from .io import IOOptions
 from .schedule import Curriculum, Floored, Hierarchical, Phase, Schedule, Static, Temperature, Weights
@@ -81,8 +82,6 @@ UNITS = ("tokens", "samples")
 MIXES = ("batch", "sample")
 STOPS = ("never", "first_exhausted", "all_exhausted")
 DTYPES = ("int32", "int64")  # mixer.batch's token dtypes
-FIELD_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "float16", "float32", "float64")  # mixer.layout's
-RESERVED_FIELDS = ("source", "lengths")  # views every multi-field batch has (as has <field>_lengths)
 ON_ERROR = ("raise", "skip")
 OVERLONG = ("truncate", "drop")
 SHAPES = ("constant", "linear", "cosine", "step")
@@ -855,8 +854,7 @@ def build_mixture(spec: MixtureSpec, *, rank: int | None = None, world_size: int
     """Create the sources (listing their shards) and the :class:`~mixer.Mixture` of ``spec``.
     ``rank``/``world_size``/``dp_group`` are deployment, not configuration; see ``Mixture``.
     ``allow_pipe=True`` lets every source use ``pipe:`` URLs (shell commands): code only, never a file."""
-    from .bucket import TokenBudget
-    from .layout import Field, Packed
+    from .budget import Field, Packed, TokenBudget
     from .mixture import Mixture
     from .source import Source
 
@@ -887,7 +885,7 @@ def build_mixture(spec: MixtureSpec, *, rank: int | None = None, world_size: int
             max_tokens=b.max_tokens, buckets=b.buckets, max_batch_size=b.max_batch_size, multiple_of=b.multiple_of,
             max_length=b.max_length, overlong=b.overlong, max_wait=b.max_wait, **extra,  # type: ignore[arg-type]
         )  # fmt: skip
-    fields = {name: Field(f.dtype, f.pad) for name, f in spec.fields.items()} if spec.fields is not None else None
+    fields = {name: Field(f.dtype, pad=f.pad) for name, f in spec.fields.items()} if spec.fields is not None else None
     return Mixture(
         sources, batching=batching, schedule=spec.schedule, selector=spec.selector, unit=spec.unit,  # type: ignore[arg-type]
         mix=spec.mix, stop=spec.stop, seed=spec.seed, shuffle_buffer=spec.shuffle_buffer,  # type: ignore[arg-type]

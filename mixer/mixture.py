@@ -17,14 +17,16 @@ import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
 from .batch import _DTYPES, Batch, collate
-from .bucket import TokenBudget, bucket_edges
-from .layout import Field, Level2, Packed, count, level2, make_layout, unpair
+from .bucket import bucket_edges
+from .budget import Field, Packed, TokenBudget
+from .layout import Level2, count, level2, make_layout, unpair
 from .decode import Sample
-from .errors import ConfigError
+from . import io
+from .errors import ConfigError, MixerError
 from .schedule import Schedule, SourceInfo, Static, check_schedule
 from .select import SELECTORS, make_selector
 from .profile import Profile, profile
-from .source import Source
+from .source import ListedSource, Source
 from .stream import Counters, SourceStream, reread
 from .transport import SlotPool
 from .world import World, resolve_rank, worker_place
@@ -38,6 +40,15 @@ Unit = Literal["tokens", "samples"]
 MixMode = Literal["batch", "sample"]
 Stop = Literal["never", "first_exhausted", "all_exhausted"]
 STOPS = ("never", "first_exhausted", "all_exhausted")
+
+
+def list_source(source: Source) -> ListedSource:
+    """List a source's shards, sorted: the I/O of building a mixture, done once in the main process."""
+    try:
+        listed = io.expand_urls(list(source.urls), storage_options=dict(source.storage_options or {}))
+    except MixerError as exc:
+        raise type(exc)(f"source {source.name!r}: {exc}") from exc
+    return ListedSource(source, tuple(url for url, _ in listed), tuple(nbytes for _, nbytes in listed))
 
 
 class Mixture(IterableDataset[Batch]):
@@ -130,7 +141,8 @@ class Mixture(IterableDataset[Batch]):
 
         # Judges every sample it reads as the readers do: too long for the budget is a SampleError
         # naming shard and key, raised or skipped by the source's on_error, as mid-stream.
-        self.profiles: list[Profile] = [profile(s, batching) for s in sources]
+        self.listed: list[ListedSource] = [list_source(s) for s in sources]  # the only listing of shards
+        self.profiles: list[Profile] = [profile(s, batching) for s in self.listed]
         self.info = SourceInfo(
             names=tuple(names),
             weights=np.array([s.weight for s in sources], dtype=np.float64),
@@ -195,7 +207,7 @@ class Mixture(IterableDataset[Batch]):
             worker = (worker + resume["shift"]) % num_workers
         world = World(rank=self.rank, world_size=self.world_size, worker=worker, num_workers=num_workers)
         if world.reader == 0:
-            for s in self.sources:
+            for s in self.listed:
                 if len(s.shards) < world.readers:
                     log.warning(
                         "source %r has %d shard(s) for %d readers: readers share shards and each reads every byte of "
@@ -235,7 +247,7 @@ class Reader:
                 s, world, seed=mixture.seed, budget=budget, shuffle_buffer=mixture.shuffle_buffer,
                 finite=finite, counters=self.counters[i],
             )
-            for i, s in enumerate(mixture.sources)
+            for i, s in enumerate(mixture.listed)
         ]
         # Items are Samples (mix="batch": one level 2 per source) or (source, Sample) pairs
         # (mix="sample": one shared level 2, repeated per source); use sites name the item type.
@@ -359,7 +371,7 @@ class Reader:
                         wanted[item[0]].add((item[1], item[2]))
                     else:
                         wanted[i].add((item[0], item[1]))
-        samples = [reread(src, self.mixture.batching, sorted(w)) for src, w in zip(self.mixture.sources, wanted)]
+        samples = [reread(src, self.mixture.batching, sorted(w)) for src, w in zip(self.mixture.listed, wanted)]
         for st, saved, found in zip(self.streams, state["streams"], samples):
             st.load_state_dict(saved, found)
         if shared:

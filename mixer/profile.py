@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 from . import io
 from ._warn import warn
-from .bucket import TokenBudget
+from .budget import TokenBudget
 from .errors import SampleError, ShardError
-from .layout import Packed
-from .source import Source
+from .budget import Packed
+from .source import ListedSource
 from .stream import Counters, _decoded, _fit, _skip_or_raise
 from .tario import read_samples
 
@@ -34,7 +34,7 @@ class Profile:
     skipped: int = 0
 
 
-def profile(source: Source, budget: TokenBudget | Packed, *, max_samples: int = 2048, max_shards: int = 3) -> Profile:
+def profile(listed: ListedSource, budget: TokenBudget | Packed, *, max_samples: int = 2048, max_shards: int = 3) -> Profile:
     """Read up to ``max_samples`` samples from up to ``max_shards`` shards spread over the sorted
     list. Runs once in the main process; the result travels to every reader with the mixture.
 
@@ -42,7 +42,8 @@ def profile(source: Source, budget: TokenBudget | Packed, *, max_samples: int = 
     for ``budget`` and ``on_error``): a sample too long for the budget is the same error naming
     source, shard and key, raised or skipped (and counted in ``skipped``) by the source's policy.
     The lengths recorded are those decoded, before truncation, so the size counts source tokens."""
-    n = len(source.shards)
+    source, shards = listed.source, listed.shards
+    n = len(shards)
     picks = sorted({round(i * (n - 1) / max(max_shards - 1, 1)) for i in range(min(max_shards, n))})
     per_shard = max(1, max_samples // len(picks))
     lengths: list[int] = []
@@ -57,13 +58,13 @@ def profile(source: Source, budget: TokenBudget | Packed, *, max_samples: int = 
     nbytes = 0
     told: list[int] = []  # shard sizes the servers gave while we read (remote shards listed without sizes)
     for shard in picks:
-        url = source.shards[shard]
+        url = shards[shard]
         start = None
         end = 0
         got: list[int] = []
         stream = None
         try:
-            with io.open_shard(url, storage_options=source.storage_options, allow_pipe=source.allow_pipe, **source.io_options.open_kwargs()) as stream:
+            with io.open_shard(url, storage_options=dict(source.storage_options or {}), allow_pipe=source.allow_pipe, **io.IOOptions.of(source.io_options).open_kwargs()) as stream:
                 for i, raw in enumerate(read_samples(stream, url=io.redact(url))):
                     if i >= per_shard:
                         break
@@ -94,14 +95,14 @@ def profile(source: Source, budget: TokenBudget | Packed, *, max_samples: int = 
     skipped = scratch.skipped_samples
     if not lengths:
         also = f" ({skipped} skipped as bad)" if skipped else ""
-        raise ShardError(f"source {source.name!r}: no samples found in shards {[io.redact(source.shards[p]) for p in picks]}{also}")
+        raise ShardError(f"source {source.name!r}: no samples found in shards {[io.redact(shards[p]) for p in picks]}{also}")
     if skipped:
         log.warning("source %r: profiling skipped %d bad sample(s) of %d read (on_error='skip')", source.name, skipped, len(lengths) + skipped)
     arr = np.asarray(lengths, dtype=np.int64)
     tpb = float(arr.sum()) / max(nbytes, 1)
     if source.size is not None:
         return Profile(arr, tpb, source.size, False, skipped)
-    known = [b for b in source.shard_bytes if b is not None]
+    known = [b for b in listed.shard_bytes if b is not None]
     if len(known) < n:
         pool: list[float] = [*known, *told] or [nbytes / len(picks)]
         mean = sum(pool) / len(pool)

@@ -1,23 +1,26 @@
 """``Source``: one stream of samples as configured (its shard patterns and how to read them).
 
-A source's shards are listed once, in the main process, sorted; every reader then derives its part
-of each source-epoch from :func:`mixer.shards.plan` without talking to the others.
+Configuration only: constructing a ``Source`` checks it and touches no data. Its shards are listed
+when a :class:`~mixer.Mixture` is built (once, in the main process, sorted: :class:`ListedSource`);
+every reader then derives its part of each source-epoch from :func:`mixer.shards.plan` without
+talking to the others.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, Literal
 
-from . import io
-from .errors import ConfigError, MixerError
+from . import _check, io
+from .errors import ConfigError
 
 OnError = Literal["raise", "skip"]
 Decode = Callable[[dict[str, Any]], Any]  # a 1-D int array, a mapping of named 1-D arrays, or None
 Length = Callable[[dict[str, Any]], int] | str
 
 
+@dataclass(frozen=True)
 class Source:
     """One stream of samples: a set of WebDataset shards and how to read them.
 
@@ -37,58 +40,68 @@ class Source:
     ``io_options`` (a mapping or :class:`mixer.io.IOOptions`: ``timeout``, ``retries``, ``backoff``,
     ``block_size``, ``read_ahead``) set how remote shards are read. ``allow_pipe=True`` accepts
     ``pipe:`` URLs (shell commands): only code can pass it, a config file cannot.
+
+    Frozen and I/O-free: ``urls`` is kept as a tuple of patterns, ``io_options`` as an
+    :class:`~mixer.io.IOOptions`; the shards are listed by the mixture (:class:`ListedSource`).
     """
 
-    def __init__(
-        self,
-        name: str,
-        urls: str | Sequence[str],
-        *,
-        weight: float = 1.0,
-        size: float | None = None,
-        decode: Decode | None = None,
-        length: Length | None = None,
-        on_error: OnError = "raise",
-        storage_options: Mapping[str, Any] | None = None,
-        group: str | None = None,
-        allow_pipe: bool = False,
-        io_options: Mapping[str, Any] | io.IOOptions | None = None,
-    ) -> None:
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"source name must be a non-empty string (got {name!r})")
-        where = f"source {name!r}"
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
-            raise ConfigError(f"{where}: weight must be a finite number >= 0 (got {weight!r})")
-        if size is not None and (isinstance(size, bool) or not isinstance(size, (int, float)) or not math.isfinite(size) or size <= 0):
-            raise ConfigError(f"{where}: size must be a positive number of tokens or None (got {size!r})")
-        if on_error not in ("raise", "skip"):
-            raise ConfigError(f"{where}: on_error must be 'raise' or 'skip' (got {on_error!r})")
-        if decode is not None and not callable(decode):
-            raise ConfigError(f"{where}: decode must be callable (got {decode!r})")
-        if length is not None and not callable(length) and not (isinstance(length, str) and length):
-            raise ConfigError(f"{where}: length must be callable or the name of a decoded field (got {length!r})")
-        patterns = [urls] if isinstance(urls, str) else list(urls)
-        if not patterns or not all(isinstance(p, str) and p for p in patterns):
-            raise ConfigError(f"{where}: urls must be a non-empty pattern or list of patterns (got {urls!r})")
-        self.name = name
-        self.urls = patterns
-        self.weight = float(weight)
-        self.size = None if size is None else float(size)
-        self.decode = decode
-        self.length = length
-        self.on_error: OnError = on_error
-        self.storage_options = dict(storage_options or {})
-        self.group = group
-        self.allow_pipe = bool(allow_pipe)
-        try:
-            self.io_options = io.IOOptions.of(io_options)
-            for p in patterns:
-                io.check_url(p, allow_pipe=allow_pipe)
-            listed = io.expand_urls(patterns, storage_options=self.storage_options)
-        except MixerError as exc:
-            raise type(exc)(f"{where}: {exc}") from exc
-        self.shards: tuple[str, ...] = tuple(url for url, _ in listed)
-        self.shard_bytes: tuple[int | None, ...] = tuple(nbytes for _, nbytes in listed)
+    name: str
+    urls: str | Sequence[str]
+    _: KW_ONLY
+    weight: float = 1.0
+    size: float | None = None
+    decode: Decode | None = None
+    length: Length | None = None
+    on_error: OnError = "raise"
+    storage_options: Mapping[str, Any] | None = None
+    group: str | None = None
+    allow_pipe: bool = False
+    io_options: Mapping[str, Any] | io.IOOptions | None = None
 
-    def __repr__(self) -> str:
-        return f"Source({self.name!r}, {len(self.shards)} shards, weight={self.weight})"
+    def __post_init__(self) -> None:
+        _check.string(self.name, "Source.name")
+        w = f"Source({self.name!r})"
+        urls = self.urls
+        if isinstance(urls, str):
+            urls = (_check.string(urls, f"{w}.urls"),)
+        elif isinstance(urls, Sequence) and urls:
+            urls = tuple(_check.string(u, _check.at(f"{w}.urls", i)) for i, u in enumerate(urls))
+        else:
+            _check.fail(f"{w}.urls", f"must be a pattern or a non-empty list of patterns, got {_check.show(urls)}")
+        _set(self, "urls", urls)
+        _set(self, "weight", float(_check.number(self.weight, f"{w}.weight", minimum=0)))
+        _set(self, "size", _check.optional(self.size, lambda v, p: float(_check.number(v, p, minimum=0, strict=True)), f"{w}.size"))
+        _check.optional(self.decode, _check.callable_, f"{w}.decode")
+        if self.length is not None and not callable(self.length) and not (isinstance(self.length, str) and self.length.isidentifier()):
+            _check.fail(f"{w}.length", f"must be callable or the name of a decoded field, got {_check.show(self.length)}")
+        _check.choice(self.on_error, f"{w}.on_error", ("raise", "skip"))
+        _set(self, "storage_options", dict(_check.mapping(self.storage_options, f"{w}.storage_options")) if self.storage_options is not None else {})
+        _check.optional(self.group, _check.string, f"{w}.group")
+        _check.boolean(self.allow_pipe, f"{w}.allow_pipe")
+        try:
+            _set(self, "io_options", io.IOOptions.of(self.io_options))
+        except ConfigError as exc:  # IOOptions says "io_options: <rule>"
+            raise ConfigError(f"{w}.io_options: {str(exc).removeprefix('io_options: ')}") from None
+        for i, url in enumerate(urls):
+            try:
+                io.check_url(url, allow_pipe=self.allow_pipe)
+            except ConfigError as exc:
+                raise ConfigError(f"{_check.at(f'{w}.urls', i)}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class ListedSource:
+    """A source with its shards listed (sorted; byte sizes where the listing gave them), as the
+    mixture lists it once in the main process and hands it to every reader."""
+
+    source: Source
+    shards: tuple[str, ...]
+    shard_bytes: tuple[int | None, ...]
+
+    @property
+    def name(self) -> str:
+        return self.source.name
+
+
+def _set(obj: Any, name: str, value: Any) -> None:
+    object.__setattr__(obj, name, value)  # a frozen dataclass normalising its own field

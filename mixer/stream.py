@@ -16,12 +16,13 @@ import numpy as np
 from . import io
 from ._warn import warn
 from .codecs import codec_of
-from .bucket import TokenBudget
+from .budget import TokenBudget
 from .decode import Sample, default_tokens
-from .layout import Packed, decoded_fields, field_length
+from .budget import Packed
+from .layout import decoded_fields, field_length
 from .errors import SampleError, ShardError, StateError
 from .shards import ShardSlice, plan
-from .source import Source
+from .source import ListedSource, Source
 from .tario import read_samples
 from .world import World, seed_for
 
@@ -113,7 +114,7 @@ class SourceStream:
 
     def __init__(
         self,
-        source: Source,
+        source: ListedSource,
         world: World,
         *,
         seed: int,
@@ -122,7 +123,8 @@ class SourceStream:
         finite: bool,
         counters: Counters,
     ) -> None:
-        self.source = source
+        self.listed = source  # the shards; self.source: the configuration
+        self.source = source.source
         self.world = world
         self.seed = seed
         self.budget = budget
@@ -155,7 +157,7 @@ class SourceStream:
         self._plans: dict[int, list[ShardSlice]] = {}
         self._samples: Iterator[dict[str, Any]] | None = None
         self._handle: Any = None
-        self._ahead = io.ReadAhead(options=source.io_options, storage_options=source.storage_options, allow_pipe=source.allow_pipe)
+        self._ahead = io.ReadAhead(options=io.IOOptions.of(self.source.io_options), storage_options=dict(self.source.storage_options or {}), allow_pipe=self.source.allow_pipe)
         self._opened_at = 0
         self._warned_shards: set[int] = set()
 
@@ -195,7 +197,7 @@ class SourceStream:
 
     def _plan(self, epoch: int) -> list[ShardSlice]:
         if epoch not in self._plans:
-            self._plans = {epoch: plan(len(self.source.shards), self.world, seed=self.seed, source=self.source.name, epoch=epoch, sizes=self.source.shard_bytes)}
+            self._plans = {epoch: plan(len(self.listed.shards), self.world, seed=self.seed, source=self.source.name, epoch=epoch, sizes=self.listed.shard_bytes)}
         return self._plans[epoch]
 
     def _read(self) -> Sample | None:
@@ -235,7 +237,7 @@ class SourceStream:
                 decision = (self.next_index, *loss)
                 self.skips[(self.epoch, self.slice_pos)] = decision
                 self.new_skips.append((self.epoch, self.slice_pos, *decision))
-                self._warn_once(sl.shard, f"source {self.source.name!r}: skipping the rest of shard {io.redact(self.source.shards[sl.shard])} ({words}): {exc}")
+                self._warn_once(sl.shard, f"source {self.source.name!r}: skipping the rest of shard {io.redact(self.listed.shards[sl.shard])} ({words}): {exc}")
             else:
                 self._close()
                 self.counters.shards_finished += 1
@@ -258,8 +260,8 @@ class SourceStream:
             skipped = max(stop - start, 0)
             return (mine, 1, 0, skipped), f"{words}; the shard ends there, {skipped} bytes undelivered"
         size = _stream_size(self._handle)
-        if size is None and codec_of(self.source.shards[sl.shard]) is None:
-            size = self.source.shard_bytes[sl.shard]
+        if size is None and codec_of(self.listed.shards[sl.shard]) is None:
+            size = self.listed.shard_bytes[sl.shard]
         end = size if size is not None and size >= start else stop
         skipped = max(end - start, 0) if end is not None else 0
         return (mine, 1, 1, skipped), f"{words}; rest of shard unknown: {skipped} bytes from offset {start} skipped"
@@ -293,12 +295,12 @@ class SourceStream:
             self.got_in_epoch = 0
             self.skips = {k: v for k, v in self.skips.items() if k[0] >= self.epoch}
         sl = self._plan(self.epoch)[self.slice_pos]
-        url = self.source.shards[sl.shard]
+        url = self.listed.shards[sl.shard]
         if self.next_offset == 0:
             self.counters.shards_opened += 1
         self._opened_at = self.next_offset
         try:
-            upcoming = (self.source.shards[s.shard] for s in self._plan(self.epoch)[self.slice_pos + 1 :])
+            upcoming = (self.listed.shards[s.shard] for s in self._plan(self.epoch)[self.slice_pos + 1 :])
             self._handle = self._ahead.open(url, self.next_offset, upcoming)
         except ShardError as exc:
             self.counters.retries += getattr(exc, "retries", 0)
@@ -458,22 +460,23 @@ def locations(samples: Sequence[Sample]) -> list[tuple[int, int]]:
 _REREAD_GAP = 1 << 20
 
 
-def reread(source: Source, budget: TokenBudget | Packed, wanted: Sequence[tuple[int, int]]) -> dict[tuple[int, int], Sample]:
+def reread(listed: ListedSource, budget: TokenBudget | Packed, wanted: Sequence[tuple[int, int]]) -> dict[tuple[int, int], Sample]:
     """Read the samples at (shard, byte offset) locations again, for a resumed stream: per shard, runs
     of nearby offsets are read through in one ranged read, far-apart ones each from their own offset,
     so the bytes read follow the buffered samples, not the distance between the oldest and newest."""
+    source = listed.source
     by_shard: dict[int, set[int]] = {}
     for shard, offset in wanted:
         by_shard.setdefault(int(shard), set()).add(int(offset))
     out: dict[tuple[int, int], Sample] = {}
     scratch = Counters()
     for shard, offsets in sorted(by_shard.items()):
-        url = source.shards[shard]
+        url = listed.shards[shard]
         # A compressed shard cannot seek (each open decompresses from its start): one pass reads them all.
         gap = _REREAD_GAP if codec_of(url) is None else 1 << 62
         for run in _runs(sorted(offsets), gap):
             start, last = run[0], run[-1]
-            with io.open_shard(url, start_offset=start, storage_options=source.storage_options, allow_pipe=source.allow_pipe, **source.io_options.open_kwargs()) as stream:
+            with io.open_shard(url, start_offset=start, storage_options=dict(source.storage_options or {}), allow_pipe=source.allow_pipe, **io.IOOptions.of(source.io_options).open_kwargs()) as stream:
                 for raw in read_samples(stream, url=io.redact(url), start_offset=start, chunk_size=1 << 16):
                     off = raw["__offset__"]
                     if off in offsets:

@@ -287,12 +287,12 @@ def test_config_defaults_and_choices_match_the_library():
     import inspect
 
     import mixer
-    from mixer import layout
+    from mixer import budget, layout
     from mixer.config import DEFAULT_SHUFFLE_BUFFER, DEFAULT_STATE_EVERY, FIELD_DTYPES, RESERVED_FIELDS
 
     params = inspect.signature(mixer.Mixture).parameters
     assert (params["state_every"].default, params["shuffle_buffer"].default) == (DEFAULT_STATE_EVERY, DEFAULT_SHUFFLE_BUFFER)
-    assert FIELD_DTYPES == tuple(layout.FIELD_DTYPES) and RESERVED_FIELDS == layout._RESERVED
+    assert FIELD_DTYPES == tuple(layout.FIELD_DTYPES) and RESERVED_FIELDS == budget.RESERVED_FIELDS
     assert (FieldSpec().dtype, FieldSpec().pad) == (mixer.Field().dtype, mixer.Field().pad)
     packed, lib = PackedSpec(max_tokens=64), mixer.Packed(64)
     assert (packed.seq_len, packed.split_documents, packed.max_length, packed.overlong) == (lib.seq_len, lib.split_documents, lib.max_length, lib.overlong)

@@ -21,7 +21,7 @@ from .bucket import bucket_edges
 from .budget import Field, Packed, TokenBudget
 from .layout import Level2, count, level2, make_layout, unpair
 from .decode import Sample
-from . import io
+from . import _check, io
 from .errors import ConfigError, MixerError
 from .schedule import Schedule, SourceInfo, Static, check_schedule
 from .select import SELECTORS, make_selector
@@ -40,6 +40,8 @@ Unit = Literal["tokens", "samples"]
 MixMode = Literal["batch", "sample"]
 Stop = Literal["never", "first_exhausted", "all_exhausted"]
 STOPS = ("never", "first_exhausted", "all_exhausted")
+UNITS = ("tokens", "samples")
+MIXES = ("batch", "sample")
 
 
 def list_source(source: Source) -> ListedSource:
@@ -106,20 +108,16 @@ class Mixture(IterableDataset[Batch]):
             raise ConfigError(f"sources: duplicate source names {dupes}; every source needs its own name")
         if not isinstance(batching, (TokenBudget, Packed)):
             raise ConfigError(f"batching: expected a mixer.TokenBudget or mixer.Packed (got {type(batching).__name__})")
-        if selector not in SELECTORS:
-            raise ConfigError(f"selector must be one of {SELECTORS} (got {selector!r})")
-        if unit not in ("tokens", "samples"):
-            raise ConfigError(f"unit must be 'tokens' or 'samples' (got {unit!r})")
-        if mix not in ("batch", "sample"):
-            raise ConfigError(f"mix must be 'batch' or 'sample' (got {mix!r})")
-        if stop not in STOPS:
-            raise ConfigError(f"stop must be one of {STOPS} (got {stop!r})")
-        if dtype not in _DTYPES:
-            raise ConfigError(f"dtype must be one of {tuple(_DTYPES)} (got {dtype!r})")
-        if not isinstance(state_every, int) or state_every < 1:
-            raise ConfigError(f"state_every must be an int >= 1 (got {state_every!r})")
-        if not isinstance(shuffle_buffer, int) or shuffle_buffer < 0:
-            raise ConfigError(f"shuffle_buffer must be an int >= 0 (got {shuffle_buffer!r})")
+        w = "Mixture"
+        _check.choice(selector, f"{w}.selector", SELECTORS)
+        _check.choice(unit, f"{w}.unit", UNITS)
+        _check.choice(mix, f"{w}.mix", MIXES)
+        _check.choice(stop, f"{w}.stop", STOPS)
+        _check.choice(dtype, f"{w}.dtype", tuple(_DTYPES))
+        seed = _check.number(seed, f"{w}.seed", minimum=0, integer=True)
+        pad_id = _check.number(pad_id, f"{w}.pad_id", integer=True)
+        shuffle_buffer = _check.number(shuffle_buffer, f"{w}.shuffle_buffer", minimum=0, integer=True)
+        state_every = _check.count(state_every, f"{w}.state_every")
         self.sources = sources
         self.batching = batching
         self.schedule: Schedule = schedule if schedule is not None else Static()

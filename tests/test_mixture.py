@@ -328,11 +328,11 @@ def test_error_bad_enums(three_sources):
     srcs = sources_from(three_sources)
     budget = mixer.TokenBudget(max_tokens=16384)
     for kwargs, msg in (
-        ({"selector": "greedy"}, "selector must be one of"),
-        ({"stop": "sometimes"}, "stop must be one of"),
-        ({"mix": "token"}, "mix must be"),
-        ({"unit": "bytes"}, "unit must be"),
-        ({"dtype": "float32"}, "dtype must be one of"),
+        ({"selector": "greedy"}, "Mixture.selector: must be one of"),
+        ({"stop": "sometimes"}, "Mixture.stop: must be one of"),
+        ({"mix": "token"}, "Mixture.mix: must be"),
+        ({"unit": "bytes"}, "Mixture.unit: must be"),
+        ({"dtype": "float32"}, "Mixture.dtype: must be one of"),
     ):
         with pytest.raises(mixer.ConfigError, match=msg):
             mixer.Mixture(srcs, batching=budget, **kwargs)

@@ -138,3 +138,25 @@ def relabel(exc: ConfigError, owner: str, path: str) -> ConfigError:
     if not message.startswith(owner + ".") and not message.startswith(owner + ":"):
         return exc
     return ConfigError(message.replace(owner + ".", f"{path}." if path else "").replace(owner + ":", f"{path}:"))
+
+
+def keys(m: Mapping[str, Any], where: str, allowed: Sequence[str], required: Sequence[str] = ()) -> None:
+    """Every key of ``m`` known (else a "did you mean" hint, or the list), every required one given."""
+    for key in m:
+        if key not in allowed:
+            close = hint(key, allowed) or f" (expected one of: {', '.join(allowed)})"
+            fail(at(where, key), f"unknown key{close}")
+    for key in required:
+        if key not in m:
+            fail(at(where, key), "required")
+
+
+def entry(m: Mapping[str, Any], key: str, default: Any, check: Any, where: str) -> Any:
+    """``m[key]`` checked by ``check(value, path)``, or ``default`` when absent; an explicit null is
+    allowed only where the default is None."""
+    if key not in m:
+        return default
+    value = m[key]
+    if value is None and default is None:
+        return None
+    return check(value, at(where, key))

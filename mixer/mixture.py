@@ -44,6 +44,24 @@ UNITS = ("tokens", "samples")
 MIXES = ("batch", "sample")
 
 
+def check_options(*, selector: str, unit: str, mix: str, stop: str, seed: Any, shuffle_buffer: Any, pad_id: Any, dtype: str,
+                  state_every: Any) -> dict[str, Any]:  # fmt: skip
+    """The Mixture's options checked (``Mixture.<name>: ...``, as :mod:`mixer._check` words it) and
+    normalised (integral floats to ints): the one check for code and for a config file."""
+    w = "Mixture"
+    return {
+        "selector": _check.choice(selector, f"{w}.selector", SELECTORS),
+        "unit": _check.choice(unit, f"{w}.unit", UNITS),
+        "mix": _check.choice(mix, f"{w}.mix", MIXES),
+        "stop": _check.choice(stop, f"{w}.stop", STOPS),
+        "seed": _check.number(seed, f"{w}.seed", minimum=0, integer=True),
+        "shuffle_buffer": _check.number(shuffle_buffer, f"{w}.shuffle_buffer", minimum=0, integer=True),
+        "pad_id": _check.number(pad_id, f"{w}.pad_id", integer=True),
+        "dtype": _check.choice(dtype, f"{w}.dtype", tuple(_DTYPES)),
+        "state_every": _check.count(state_every, f"{w}.state_every"),
+    }
+
+
 def list_source(source: Source) -> ListedSource:
     """List a source's shards, sorted: the I/O of building a mixture, done once in the main process."""
     try:
@@ -108,16 +126,9 @@ class Mixture(IterableDataset[Batch]):
             raise ConfigError(f"sources: duplicate source names {dupes}; every source needs its own name")
         if not isinstance(batching, (TokenBudget, Packed)):
             raise ConfigError(f"batching: expected a mixer.TokenBudget or mixer.Packed (got {type(batching).__name__})")
-        w = "Mixture"
-        _check.choice(selector, f"{w}.selector", SELECTORS)
-        _check.choice(unit, f"{w}.unit", UNITS)
-        _check.choice(mix, f"{w}.mix", MIXES)
-        _check.choice(stop, f"{w}.stop", STOPS)
-        _check.choice(dtype, f"{w}.dtype", tuple(_DTYPES))
-        seed = _check.number(seed, f"{w}.seed", minimum=0, integer=True)
-        pad_id = _check.number(pad_id, f"{w}.pad_id", integer=True)
-        shuffle_buffer = _check.number(shuffle_buffer, f"{w}.shuffle_buffer", minimum=0, integer=True)
-        state_every = _check.count(state_every, f"{w}.state_every")
+        checked = check_options(selector=selector, unit=unit, mix=mix, stop=stop, seed=seed, shuffle_buffer=shuffle_buffer,
+                                pad_id=pad_id, dtype=dtype, state_every=state_every)  # fmt: skip
+        seed, pad_id, shuffle_buffer, state_every = (checked[k] for k in ("seed", "pad_id", "shuffle_buffer", "state_every"))
         self.sources = sources
         self.batching = batching
         self.schedule: Schedule = schedule if schedule is not None else Static()

@@ -11,21 +11,21 @@ import logging
 import math
 import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .batch import _DTYPES, Batch, collate
+from .batch import Batch, collate
 from .bucket import bucket_edges
 from .budget import Field, Packed, TokenBudget
 from .layout import Level2, count, level2, make_layout, unpair
 from .decode import Sample
-from . import _check, io
-from .errors import ConfigError, MixerError
+from .errors import ConfigError
+from .options import MixMode, Stop, Unit, check_options
 from .schedule import Schedule, SourceInfo, Static, check_schedule
-from .select import SELECTORS, make_selector
-from .profile import Profile, profile
+from .select import make_selector
+from .profile import Profile, list_source, profile
 from .source import ListedSource, Source
 from .stream import Counters, SourceStream, reread
 from .transport import SlotPool
@@ -36,39 +36,7 @@ log = logging.getLogger(__name__)
 MIN_SHUFFLE = 16  # the smallest shuffle buffer a rarely read source is cut down to
 HOLD_MIN_BATCHES = 2.0  # the least a rarely read source's buckets may hold, in batches of padded tokens
 
-Unit = Literal["tokens", "samples"]
-MixMode = Literal["batch", "sample"]
-Stop = Literal["never", "first_exhausted", "all_exhausted"]
-STOPS = ("never", "first_exhausted", "all_exhausted")
-UNITS = ("tokens", "samples")
-MIXES = ("batch", "sample")
 
-
-def check_options(*, selector: str, unit: str, mix: str, stop: str, seed: Any, shuffle_buffer: Any, pad_id: Any, dtype: str,
-                  state_every: Any) -> dict[str, Any]:  # fmt: skip
-    """The Mixture's options checked (``Mixture.<name>: ...``, as :mod:`mixer._check` words it) and
-    normalised (integral floats to ints): the one check for code and for a config file."""
-    w = "Mixture"
-    return {
-        "selector": _check.choice(selector, f"{w}.selector", SELECTORS),
-        "unit": _check.choice(unit, f"{w}.unit", UNITS),
-        "mix": _check.choice(mix, f"{w}.mix", MIXES),
-        "stop": _check.choice(stop, f"{w}.stop", STOPS),
-        "seed": _check.number(seed, f"{w}.seed", minimum=0, integer=True),
-        "shuffle_buffer": _check.number(shuffle_buffer, f"{w}.shuffle_buffer", minimum=0, integer=True),
-        "pad_id": _check.number(pad_id, f"{w}.pad_id", integer=True),
-        "dtype": _check.choice(dtype, f"{w}.dtype", tuple(_DTYPES)),
-        "state_every": _check.count(state_every, f"{w}.state_every"),
-    }
-
-
-def list_source(source: Source) -> ListedSource:
-    """List a source's shards, sorted: the I/O of building a mixture, done once in the main process."""
-    try:
-        listed = io.expand_urls(list(source.urls), storage_options=dict(source.storage_options or {}))
-    except MixerError as exc:
-        raise type(exc)(f"source {source.name!r}: {exc}") from exc
-    return ListedSource(source, tuple(url for url, _ in listed), tuple(nbytes for _, nbytes in listed))
 
 
 class Mixture(IterableDataset[Batch]):

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from . import io
 from ._warn import warn
 from .budget import TokenBudget
-from .errors import SampleError, ShardError
+from .errors import MixerError, SampleError, ShardError
 from .budget import Packed
-from .source import ListedSource
+from .source import ListedSource, Source
 from .stream import Counters, _decoded, _fit, _skip_or_raise
 from .tario import read_samples
 
@@ -112,3 +112,12 @@ def profile(listed: ListedSource, budget: TokenBudget | Packed, *, max_samples: 
     size = max(total * tpb, 1.0)
     log.info("source %r: estimated size %.3g tokens (%.4f tokens/byte over %d samples)", source.name, size, tpb, arr.size)
     return Profile(arr, tpb, size, True, skipped)
+
+
+def list_source(source: Source) -> ListedSource:
+    """List a source's shards, sorted: the I/O of building a mixture, done once in the main process."""
+    try:
+        listed = io.expand_urls(list(source.urls), storage_options=dict(source.storage_options or {}))
+    except MixerError as exc:
+        raise type(exc)(f"source {source.name!r}: {exc}") from exc
+    return ListedSource(source, tuple(url for url, _ in listed), tuple(nbytes for _, nbytes in listed))

@@ -142,7 +142,7 @@ def test_zero_and_two_workers_give_the_same_multiset(three_sources):
 def test_never_restarts_sources_with_a_new_reshuffled_epoch(small_sources):
     # Invariant at the source level: with stop="never" a reader's stream of one source is its
     # epochs back to back, each one exactly once, each in a new order.
-    from mixer.mixture import list_source
+    from mixer.profile import list_source
     from mixer.stream import Counters, SourceStream
     from mixer.world import World
 
@@ -341,7 +341,7 @@ def test_error_bad_enums(three_sources):
 def test_shuffle_buffer_never_spans_several_epochs_of_a_small_source(small_sources):
     # 'few' has 37 samples, far fewer than the buffer: the buffer shrinks to one epoch, so reading
     # never runs more than about one epoch ahead of what was handed out.
-    from mixer.mixture import list_source
+    from mixer.profile import list_source
     from mixer.stream import Counters, SourceStream
     from mixer.world import World
 

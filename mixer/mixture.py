@@ -27,7 +27,8 @@ from .schedule import Schedule, SourceInfo, Static, check_schedule
 from .select import make_selector
 from .profile import Profile, list_source, profile
 from .source import ListedSource, Source
-from .stream import Counters, SourceStream, reread
+from .reread import reread
+from .stream import Counters, SourceStream
 from .transport import SlotPool
 from .world import World, resolve_rank, worker_place
 

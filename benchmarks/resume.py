@@ -144,8 +144,8 @@ def measure(shards: common.ShardSet, num_workers: int, rounds: int, max_tokens: 
 
 def reread_span(state: dict[str, Any]) -> dict[str, float]:
     """What restoring ``state`` reads again, about: per (reader, source, shard), the runs of buffered
-    offsets that mixer.source.reread reads through (neighbours closer than its gap), summed."""
-    from mixer.source import _REREAD_GAP, _runs
+    offsets that mixer.reread.reread reads through (neighbours closer than its gap), summed."""
+    from mixer.reread import _REREAD_GAP, _runs
 
     span = 0
     for reader in state["readers"]:

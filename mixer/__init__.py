@@ -5,14 +5,14 @@ The distribution is named ``wds-mixer`` on PyPI; the import package is ``mixer``
 
 from .audio import SpeechDecode
 from .batch import Batch
-from .bucket import TokenBudget
+from .budget import Field, Packed, TokenBudget
 from .device import to_device
 from .errors import ConfigError, MixerError, SampleError, ShardError, StateError
 from .storage import IOOptions
-from .layout import Field, FieldBatch, Packed, PackedBatch
+from .layout import FieldBatch, PackedBatch
 from .loader import Loader, make_loader
 from .mixture import Mixture
-from .config import MixtureSpec, build_mixture, load_config, parse_config
+from .config import MixtureConfig, build_mixture, load_config, parse_config
 from .schedule import Curriculum, Floored, Hierarchical, Phase, Schedule, SourceInfo, Static, Temperature, Weights
 from .source import Source
 from .stats import log_every
@@ -29,7 +29,7 @@ __all__ = [
     "Loader",
     "MixerError",
     "Mixture",
-    "MixtureSpec",
+    "MixtureConfig",
     "Packed",
     "PackedBatch",
     "Phase",

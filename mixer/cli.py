@@ -27,8 +27,8 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from .batch import Batch
-from .bucket import TokenBudget
-from .config import MixtureSpec, build_mixture, parse_config
+from .budget import TokenBudget
+from .config import MixtureConfig, build_mixture, parse_config
 from .errors import ConfigError, MixerError
 from .loader import Loader, make_loader
 from .mixture import Mixture
@@ -103,7 +103,7 @@ def _demo(args: argparse.Namespace) -> int:
     patterns = ensure_demo_shards(args.cache_dir)
     sources = [Source(name, patterns[name], weight=DEMO_WEIGHTS[name]) for name in DEMO_WEIGHTS]
     mixture = Mixture(sources, batching=TokenBudget(max_tokens=args.max_tokens, max_length=args.max_tokens), seed=args.seed)
-    print(f"demo sources: {', '.join(f'{s.name} ({len(s.shards)} shards)' for s in sources)}")
+    print(f"demo sources: {', '.join(f'{s.name} ({len(s.shards)} shards)' for s in mixture.listed)}")
     print("source sizes (tokens, estimated up front): " + ", ".join(f"{k}={v:,.0f}" for k, v in mixture.sizes.items()))
     return _run_mixture(mixture, args, "demo")
 
@@ -123,7 +123,7 @@ def _run(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------ plan
 
 
-def _parse(path: str) -> MixtureSpec:
+def _parse(path: str) -> MixtureConfig:
     if not os.path.isfile(path):
         raise ConfigError(f"{path}: no such config file")
     return parse_config(path)
@@ -177,7 +177,7 @@ def _evaluate(schedule: Schedule, info: SourceInfo, steps: np.ndarray, tokens_pe
     return np.array([schedule.probs(info, int(s), float(s) * tokens_per_step) for s in steps], dtype=np.float64)
 
 
-def _plan_info(spec: MixtureSpec, schedule: Schedule, steps: np.ndarray, tokens_per_step: float) -> tuple[SourceInfo, list[str]]:
+def _plan_info(spec: MixtureConfig, schedule: Schedule, steps: np.ndarray, tokens_per_step: float) -> tuple[SourceInfo, list[str]]:
     """The schedule's view of the sources, from the config alone. A source without ``size`` gets a
     stand-in size; if the plan depends on the stand-in (the schedule uses sizes), that is an error."""
     names = tuple(s.name for s in spec.sources)

@@ -24,7 +24,7 @@ from .device import DeviceLike, to_device
 from .mixture import Mixture
 from . import state
 from .errors import StateError
-from .source import Counters
+from .stream import Counters
 from .transport import SlotPool
 from .stats import DEFAULT_WINDOW, Stats
 from .world import seed_for

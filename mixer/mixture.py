@@ -11,19 +11,24 @@ import logging
 import math
 import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .batch import _DTYPES, Batch, collate
-from .bucket import TokenBudget, bucket_edges
-from .layout import Field, Level2, Packed, count, level2, make_layout, unpair
+from .batch import Batch, collate
+from .bucket import bucket_edges
+from .budget import Field, Packed, TokenBudget
+from .layout import Level2, count, level2, make_layout, unpair
 from .decode import Sample
 from .errors import ConfigError
+from .options import MixMode, Stop, Unit, check_options
 from .schedule import Schedule, SourceInfo, Static, check_schedule
-from .selector import SELECTORS, make_selector
-from .source import Counters, Profile, Source, SourceStream, profile, reread
+from .selector import make_selector
+from .profiling import Profile, list_source, profile
+from .source import ListedSource, Source
+from .reread import reread
+from .stream import Counters, SourceStream
 from .transport import SlotPool
 from .world import World, resolve_rank, worker_place
 
@@ -32,10 +37,7 @@ log = logging.getLogger(__name__)
 MIN_SHUFFLE = 16  # the smallest shuffle buffer a rarely read source is cut down to
 HOLD_MIN_BATCHES = 2.0  # the least a rarely read source's buckets may hold, in batches of padded tokens
 
-Unit = Literal["tokens", "samples"]
-MixMode = Literal["batch", "sample"]
-Stop = Literal["never", "first_exhausted", "all_exhausted"]
-STOPS = ("never", "first_exhausted", "all_exhausted")
+
 
 
 class Mixture(IterableDataset[Batch]):
@@ -93,20 +95,9 @@ class Mixture(IterableDataset[Batch]):
             raise ConfigError(f"sources: duplicate source names {dupes}; every source needs its own name")
         if not isinstance(batching, (TokenBudget, Packed)):
             raise ConfigError(f"batching: expected a mixer.TokenBudget or mixer.Packed (got {type(batching).__name__})")
-        if selector not in SELECTORS:
-            raise ConfigError(f"selector must be one of {SELECTORS} (got {selector!r})")
-        if unit not in ("tokens", "samples"):
-            raise ConfigError(f"unit must be 'tokens' or 'samples' (got {unit!r})")
-        if mix not in ("batch", "sample"):
-            raise ConfigError(f"mix must be 'batch' or 'sample' (got {mix!r})")
-        if stop not in STOPS:
-            raise ConfigError(f"stop must be one of {STOPS} (got {stop!r})")
-        if dtype not in _DTYPES:
-            raise ConfigError(f"dtype must be one of {tuple(_DTYPES)} (got {dtype!r})")
-        if not isinstance(state_every, int) or state_every < 1:
-            raise ConfigError(f"state_every must be an int >= 1 (got {state_every!r})")
-        if not isinstance(shuffle_buffer, int) or shuffle_buffer < 0:
-            raise ConfigError(f"shuffle_buffer must be an int >= 0 (got {shuffle_buffer!r})")
+        checked = check_options(selector=selector, unit=unit, mix=mix, stop=stop, seed=seed, shuffle_buffer=shuffle_buffer,
+                                pad_id=pad_id, dtype=dtype, state_every=state_every)  # fmt: skip
+        seed, pad_id, shuffle_buffer, state_every = (checked[k] for k in ("seed", "pad_id", "shuffle_buffer", "state_every"))
         self.sources = sources
         self.batching = batching
         self.schedule: Schedule = schedule if schedule is not None else Static()
@@ -128,7 +119,8 @@ class Mixture(IterableDataset[Batch]):
 
         # Judges every sample it reads as the readers do: too long for the budget is a SampleError
         # naming shard and key, raised or skipped by the source's on_error, as mid-stream.
-        self.profiles: list[Profile] = [profile(s, batching) for s in sources]
+        self.listed: list[ListedSource] = [list_source(s) for s in sources]  # the only listing of shards
+        self.profiles: list[Profile] = [profile(s, batching) for s in self.listed]
         self.info = SourceInfo(
             names=tuple(names),
             weights=np.array([s.weight for s in sources], dtype=np.float64),
@@ -193,7 +185,7 @@ class Mixture(IterableDataset[Batch]):
             worker = (worker + resume["shift"]) % num_workers
         world = World(rank=self.rank, world_size=self.world_size, worker=worker, num_workers=num_workers)
         if world.reader == 0:
-            for s in self.sources:
+            for s in self.listed:
                 if len(s.shards) < world.readers:
                     log.warning(
                         "source %r has %d shard(s) for %d readers: readers share shards and each reads every byte of "
@@ -233,7 +225,7 @@ class Reader:
                 s, world, seed=mixture.seed, budget=budget, shuffle_buffer=mixture.shuffle_buffer,
                 finite=finite, counters=self.counters[i],
             )
-            for i, s in enumerate(mixture.sources)
+            for i, s in enumerate(mixture.listed)
         ]
         # Items are Samples (mix="batch": one level 2 per source) or (source, Sample) pairs
         # (mix="sample": one shared level 2, repeated per source); use sites name the item type.
@@ -357,7 +349,7 @@ class Reader:
                         wanted[item[0]].add((item[1], item[2]))
                     else:
                         wanted[i].add((item[0], item[1]))
-        samples = [reread(src, self.mixture.batching, sorted(w)) for src, w in zip(self.mixture.sources, wanted)]
+        samples = [reread(src, self.mixture.batching, sorted(w)) for src, w in zip(self.mixture.listed, wanted)]
         for st, saved, found in zip(self.streams, state["streams"], samples):
             st.load_state_dict(saved, found)
         if shared:

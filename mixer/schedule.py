@@ -21,6 +21,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 
+from . import _check
 from .errors import ConfigError
 
 __all__ = [
@@ -71,19 +72,6 @@ def normalise(values: np.ndarray, *, what: str) -> np.ndarray:
     return values / total
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-
-
-def _check_number(where: str, value: object, *, minimum: float, strict: bool, none_ok: bool = False) -> None:
-    if value is None and none_ok:
-        return
-    if not _is_number(value) or not math.isfinite(float(value)):  # type: ignore[arg-type]
-        raise ConfigError(f"{where}: must be a finite number, got {value!r}")
-    if (float(value) <= minimum) if strict else (float(value) < minimum):  # type: ignore[arg-type]
-        raise ConfigError(f"{where}: must be {'>' if strict else '>='} {minimum:g}, got {value!r}")
-
-
 def _sharpen(p: np.ndarray, t: float) -> np.ndarray:
     """``p_i^(1/t)`` normalised. Dividing by the largest entry first keeps one entry at exactly 1, so a
     small ``t`` cannot underflow everything to zero. Zero entries stay zero at every temperature."""
@@ -119,7 +107,7 @@ def _check_weights(where: str, weights: Mapping[str, float]) -> dict[str, float]
     for name, value in weights.items():
         if not isinstance(name, str) or not name:
             raise ConfigError(f"{where}: source names must be non-empty strings, got {name!r}")
-        _check_number(f"{where}[{name!r}]", value, minimum=0, strict=False)
+        _check.number(value, f"{where}[{name!r}]", minimum=0, strict=False)
         out[name] = float(value)
     if sum(out.values()) <= 0:
         raise ConfigError(f"{where}: at least one weight must be > 0, got {out}")
@@ -180,9 +168,8 @@ class Temperature:
     base: Base | None = None
 
     def __post_init__(self) -> None:
-        _check_number("Temperature.start", self.start, minimum=0, strict=True)
-        if self.shape not in SHAPES:
-            raise ConfigError(f"Temperature.shape: must be one of {', '.join(map(repr, SHAPES))}, got {self.shape!r}")
+        _check.number(self.start, "Temperature.start", minimum=0, strict=True)
+        _check.choice(self.shape, "Temperature.shape", SHAPES)
         if self.base is not None and self.base not in BASES:
             raise ConfigError(f"Temperature.base: must be 'sizes', 'weights' or None, got {self.base!r}")
         if self.shape == "constant":
@@ -194,17 +181,16 @@ class Temperature:
             return
         if self.end is None:
             raise ConfigError(f"Temperature.end: required by shape={self.shape!r}")
-        _check_number("Temperature.end", self.end, minimum=0, strict=True)
+        _check.number(self.end, "Temperature.end", minimum=0, strict=True)
         if (self.steps is None) == (self.tokens is None):
             raise ConfigError(
                 f"Temperature: shape={self.shape!r} needs exactly one of steps or tokens, "
                 f"got steps={self.steps!r}, tokens={self.tokens!r}"
             )
         if self.steps is not None:
-            if isinstance(self.steps, bool) or not isinstance(self.steps, (int, np.integer)) or self.steps < 1:
-                raise ConfigError(f"Temperature.steps: must be an integer >= 1, got {self.steps!r}")
+            object.__setattr__(self, "steps", _check.number(self.steps, "Temperature.steps", minimum=1, integer=True))
         else:
-            _check_number("Temperature.tokens", self.tokens, minimum=0, strict=True)
+            _check.number(self.tokens, "Temperature.tokens", minimum=0, strict=True)
 
     @property
     def unit(self) -> Unit | None:
@@ -260,8 +246,8 @@ class Phase:
     def __post_init__(self) -> None:
         if self.weights is not None:
             object.__setattr__(self, "weights", _check_weights("Phase.weights", self.weights))
-        _check_number("Phase.until", self.until, minimum=0, strict=True, none_ok=True)
-        _check_number("Phase.ramp", self.ramp, minimum=0, strict=False)
+        _check.optional(self.until, _check.number, "Phase.until", minimum=0, strict=True)
+        _check.number(self.ramp, "Phase.ramp", minimum=0, strict=False)
         if self.temperature is not None and not isinstance(self.temperature, Temperature):
             raise ConfigError(f"Phase.temperature: must be a Temperature or None, got {self.temperature!r}")
         if self.temperature is not None and self.temperature.base == "sizes" and self.weights is not None:
@@ -388,8 +374,8 @@ class Hierarchical:
     beta_source: float
 
     def __post_init__(self) -> None:
-        _check_number("Hierarchical.beta_group", self.beta_group, minimum=0, strict=False)
-        _check_number("Hierarchical.beta_source", self.beta_source, minimum=0, strict=False)
+        _check.number(self.beta_group, "Hierarchical.beta_group", minimum=0, strict=False)
+        _check.number(self.beta_source, "Hierarchical.beta_source", minimum=0, strict=False)
 
     def probs(self, info: SourceInfo, step: int, tokens: float) -> np.ndarray:
         sizes = np.asarray(info.sizes, dtype=np.float64)
@@ -442,9 +428,7 @@ class Floored:
     def __post_init__(self) -> None:
         if not isinstance(self.schedule, Schedule):
             raise ConfigError(f"Floored.schedule: must be a schedule (with probs()), got {self.schedule!r}")
-        _check_number("Floored.min_prob", self.min_prob, minimum=0, strict=False)
-        if self.min_prob > 1:
-            raise ConfigError(f"Floored.min_prob: must be <= 1, got {self.min_prob!r}")
+        _check.number(self.min_prob, "Floored.min_prob", minimum=0, maximum=1)
 
     def check(self, info: SourceInfo) -> None:
         check = getattr(self.schedule, "check", None)

@@ -26,14 +26,14 @@ def fingerprint(mixture: Mixture) -> str:
         "sources": [
             {
                 "name": s.name,
-                "shards": list(s.shards),
+                "shards": list(listed.shards),
                 "weight": s.weight,
                 "on_error": s.on_error,
                 "decode": _qualname(s.decode),
                 "length": _qualname(s.length),
                 "group": s.group,
             }
-            for s in mixture.sources
+            for s, listed in zip(mixture.sources, mixture.listed)
         ],
         "sizes": [round(float(x), 6) for x in mixture.info.sizes],
         "edges": mixture.edges,

@@ -1,6 +1,6 @@
 """Run statistics, built in the main process from what the batches carry (no extra IPC).
 
-Every batch's ``info`` holds its reader's cumulative per-source :class:`~mixer.source.Counters`, the
+Every batch's ``info`` holds its reader's cumulative per-source :class:`~mixer.stream.Counters`, the
 global ``step`` and the schedule's ``target`` share at that step, as computed in the worker. The main
 process keeps the last counters of each worker and, per batch handed out, one snapshot of their sum
 in a ring buffer; a window's counters are then the difference of two snapshots, so the per-batch
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .errors import ConfigError
-from .source import Counters
+from .stream import Counters
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

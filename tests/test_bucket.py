@@ -65,13 +65,20 @@ def test_bucketer_emits_full_buckets_and_drains_the_rest():
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        ({"max_tokens": 0}, "max_tokens must be a positive int"),
-        ({"max_tokens": 10, "max_length": 11}, "max_length must be in"),
-        ({"max_tokens": 10, "multiple_of": 0}, "multiple_of must be >= 1"),
-        ({"max_tokens": 10, "overlong": "cut"}, "overlong must be"),
-        ({"max_tokens": 10, "buckets": [5, 3]}, "strictly increasing"),
-        ({"max_tokens": 10, "buckets": [5, 20]}, "exceeds the longest allowed sample"),
-        ({"max_tokens": 10, "max_batch_size": 0}, "max_batch_size must be >= 1"),
+        # The same rule and words as a config file's batching.<key> (mixer._check), prefixed by
+        # the class and field instead of the key path.
+        ({"max_tokens": 0}, r"^TokenBudget\.max_tokens: must be >= 1, got 0$"),
+        ({"max_tokens": 10, "max_length": 11}, r"^TokenBudget\.max_length: must be <= 10, got 11$"),
+        ({"max_tokens": 10, "multiple_of": 0}, r"^TokenBudget\.multiple_of: must be >= 1, got 0$"),
+        ({"max_tokens": 10, "overlong": "cut"}, r"^TokenBudget\.overlong: must be one of 'truncate', 'drop', got 'cut'$"),
+        ({"max_tokens": 10, "buckets": [5, 3]}, r"^TokenBudget\.buckets\[1\]: must be greater than TokenBudget\.buckets\[0\] \(5\), got 3$"),
+        ({"max_tokens": 10, "buckets": [5, 20]}, r"^TokenBudget\.buckets\[1\]: must be <= max_tokens \(10\), got 20$"),
+        ({"max_tokens": 10, "max_batch_size": 0}, r"^TokenBudget\.max_batch_size: must be >= 1, got 0$"),
+        # Accepted from code before (the drift between code and YAML); ConfigErrors now.
+        ({"max_tokens": True}, r"^TokenBudget\.max_tokens: must be an integer, got True$"),
+        ({"max_tokens": 10, "max_batch_size": 2.5}, r"^TokenBudget\.max_batch_size: must be an integer, got 2\.5$"),
+        ({"max_tokens": 10, "multiple_of": 1.5}, r"^TokenBudget\.multiple_of: must be an integer, got 1\.5$"),
+        ({"max_tokens": 10, "num_buckets": "3"}, r"^TokenBudget\.num_buckets: must be an integer, got '3'$"),
     ],
 )
 def test_budget_validation(kwargs, message):

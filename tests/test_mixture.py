@@ -139,12 +139,13 @@ def test_zero_and_two_workers_give_the_same_multiset(three_sources):
 def test_never_restarts_sources_with_a_new_reshuffled_epoch(small_sources):
     # Invariant at the source level: with stop="never" a reader's stream of one source is its
     # epochs back to back, each one exactly once, each in a new order.
-    from mixer.source import Counters, SourceStream
+    from mixer.profiling import list_source
+    from mixer.stream import Counters, SourceStream
     from mixer.world import World
 
     # shuffle_buffer=0 so that epochs do not overlap in the output; the order then changes only
     # through the per-epoch shard order, hence the 5-shard source.
-    source = mixer.Source("many", small_sources["many"][0])
+    source = list_source(mixer.Source("many", small_sources["many"][0]))
     stream = SourceStream(source, World(), seed=1, budget=mixer.TokenBudget(max_tokens=512), shuffle_buffer=0, finite=False, counters=Counters())
     keys = [next(stream).key for _ in range(3 * 61)]
     epochs = [keys[i * 61 : (i + 1) * 61] for i in range(3)]
@@ -238,7 +239,7 @@ def test_error_empty_sources():
 
 @pytest.mark.parametrize("weight", [-1, float("nan"), float("inf")])
 def test_error_bad_weight(three_sources, weight):
-    with pytest.raises(mixer.ConfigError, match=r"source 'web': weight must be a finite number >= 0"):
+    with pytest.raises(mixer.ConfigError, match=r"^Source\('web'\)\.weight: must be (>= 0|finite), got "):
         mixer.Source("web", three_sources["web"][0], weight=weight)
 
 
@@ -255,10 +256,12 @@ def test_error_duplicate_names(three_sources):
 
 
 def test_error_pattern_matches_nothing(tmp_path):
+    # Shards are listed when the mixture is built (a Source does no I/O), and the error names the source.
+    budget = mixer.TokenBudget(max_tokens=10)
     with pytest.raises(mixer.MixerError, match=r"source 'ghost'.*nope-000\.tar.*No such file"):
-        mixer.Source("ghost", str(tmp_path / "nope-{000..003}.tar"))
+        mixer.Mixture([mixer.Source("ghost", str(tmp_path / "nope-{000..003}.tar"))], batching=budget)
     with pytest.raises(mixer.MixerError, match="source 'ghost'"):
-        mixer.Source("ghost", str(tmp_path / "*.tar"))
+        mixer.Mixture([mixer.Source("ghost", str(tmp_path / "*.tar"))], batching=budget)
 
 
 def test_error_sample_without_tokens_names_shard_and_key(tmp_path):
@@ -322,11 +325,11 @@ def test_error_bad_enums(three_sources):
     srcs = sources_from(three_sources)
     budget = mixer.TokenBudget(max_tokens=16384)
     for kwargs, msg in (
-        ({"selector": "greedy"}, "selector must be one of"),
-        ({"stop": "sometimes"}, "stop must be one of"),
-        ({"mix": "token"}, "mix must be"),
-        ({"unit": "bytes"}, "unit must be"),
-        ({"dtype": "float32"}, "dtype must be one of"),
+        ({"selector": "greedy"}, "Mixture.selector: must be one of"),
+        ({"stop": "sometimes"}, "Mixture.stop: must be one of"),
+        ({"mix": "token"}, "Mixture.mix: must be"),
+        ({"unit": "bytes"}, "Mixture.unit: must be"),
+        ({"dtype": "float32"}, "Mixture.dtype: must be one of"),
     ):
         with pytest.raises(mixer.ConfigError, match=msg):
             mixer.Mixture(srcs, batching=budget, **kwargs)
@@ -335,10 +338,11 @@ def test_error_bad_enums(three_sources):
 def test_shuffle_buffer_never_spans_several_epochs_of_a_small_source(small_sources):
     # 'few' has 37 samples, far fewer than the buffer: the buffer shrinks to one epoch, so reading
     # never runs more than about one epoch ahead of what was handed out.
-    from mixer.source import Counters, SourceStream
+    from mixer.profiling import list_source
+    from mixer.stream import Counters, SourceStream
     from mixer.world import World
 
-    stream = SourceStream(mixer.Source("few", small_sources["few"][0]), World(), seed=0, budget=mixer.TokenBudget(max_tokens=512),
+    stream = SourceStream(list_source(mixer.Source("few", small_sources["few"][0])), World(), seed=0, budget=mixer.TokenBudget(max_tokens=512),
                           shuffle_buffer=1000, finite=False, counters=Counters())
     keys = [next(stream).key for _ in range(10 * 37)]
     # Without the shrink the buffer would read ~27 epochs ahead and some keys would be handed out

@@ -145,16 +145,17 @@ def test_misconfigurations_fail_clearly(corpora):
     with pytest.raises(mixer.SampleError, match=r"decode gave \['audio', 'text'\], the mixture's fields need 'speaker'"):
         take(mixer.make_loader(mixture(corpora, fields={**FIELDS, "speaker": mixer.Field()})), 1)
     for bad, match in [
-        ({}, "non-empty mapping"),
-        ({"a b": mixer.Field()}, "identifiers"),
-        ({"source": mixer.Field()}, "collides"),
-        ({"audio": "float32"}, "expected a mixer.Field"),
+        ({}, r"^fields: must be a non-empty mapping of name -> mixer.Field, got \{\} \(dict\)$"),
+        ({"a b": mixer.Field()}, r"^fields\.a b: a field name must be an identifier, got 'a b'$"),
+        ({"source": mixer.Field()}, r"^fields\.source: collides with a view every batch has"),
+        ({"audio": "float32"}, r"^fields\.audio: expected a mixer.Field, got str$"),
     ]:
         with pytest.raises(mixer.ConfigError, match=match):
             mixture(corpora, fields=bad)
-    with pytest.raises(mixer.ConfigError, match="pad 0.5 is not representable as int32"):
+    # The same rules and words as a config file's fields.<name>.<key> (mixer._check).
+    with pytest.raises(mixer.ConfigError, match=r"^Field\.pad: 0\.5 is not representable as int32$"):
         mixer.Field("int32", pad=0.5)
-    with pytest.raises(mixer.ConfigError, match="dtype must be one of"):
+    with pytest.raises(mixer.ConfigError, match=r"^Field\.dtype: must be one of 'int8', .*, got 'bfloat16'; did you mean 'float16'\?$"):
         mixer.Field("bfloat16")
 
 

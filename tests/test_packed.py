@@ -207,11 +207,13 @@ def test_a_document_longer_than_a_row_needs_splitting_or_max_length(shards):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"max_tokens": 0}, "max_tokens must be a positive int"),
-        ({"max_tokens": 8, "seq_len": 9}, r"seq_len must be an int in \[1, max_tokens=8\]"),
-        ({"max_tokens": 8, "seq_len": 4, "max_length": 5}, "max_length=5 exceeds a row"),
-        ({"max_tokens": 8, "open_batches": 0}, "open_batches must be an int >= 1"),
-        ({"max_tokens": 8, "overlong": "cut"}, "overlong must be"),
+        # The same rules and words as a config file's batching.<key> (mixer._check).
+        ({"max_tokens": 0}, r"^Packed\.max_tokens: must be >= 1, got 0$"),
+        ({"max_tokens": 8, "seq_len": 9}, r"^Packed\.seq_len: must be <= 8, got 9$"),
+        ({"max_tokens": 8, "seq_len": 4, "max_length": 5}, r"^Packed\.max_length: must be <= seq_len \(4\) unless split_documents is true, got 5$"),
+        ({"max_tokens": 8, "open_batches": 0}, r"^Packed\.open_batches: must be >= 1, got 0$"),
+        ({"max_tokens": 8, "overlong": "cut"}, r"^Packed\.overlong: must be one of 'truncate', 'drop', got 'cut'$"),
+        ({"max_tokens": 8, "split_documents": 1}, r"^Packed\.split_documents: must be true or false, got 1$"),
     ],
 )
 def test_packed_configuration_is_checked(kwargs, match):

@@ -22,7 +22,7 @@ PUBLIC = [
     "Loader",
     "MixerError",
     "Mixture",
-    "MixtureSpec",
+    "MixtureConfig",
     "Packed",
     "PackedBatch",
     "Phase",

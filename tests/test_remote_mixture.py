@@ -9,7 +9,7 @@ counters say what was skipped and retried.
 Two facts fix where the expectations come from:
 
 * the source reads a few samples up front, in the main process, from shards 0, 2 and 3 of 4 (see
-  `mixer.source.profile`), so the streaming faults hit shard 1 and are armed after the `Mixture` is
+  `mixer.profiling.profile`), so the streaming faults hit shard 1 and are armed after the `Mixture` is
   built; `test_fault_during_profiling` arms them before;
 * the tar reader yields a sample once the next sample's first header has arrived (or at the
   end-of-archive block), so a shard cut inside the data of member ``j`` (one member per sample here)
@@ -383,8 +383,9 @@ def test_presigned_urls_never_appear_in_errors_warnings_or_logs(
             run(secret_url, workers=workers, on_error="raise", arm=make)
         assert "bucket/x-000001.tar" in str(info.value)
         texts += _texts(info.value)
-    with pytest.raises(ShardError) as info:  # at the door: a prefix that lists nothing
-        mixer.Source("y", secret_url.split("x-{")[0] + "nope/?X-Amz-Signature=" + SECRET, io_options=FAST)
+    with pytest.raises(ShardError) as info:  # at the door (listing, when the mixture is built): a prefix that lists nothing
+        source = mixer.Source("y", secret_url.split("x-{")[0] + "nope/?X-Amz-Signature=" + SECRET, io_options=FAST)
+        mixer.Mixture([source], batching=mixer.TokenBudget(max_tokens=2048))
     texts += _texts(info.value)
     out, err = capfd.readouterr()
     texts += [out, err]
@@ -394,7 +395,7 @@ def test_presigned_urls_never_appear_in_errors_warnings_or_logs(
 
 def test_pipe_only_from_code(root: Path, everything: set[str]) -> None:
     pattern = f"pipe:cat {root}/bucket/x-{{000000..000003}}.tar"
-    with pytest.raises(ConfigError, match=r"source 'p': pipe:cat .*'pipe:' URLs run a shell command, .*allow_pipe=True"):
+    with pytest.raises(ConfigError, match=r"^Source\('p'\)\.urls\[0\]: pipe:cat .*'pipe:' URLs run a shell command, .*allow_pipe=True"):
         mixer.Source("p", pattern)
     config = {"sources": [{"name": "x", "urls": pattern}], "batching": {"max_tokens": 2048}, "stop": "all_exhausted"}
     with pytest.raises(ConfigError, match=r"allow_pipe=True"):
@@ -411,10 +412,10 @@ def test_pipe_only_from_code(root: Path, everything: set[str]) -> None:
 def test_io_options_are_validated(http: FaultyHTTPServer) -> None:
     urls, _ = where(http, "http")
     for options, message in [
-        ({"timout": 1}, "source 'x': io_options: unknown key 'timout'; did you mean 'timeout'?"),
-        ({"timeout": 0}, "source 'x': io_options: timeout must be a number > 0 (got 0)"),
-        ({"read_ahead": -1}, "source 'x': io_options: read_ahead must be an integer >= 0 (got -1)"),
-        ({"retries": True}, "source 'x': io_options: retries must be an integer >= 0 (got True)"),
+        ({"timout": 1}, "Source('x').io_options: unknown key 'timout'; did you mean 'timeout'?"),
+        ({"timeout": 0}, "Source('x').io_options: timeout must be a number > 0 (got 0)"),
+        ({"read_ahead": -1}, "Source('x').io_options: read_ahead must be an integer >= 0 (got -1)"),
+        ({"retries": True}, "Source('x').io_options: retries must be an integer >= 0 (got True)"),
     ]:
         with pytest.raises(ConfigError) as info:
             mixer.Source("x", urls, io_options=options)

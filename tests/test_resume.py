@@ -49,7 +49,7 @@ def test_fifty_random_cut_points_with_the_uninterrupted_run_as_oracle(shards):
     mix = mixture(shards)
     reference = [batch_view(b) for b in take(mixer.make_loader(mix), 260)]
     # Cuts right after 'tiny' restarted an epoch: find them from the counters the batches carry.
-    epochs = [b.info["counters"][2][mixer.source.Counters.FIELDS.index("epochs")] for b in take(mixer.make_loader(mix), 240)]
+    epochs = [b.info["counters"][2][mixer.stream.Counters.FIELDS.index("epochs")] for b in take(mixer.make_loader(mix), 240)]
     after_restart = [i + 1 for i in range(1, len(epochs)) if epochs[i] != epochs[i - 1]][:8]
     assert after_restart, "the fixture should make 'tiny' restart its epoch"
     rng = random.Random(0)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import mixer
-from mixer.source import Counters
+from mixer.stream import Counters
 from mixer.stats import History, Stats, format_line, format_table, plot_run, plot_schedule, report
 from shardutil import write_token_shards
 

@@ -1,0 +1,464 @@
+"""``SourceStream``: one reader's samples of one source (shuffle buffer, cursor, source-epoch), its
+:class:`Counters`, and the per-sample decode and length policy (:func:`make_sample`)."""
+
+from __future__ import annotations
+
+import logging
+import operator
+import os
+import random
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from . import storage
+from ._warn import warn
+from .budget import Packed, TokenBudget
+from .storage import codec_of
+from .decode import Sample, default_tokens
+from .errors import SampleError, ShardError
+from .layout import decoded_fields, field_length
+from .shards import ShardSlice, plan
+from .source import ListedSource, Source
+from .tario import read_samples
+from .world import World, seed_for
+
+log = logging.getLogger(__name__)
+
+
+def _decode(source: Source, raw: dict[str, Any]) -> Any:
+    tokens = source.decode(raw) if source.decode is not None else default_tokens(raw)
+    if source.decode is not None:
+        if tokens is None or isinstance(tokens, Mapping):
+            return None if tokens is None else decoded_fields(raw, tokens)
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+            raise SampleError(
+                f"shard {storage.redact(raw.get('__url__', '?'))}, key {raw.get('__key__')!r}: decode must return a 1-D "
+                f"integer array (got dtype {tokens.dtype}, shape {tokens.shape})"
+            )
+    return tokens
+
+
+def _length_of(source: Source, raw: dict[str, Any], tokens: Any) -> int:
+    length = source.length
+    if isinstance(tokens, dict):  # multi-field (see mixer.layout)
+        return int(length(raw)) if callable(length) else field_length(raw, tokens, length)
+    if isinstance(length, str):
+        raise SampleError(
+            f"shard {storage.redact(raw.get('__url__', '?'))}, key {raw.get('__key__')!r}: length={length!r} names a field, "
+            "but decode returned one array, not a mapping of fields"
+        )
+    return int(length(raw)) if length is not None else len(tokens)
+
+
+@dataclass(slots=True)
+class Counters:
+    """Per-source counters kept by every reader (cumulative, plain ints). ``samples``, ``tokens``
+    (real), ``padded`` (slots) and ``batches`` count what was delivered in batches; ``read`` counts
+    samples taken from shards, some of which may still wait in shuffle or bucket buffers.
+
+    What ``on_error="skip"`` loses: ``skipped_samples`` counts samples known to be lost, exactly (a
+    sample that fails to decode; a sample a damaged shard cut: some of its members read, not all);
+    ``skipped_shards`` counts shards given up (unreadable, or damaged part-way); ``skipped_unknown``
+    those of them whose rest could not be counted in samples (a corrupt header or a failed read with
+    more of the shard after it; a shard that could not be opened at all), while a shard that simply
+    ends early (truncated) loses exactly its cut samples; ``skipped_bytes`` counts the bytes of given-up
+    shards that delivered nothing: from the end of the last sample read to the shard's end, where
+    its size is known (listing, server, file), else to the damage. Bytes are tar bytes (uncompressed)
+    except that the unread rest of a compressed shard is not counted. A shard shared by several
+    readers (fewer shards than readers) is counted once, by the reader of its first part; the samples
+    each by the reader they belonged to.
+    """
+
+    samples: int = 0
+    tokens: int = 0
+    padded: int = 0
+    batches: int = 0
+    read: int = 0
+    bytes: int = 0
+    shards_opened: int = 0
+    shards_finished: int = 0
+    epochs: int = 0
+    truncated: int = 0
+    dropped: int = 0
+    skipped_samples: int = 0
+    skipped_shards: int = 0
+    retries: int = 0
+    split: int = 0  # documents cut into pieces by a packed layout (mixer.Packed(split_documents=True))
+    skipped_bytes: int = 0
+    skipped_unknown: int = 0
+
+    FIELDS: ClassVar[tuple[str, ...]] = (
+        "samples", "tokens", "padded", "batches", "read", "bytes", "shards_opened", "shards_finished",
+        "epochs", "truncated", "dropped", "skipped_samples", "skipped_shards", "retries", "split",
+        "skipped_bytes", "skipped_unknown",
+    )
+
+    def as_list(self) -> list[int]:
+        return [getattr(self, f) for f in self.FIELDS]
+
+
+class SourceStream:
+    """One reader's samples of one source: its shard slices, epoch after epoch (or one epoch when
+    ``finite``), through a shuffle buffer. Over one source-epoch the readers of all ranks and workers
+    together yield every sample exactly once (barring skips, which are counted).
+
+    The stream is an explicit state machine so that :meth:`state_dict` can capture it at any sample
+    boundary as a few integers plus the locations (shard, byte offset) of the buffered samples;
+    :meth:`load_state_dict` seeks back there instead of replaying the epoch.
+    """
+
+    def __init__(
+        self,
+        source: ListedSource,
+        world: World,
+        *,
+        seed: int,
+        budget: TokenBudget | Packed,
+        shuffle_buffer: int,
+        finite: bool,
+        counters: Counters,
+    ) -> None:
+        self.listed = source  # the shards; self.source: the configuration
+        self.source = source.source
+        self.world = world
+        self.seed = seed
+        self.budget = budget
+        self.shuffle_buffer = shuffle_buffer
+        self.finite = finite
+        self.counters = counters
+        # Where reading stands: the epoch, the slice of this epoch's plan, and inside that slice's
+        # shard the index and byte offset of the next tar sample.
+        self.epoch = 0
+        self.slice_pos = 0
+        self.next_index = 0
+        self.next_offset = 0
+        self.got_in_epoch = 0
+        self.exhausted = False
+        self.buffer: list[Sample] = []
+        # The shuffle buffer's size; shrunk to one epoch's worth when a reader's part of an epoch is
+        # smaller, so that the buffer never mixes several epochs of a small source.
+        self.buffer_size = shuffle_buffer
+        # A cap the mixture sets from the source's share (see Reader._probs): a rarely read source
+        # keeps a smaller buffer, so it does not read ahead (and hold) a full buffer for a trickle.
+        self.limit = shuffle_buffer
+        # A private generator (never the global one): cheap per-sample draws for the shuffle buffer.
+        self.rng = random.Random(seed_for(seed, "shuffle", source.name, world.reader))
+        # Shards given up under on_error="skip": (epoch, slice position) -> (samples read before,
+        # then what was counted as lost: skipped_samples, skipped_shards, skipped_unknown,
+        # skipped_bytes), so that a resumed run makes the same decision whatever the network does
+        # then, and counts the same.
+        self.skips: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.new_skips: list[tuple[int, ...]] = []
+        self._plans: dict[int, list[ShardSlice]] = {}
+        self._samples: Iterator[dict[str, Any]] | None = None
+        self._handle: Any = None
+        self._ahead = storage.ReadAhead(options=storage.IOOptions.of(self.source.io_options), storage_options=dict(self.source.storage_options or {}), allow_pipe=self.source.allow_pipe)
+        self._opened_at = 0
+        self._warned_shards: set[int] = set()
+
+    # ---- iteration --------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Sample]:
+        return self
+
+    def __next__(self) -> Sample:
+        buf = self.buffer
+        while True:
+            size = min(self.buffer_size, self.limit)
+            if len(buf) > (size if size > 1 else 0):  # the cap went down: hand out the excess first
+                return self._pop()
+            sample = self._read()
+            if sample is None:
+                if not buf:
+                    raise StopIteration
+                # The pass is over: hand out what the buffer holds, in random order.
+                return self._pop()
+            if size <= 1:
+                return sample
+            if len(buf) < size:
+                buf.append(sample)
+                continue
+            j = int(self.rng.random() * size)
+            out, buf[j] = buf[j], sample
+            return out
+
+    def _pop(self) -> Sample:
+        buf = self.buffer
+        j = int(self.rng.random() * len(buf))
+        out = buf[j]
+        buf[j] = buf[-1]
+        buf.pop()
+        return out
+
+    def _plan(self, epoch: int) -> list[ShardSlice]:
+        if epoch not in self._plans:
+            self._plans = {epoch: plan(len(self.listed.shards), self.world, seed=self.seed, source=self.source.name, epoch=epoch, sizes=self.listed.shard_bytes)}
+        return self._plans[epoch]
+
+    def _read(self) -> Sample | None:
+        """The next sample of this reader's part, in shard order; None when there is no more."""
+        while not self.exhausted:
+            if self._samples is None and not self._open_next():
+                return None
+            sl = self._plan(self.epoch)[self.slice_pos]
+            skip = self.skips.get((self.epoch, self.slice_pos))
+            limit = None if skip is None else skip[0]
+            try:
+                for raw in self._samples:  # type: ignore[union-attr]
+                    i = self.next_index
+                    if limit is not None and i >= limit:
+                        raise _SkipAgain
+                    self.next_index = i + 1
+                    self.next_offset = raw["__end__"]
+                    if sl.parts > 1 and i % sl.parts != sl.part:
+                        continue
+                    sample = make_sample(self.source, self.budget, self.counters, raw, sl.shard, warn_once=self._warn_once)
+                    if sample is not None:
+                        self.counters.read += 1
+                        self.got_in_epoch += 1
+                        return sample
+            except _SkipAgain:
+                # A decision taken before (in the run this one resumes): the same point, the same counts.
+                self._close()
+                assert skip is not None
+                self._add_loss(skip[1:])
+            except ShardError as exc:
+                if self.source.on_error == "raise":
+                    self._close()
+                    raise ShardError(f"source {self.source.name!r}: {exc}") from exc
+                loss, words = self._loss(exc, sl)
+                self._close()
+                self._add_loss(loss)
+                decision = (self.next_index, *loss)
+                self.skips[(self.epoch, self.slice_pos)] = decision
+                self.new_skips.append((self.epoch, self.slice_pos, *decision))
+                self._warn_once(sl.shard, f"source {self.source.name!r}: skipping the rest of shard {storage.redact(self.listed.shards[sl.shard])} ({words}): {exc}")
+            else:
+                self._close()
+                self.counters.shards_finished += 1
+            self.slice_pos += 1
+            self.next_index = 0
+            self.next_offset = 0
+        return None
+
+    def _loss(self, exc: ShardError, sl: ShardSlice) -> tuple[tuple[int, int, int, int], str]:
+        """What giving up the current shard at `exc` loses, as counter increments (skipped_samples,
+        skipped_shards, skipped_unknown, skipped_bytes: see `Counters`), and in words."""
+        cut: list[str] = getattr(exc, "lost", [])  # samples the damage cut, in shard order from next_index
+        mine = sum(1 for j in range(len(cut)) if (self.next_index + j) % sl.parts == sl.part)
+        words = f"{mine} sample(s) cut by the damage"
+        if sl.part != 0:  # the shard itself is counted by the reader of its first part
+            return (mine, 0, 0, 0), words
+        start = self.next_offset  # the first byte not delivered as a sample
+        stop = getattr(exc, "stop", None)  # how far the tar reader got (the shard's end if truncated)
+        if getattr(exc, "truncated", False) and stop is not None:
+            skipped = max(stop - start, 0)
+            return (mine, 1, 0, skipped), f"{words}; the shard ends there, {skipped} bytes undelivered"
+        size = _stream_size(self._handle)
+        if size is None and codec_of(self.listed.shards[sl.shard]) is None:
+            size = self.listed.shard_bytes[sl.shard]
+        end = size if size is not None and size >= start else stop
+        skipped = max(end - start, 0) if end is not None else 0
+        return (mine, 1, 1, skipped), f"{words}; rest of shard unknown: {skipped} bytes from offset {start} skipped"
+
+    def _add_loss(self, loss: Sequence[int]) -> None:
+        c = self.counters
+        samples, shards, unknown, nbytes = (*loss, 0, 0, 0, 0)[:4]  # (older states saved no counts)
+        c.skipped_samples += samples
+        c.skipped_shards += shards
+        c.skipped_unknown += unknown
+        c.skipped_bytes += nbytes
+
+    def _open_next(self) -> bool:
+        """Open the shard of the current slice, moving to the next epoch at the end of one."""
+        while self.slice_pos >= len(self._plan(self.epoch)):
+            self.counters.epochs += 1
+            if self.finite or self.got_in_epoch == 0:
+                if not self.finite:
+                    # This reader's part of an epoch was empty (e.g. fewer samples in a shared
+                    # shard than readers sharing it): stop rather than spin reopening shards; the
+                    # mixture drops the source for this reader and says so.
+                    log.warning("source %r: reader %d got no samples in epoch %d", self.source.name, self.world.reader, self.epoch)
+                self.exhausted = True
+                return False
+            if len(self.buffer) < min(self.buffer_size, self.limit):
+                self.buffer_size = len(self.buffer)
+            self.epoch += 1
+            self.slice_pos = 0
+            self.next_index = 0
+            self.next_offset = 0
+            self.got_in_epoch = 0
+            self.skips = {k: v for k, v in self.skips.items() if k[0] >= self.epoch}
+        sl = self._plan(self.epoch)[self.slice_pos]
+        url = self.listed.shards[sl.shard]
+        if self.next_offset == 0:
+            self.counters.shards_opened += 1
+        self._opened_at = self.next_offset
+        try:
+            upcoming = (self.listed.shards[s.shard] for s in self._plan(self.epoch)[self.slice_pos + 1 :])
+            self._handle = self._ahead.open(url, self.next_offset, upcoming)
+        except ShardError as exc:
+            self.counters.retries += getattr(exc, "retries", 0)
+            # Raised from inside the sample loop, where the on_error policy applies.
+            self._handle = None
+            self._samples = _raising(exc)
+        else:
+            self._samples = read_samples(self._handle, url=storage.redact(url), start_offset=self.next_offset)
+        return True
+
+    def _close(self) -> None:
+        if self._handle is not None:
+            self.counters.retries += getattr(self._handle, "retries", 0)
+            self.counters.bytes += self.next_offset - self._opened_at
+            self._handle.close()
+        self._handle = None
+        self._samples = None
+
+    def close(self) -> None:
+        self._close()
+        self._ahead.close()
+
+    def _warn_once(self, shard: int, message: str) -> None:
+        if shard not in self._warned_shards:
+            self._warned_shards.add(shard)
+            warn(message)
+
+    # ---- state ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where reading stands and where every buffered sample lives: small and JSON-able."""
+        return {
+            "epoch": self.epoch,
+            "slice_pos": self.slice_pos,
+            "next_index": self.next_index,
+            "next_offset": self.next_offset,
+            "got_in_epoch": self.got_in_epoch,
+            "exhausted": self.exhausted,
+            "buffer_size": self.buffer_size,
+            "rng": _rng_state(self.rng),
+            "buffer": locations(self.buffer),
+            "skips": [[e, p, *d] for (e, p), d in sorted(self.skips.items())],
+        }
+
+    def load_state_dict(self, state: dict[str, Any], samples: Mapping[tuple[int, int], Sample]) -> None:
+        """Restore from :meth:`state_dict`; ``samples`` maps (shard, offset) to the re-read samples."""
+        self._close()
+        self.epoch = int(state["epoch"])
+        self.slice_pos = int(state["slice_pos"])
+        self.next_index = int(state["next_index"])
+        self.next_offset = int(state["next_offset"])
+        self.got_in_epoch = int(state["got_in_epoch"])
+        self.exhausted = bool(state["exhausted"])
+        self.buffer_size = int(state["buffer_size"])
+        self.rng.setstate(_rng_tuple(state["rng"]))
+        self.buffer = [samples[(shard, offset)] for shard, offset in state["buffer"]]
+        self.skips = {(int(e), int(p)): tuple(map(int, d)) for e, p, *d in state["skips"]}
+
+    def add_skips(self, skips: Sequence[Sequence[int]]) -> None:
+        """Skip decisions taken after the state was saved, to be taken again at the same points."""
+        for e, p, *decision in skips:
+            self.skips[(int(e), int(p))] = tuple(map(int, decision))
+
+
+class _SkipAgain(Exception):
+    """Reading reached a point where the run being resumed gave the shard up."""
+
+
+def _stream_size(handle: Any) -> int | None:
+    """The size in tar bytes of an open shard stream, when it tells (None for compressed shards)."""
+    if handle is None:
+        return None
+    size = getattr(handle, "size", None)
+    if size is not None:
+        return int(size)
+    try:
+        return os.fstat(handle.fileno()).st_size
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _raising(exc: BaseException) -> Iterator[dict[str, Any]]:
+    raise exc
+    yield  # a generator that raises when first advanced
+
+
+def make_sample(source: Source, budget: TokenBudget | Packed, counters: Counters, raw: dict[str, Any], shard: int, *, warn_once: Callable[[int, str], None] | None = None) -> Sample | None:
+    """Decode one tar sample into a :class:`Sample`, applying the length policy (truncate/drop,
+    counted) and the source's ``on_error`` policy; None when it is dropped or skipped."""
+    try:
+        if source.decode is None and source.length is None:
+            tokens = default_tokens(raw)
+            n = len(tokens)
+        else:
+            decoded = _decoded(source, raw, counters)
+            if decoded is None:
+                return None
+            tokens, n = decoded
+        if n > budget.longest:
+            fitted = _fit(source, budget, counters, raw, tokens, n)
+            if fitted is None:
+                return None
+            tokens, n = fitted
+    except SampleError as exc:
+        _skip_or_raise(source, counters, raw, shard, exc, warn_once)
+        return None
+    return Sample(raw["__key__"], tokens, n, shard, raw["__offset__"])
+
+
+def _decoded(source: Source, raw: dict[str, Any], counters: Counters) -> tuple[Any, int] | None:
+    """Tokens and length of a sample; None (counted as dropped) when the decode filters it out."""
+    tokens = _decode(source, raw)
+    if tokens is None:  # the decode filtered it out (e.g. a duration filter)
+        counters.dropped += 1
+        return None
+    return tokens, _length_of(source, raw, tokens)
+
+
+def _fit(source: Source, budget: TokenBudget | Packed, counters: Counters, raw: dict[str, Any], tokens: Any, n: int) -> tuple[Any, int] | None:
+    """The length policy, the one place that judges a sample's length, up front and mid-stream:
+    ``(tokens, n)`` when it fits or is cut to ``budget.longest`` (counted as truncated), None when
+    dropped (counted); a :class:`SampleError` naming shard and key when it is too long and the
+    budget has no ``max_length`` (the caller applies ``on_error``)."""
+    if n <= budget.longest:
+        return tokens, n
+    if budget.max_length is None:
+        seq_len = getattr(budget, "seq_len", None)  # mixer.Packed rows
+        limit = f"seq_len={seq_len}" if seq_len else f"max_tokens={budget.max_tokens}"
+        how = "split_documents=True to split them, or max_length=... to truncate or drop them" if isinstance(budget, Packed) else "max_length=... to truncate or drop such samples"
+        raise SampleError(f"shard {storage.redact(raw['__url__'])}, key {raw['__key__']!r}: length {n} exceeds {limit}; set {type(budget).__name__}({how})")
+    if budget.overlong == "drop" or source.length is not None or isinstance(tokens, dict):
+        counters.dropped += 1
+        return None
+    counters.truncated += 1
+    return tokens[: budget.longest], budget.longest
+
+
+def _skip_or_raise(source: Source, counters: Counters, raw: dict[str, Any], shard: int, exc: SampleError, warn_once: Callable[[int, str], None] | None) -> None:
+    """The ``on_error`` policy for a bad sample: raise naming the source, or count and warn."""
+    if source.on_error == "raise":
+        raise SampleError(f"source {source.name!r}: {exc}") from exc
+    counters.skipped_samples += 1
+    if warn_once is not None:
+        warn_once(shard, f"source {source.name!r}: skipping bad sample(s) in shard {storage.redact(raw.get('__url__', '?'))}: {exc}")
+
+
+_where = operator.attrgetter("shard", "offset")
+
+
+def locations(samples: Sequence[Sample]) -> list[tuple[int, int]]:
+    """(shard, byte offset) of each sample: where a resumed stream finds it again."""
+    return list(map(_where, samples))
+
+
+def _rng_state(rng: random.Random) -> list[Any]:
+    version, internal, gauss = rng.getstate()
+    return [version, list(internal), gauss]
+
+
+def _rng_tuple(state: Sequence[Any]) -> tuple[Any, ...]:
+    version, internal, gauss = state
+    return (int(version), tuple(int(x) for x in internal), gauss)

@@ -16,7 +16,7 @@ from .errors import StateError
 if TYPE_CHECKING:
     from .mixture import Mixture
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: shuffle buffers draw from PCG64 (mixer.world.Draws), not random.Random
 KIND = "mixer.Loader"
 
 

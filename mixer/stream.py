@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import operator
 import os
-import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -23,7 +22,7 @@ from .layout import decoded_fields, field_length
 from .shards import ShardSlice, plan
 from .source import ListedSource, Source
 from .tario import read_samples
-from .world import World, seed_for
+from .world import Draws, World
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +145,7 @@ class SourceStream:
         # keeps a smaller buffer, so it does not read ahead (and hold) a full buffer for a trickle.
         self.limit = shuffle_buffer
         # A private generator (never the global one): cheap per-sample draws for the shuffle buffer.
-        self.rng = random.Random(seed_for(seed, "shuffle", source.name, world.reader))
+        self.rng = Draws(seed, "shuffle", source.name, world.reader)
         # Shards given up under on_error="skip": (epoch, slice position) -> (samples read before,
         # then what was counted as lost: skipped_samples, skipped_shards, skipped_unknown,
         # skipped_bytes), so that a resumed run makes the same decision whatever the network does
@@ -339,7 +338,7 @@ class SourceStream:
             "got_in_epoch": self.got_in_epoch,
             "exhausted": self.exhausted,
             "buffer_size": self.buffer_size,
-            "rng": _rng_state(self.rng),
+            "rng": self.rng.state_dict(),
             "buffer": locations(self.buffer),
             "skips": [[e, p, *d] for (e, p), d in sorted(self.skips.items())],
         }
@@ -354,7 +353,7 @@ class SourceStream:
         self.got_in_epoch = int(state["got_in_epoch"])
         self.exhausted = bool(state["exhausted"])
         self.buffer_size = int(state["buffer_size"])
-        self.rng.setstate(_rng_tuple(state["rng"]))
+        self.rng.load_state_dict(state["rng"])
         self.buffer = [samples[(shard, offset)] for shard, offset in state["buffer"]]
         self.skips = {(int(e), int(p)): tuple(map(int, d)) for e, p, *d in state["skips"]}
 
@@ -452,13 +451,3 @@ _where = operator.attrgetter("shard", "offset")
 def locations(samples: Sequence[Sample]) -> list[tuple[int, int]]:
     """(shard, byte offset) of each sample: where a resumed stream finds it again."""
     return list(map(_where, samples))
-
-
-def _rng_state(rng: random.Random) -> list[Any]:
-    version, internal, gauss = rng.getstate()
-    return [version, list(internal), gauss]
-
-
-def _rng_tuple(state: Sequence[Any]) -> tuple[Any, ...]:
-    version, internal, gauss = state
-    return (int(version), tuple(int(x) for x in internal), gauss)

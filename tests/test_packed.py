@@ -241,12 +241,14 @@ def test_token_shares_per_source_as_in_the_padded_layout(shards, mix):
         delivered = np.zeros(2)
         for b in loader:
             delivered += np.bincount(b.source.numpy(), weights=b.lengths.numpy(), minlength=2)
-            if delivered.sum() >= 300_000:
+            if delivered.sum() >= 600_000:
                 break
         assert np.allclose(delivered / delivered.sum(), shares(loader.counters()))  # counters = what the batches hold
         results[name] = delivered / delivered.sum()
     # (mix="sample" counts a sample when it is drawn, so what waits in buckets or open rows lags; the
-    # padded layout's buckets hold long samples back longer than the packer's rows do)
+    # padded layout's buckets hold long samples back longer than the packer's rows do. That lag shrinks
+    # as 1/tokens: measured over 8 seeds it is 0.018-0.031 at 300k tokens, which straddled the bound
+    # depending on the RNG stream, and 0.017-0.022 at 600k.)
     assert abs(results["packed"][0] - 0.4) < 0.01
     assert abs(results["padded"][0] - 0.4) < 0.03
     assert abs(results["packed"][0] - results["padded"][0]) < 0.03

@@ -4,12 +4,12 @@ The distribution is named ``wds-mixer`` on PyPI; the import package is ``mixer``
 """
 
 from .audio import SpeechDecode
-from .batch import Batch
+from .batch import Batch, FieldBatch, PackedBatch
 from .bucket import TokenBudget
 from .device import to_device
 from .errors import ConfigError, MixerError, SampleError, ShardError, StateError
 from .io import IOOptions
-from .layout import Field, FieldBatch, Packed, PackedBatch
+from .layout import Field, Packed
 from .loader import Loader, make_loader
 from .mixture import Mixture
 from .config import MixtureSpec, build_mixture, load_config, parse_config

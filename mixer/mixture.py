@@ -16,11 +16,14 @@ from typing import Any, Literal
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .batch import _DTYPES, Batch, collate
-from .bucket import TokenBudget, bucket_edges
-from .layout import Field, Level2, Packed, count, level2, make_layout, unpair
+from .batch import _DTYPES, Batch
+from .batchers import Level2, level2, unpair
+from .bucket import TokenBudget
+from .collate import collate, count, make_layout
 from .decode import Sample
+from .edges import bucket_edges
 from .errors import ConfigError
+from .layout import Field, Packed
 from .schedule import Schedule, SourceInfo, Static, check_schedule
 from .select import SELECTORS, make_selector
 from .source import Counters, Profile, Source, SourceStream, profile, reread

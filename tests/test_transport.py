@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import mixer
-from mixer.batch import collate
+from mixer.collate import collate
 from mixer.errors import MixerError
 from mixer.transport import SlotPool
 

@@ -29,6 +29,36 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
+class Batcher(Protocol[T]):
+    """Level 2, as the mixing loops use it (:class:`Bucketer` and :class:`Packer`). Items are
+    samples, or ``(source, sample)`` pairs when one batcher serves every source (``mix="sample"``).
+
+    ``ready`` holds the batches that may leave, oldest first (a batch is a list of items); ``held``
+    is what the buffers hold in padded tokens. ``add`` buffers an item and says whether a batch is
+    ready; ``release(hold)`` makes one ready early when the buffers hold more than ``hold``;
+    ``drain`` yields every batch left at the end of a finite pass. ``state_dict(encode)`` lists the
+    buffered items through ``encode`` (a sample's shard and offset), ``load_state_dict(state,
+    decode)`` restores them through ``decode`` (from the re-read samples)."""
+
+    ready: deque[Any]
+    held: int
+
+    def add(self, item: T, length: int) -> bool: ...
+
+    def release(self, hold: int) -> bool: ...
+
+    def drain(self) -> Iterator[list[T]]: ...
+
+    def state_dict(self, encode: Callable[[T], Any]) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any], decode: Callable[[Any], T]) -> None: ...
+
+
+def make_batcher(edges: Sequence[int], batching: TokenBudget | Packed) -> Batcher[Any]:
+    """A :class:`Packer` for :class:`~mixer.Packed`, else a :class:`Bucketer` over ``edges``."""
+    return Packer(batching) if isinstance(batching, Packed) else Bucketer(edges, batching)
+
+
 class Bucketer(Generic[T]):
     """Per-bucket buffers. ``add`` puts a batch (a list of items) on ``ready`` when the sample's
     bucket is full, and also when the bucket holding the oldest waiting sample has waited while
@@ -48,7 +78,8 @@ class Bucketer(Generic[T]):
         self.emitted = 0  # batches that left the buffers
         # (batches emitted when the bucket's first item arrived, bucket); stale entries are skipped.
         self._waiting: list[tuple[int, int]] = []
-        self._since = [0] * len(self.edges)
+        # Per bucket: batches emitted when its oldest item arrived (the state's "since").
+        self._opened = [0] * len(self.edges)
         self.held = 0
 
     def add(self, item: T, length: int) -> bool:
@@ -56,7 +87,7 @@ class Bucketer(Generic[T]):
         b = bisect.bisect_left(self.edges, length)
         buf = self.buffers[b]
         if not buf:
-            self._since[b] = self.emitted
+            self._opened[b] = self.emitted
             heapq.heappush(self._waiting, (self.emitted, b))
         buf.append(item)
         self.held += self.edges[b]
@@ -64,8 +95,8 @@ class Bucketer(Generic[T]):
             self._take(b)
         waiting = self._waiting
         while waiting and self.emitted - waiting[0][0] >= self.max_wait:
-            since, old = heapq.heappop(waiting)
-            if self.buffers[old] and self._since[old] == since:
+            opened, old = heapq.heappop(waiting)
+            if self.buffers[old] and self._opened[old] == opened:
                 self._take(old)
         return bool(self.ready)
 
@@ -129,7 +160,7 @@ class Bucketer(Generic[T]):
             "buffers": [list(map(encode, buf)) for buf in self.buffers],
             "ready": [list(map(encode, batch)) for batch in self.ready],
             "emitted": self.emitted,
-            "since": list(self._since),
+            "since": list(self._opened),
             "waiting": [list(w) for w in self._waiting],
         }
 
@@ -140,7 +171,7 @@ class Bucketer(Generic[T]):
         self.held = sum(len(buf) * e for buf, e in zip(self.buffers, self.edges))
         self.ready = deque([decode(x) for x in batch] for batch in state["ready"])
         self.emitted = int(state["emitted"])
-        self._since = [int(x) for x in state["since"]]
+        self._opened = [int(x) for x in state["since"]]
         self._waiting = [(int(a), int(b)) for a, b in state["waiting"]]
 
 
@@ -173,7 +204,7 @@ class _Open(Generic[T]):
 
 
 class Packer(Generic[T]):
-    """Level 2 for :class:`Packed`, with :class:`~mixer.bucket.Bucketer`'s interface: ``add`` places
+    """Level 2 for :class:`~mixer.Packed`, a :class:`Batcher` like :class:`Bucketer`: ``add`` places
     an item's tokens (first fit; pieces when splitting) and puts full batches on ``ready`` as
     :class:`PackedGroup`\\ s; ``drain`` empties everything at the end of a finite pass. Placement is
     a pure function of the order of arrival, so a restored packer continues exactly."""
@@ -312,29 +343,6 @@ class Packer(Generic[T]):
                 batch.left -= piece[4]
             self.open.append(batch)
         self.emitted = int(state["emitted"])
-
-
-class Level2(Protocol[T]):
-    """What the reader needs of level 2: :class:`~mixer.bucket.Bucketer` and :class:`Packer`."""
-
-    ready: deque[Any]
-    held: int
-
-    def add(self, item: T, length: int) -> bool: ...
-
-    def drain(self) -> Iterator[list[T]]: ...
-
-    def release(self, hold: int) -> bool: ...
-
-    def state_dict(self, encode: Callable[[T], Any]) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any], decode: Callable[[Any], T]) -> None: ...
-
-
-def level2(edges: Sequence[int], batching: TokenBudget | Packed) -> Level2[Any]:
-    from .bucket import Bucketer
-
-    return Packer(batching) if isinstance(batching, Packed) else Bucketer(edges, batching)
 
 
 def unpair(group: list[tuple[int, Any]]) -> tuple[list[Any], np.ndarray]:

@@ -239,7 +239,7 @@ def make_layout(batching: TokenBudget | Packed, fields: Mapping[str, Field] | No
     return None
 
 
-def count(counters: Sequence[Counters], sources: np.ndarray, accounted: tuple[np.ndarray, ...]) -> None:
+def count_delivered(counters: Sequence[Counters], sources: np.ndarray, accounted: tuple[np.ndarray, ...]) -> None:
     """Add one batch to the per-source counters from :meth:`PackedLayout.account` (or Field's)."""
     tokens, docs, slots, split = accounted
     n = len(counters)

@@ -17,9 +17,9 @@ import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
 from .batch import _DTYPES, Batch
-from .batchers import Level2, level2, unpair
+from .batchers import Batcher, make_batcher, unpair
 from .bucket import TokenBudget
-from .collate import collate, count, make_layout
+from .collate import collate, count_delivered, make_layout
 from .decode import Sample
 from .edges import bucket_edges
 from .errors import ConfigError
@@ -240,12 +240,12 @@ class Reader:
         ]
         # Items are Samples (mix="batch": one level 2 per source) or (source, Sample) pairs
         # (mix="sample": one shared level 2, repeated per source); use sites name the item type.
-        self.bucketers: list[Level2[Any]]
+        self.batchers: list[Batcher[Any]]
         if mixture.mix == "sample":
-            shared = level2(mixture.edges[0], budget)
-            self.bucketers = [shared] * n
+            shared = make_batcher(mixture.edges[0], budget)
+            self.batchers = [shared] * n
         else:
-            self.bucketers = [level2(e, budget) for e in mixture.edges]
+            self.batchers = [make_batcher(e, budget) for e in mixture.edges]
         self.selector = make_selector(mixture.selector, n, seed=mixture.seed, stream=(world.rank, world.worker))
         self.active = np.ones(n, dtype=bool)
         self.batches = 0
@@ -331,7 +331,7 @@ class Reader:
 
     def state_dict(self) -> dict[str, Any]:
         shared = self.mixture.mix == "sample"
-        bucketers = self.bucketers[:1] if shared else self.bucketers
+        batchers = self.batchers[:1] if shared else self.batchers
         return {
             "batches": self.batches,
             "tokens": self.tokens,
@@ -341,7 +341,7 @@ class Reader:
             "streams": [st.state_dict() for st in self.streams],
             "bucketers": [
                 b.state_dict(_encode_pair if shared else _encode_sample)
-                for b in bucketers
+                for b in batchers
             ],
         }
 
@@ -364,10 +364,10 @@ class Reader:
         for st, saved, found in zip(self.streams, state["streams"], samples):
             st.load_state_dict(saved, found)
         if shared:
-            pairs: Level2[tuple[int, Sample]] = self.bucketers[0]
+            pairs: Batcher[tuple[int, Sample]] = self.batchers[0]
             pairs.load_state_dict(state["bucketers"][0], _pair_decoder(samples))
         else:
-            for b, bs, found in zip(self.bucketers, state["bucketers"], samples):
+            for b, bs, found in zip(self.batchers, state["bucketers"], samples):
                 b.load_state_dict(bs, _sample_decoder(found))
         self.selector.load_state_dict(state["selector"])
         self.active = np.asarray(state["active"], dtype=bool)
@@ -405,7 +405,7 @@ class Reader:
             yield self._finish(batch)
 
     def _next_batch(self, i: int) -> list[Sample] | None:
-        bucketer: Level2[Sample] = self.bucketers[i]
+        bucketer: Batcher[Sample] = self.batchers[i]
         ready = bucketer.ready
         hold = self._holds[i]
         if ready or bucketer.release(hold):
@@ -418,7 +418,7 @@ class Reader:
 
     def _sample_mix(self) -> Iterator[Batch]:
         unit_tokens = self.mixture.unit == "tokens"
-        shared: Level2[tuple[int, Sample]] = self.bucketers[0]
+        shared: Batcher[tuple[int, Sample]] = self.batchers[0]
         while self.active.any():
             probs = self._probs()
             i = self.selector.choose(probs, self.active)
@@ -441,7 +441,7 @@ class Reader:
         layout = m.layout
         if layout is not None:
             accounted = layout.account(samples)  # type: ignore[arg-type]
-            count(self.counters, sources, accounted)
+            count_delivered(self.counters, sources, accounted)
             return self._emit(int(accounted[0].sum()), lambda info, out: layout.collate(samples, sources, info=info, out=out))  # type: ignore[arg-type]
         if samples and isinstance(samples[0].tokens, dict):
             raise ConfigError(
@@ -454,7 +454,7 @@ class Reader:
         lengths = np.array(length_col, dtype=np.int64)
         n_tokens = int(lengths.sum())
         ones = np.ones(len(samples), dtype=np.int64)
-        count(self.counters, sources, (lengths, ones, ones * int(lengths.max()), np.zeros_like(ones)))
+        count_delivered(self.counters, sources, (lengths, ones, ones * int(lengths.max()), np.zeros_like(ones)))
         return self._emit(n_tokens, lambda info, out: collate(tokens, lengths, sources, keys, pad_id=m.pad_id, dtype=m.dtype, info=info, out=out))
 
     def _emit(self, n_tokens: int, build: Callable[[dict[str, Any], Callable[[int], np.ndarray | None] | None], Batch]) -> Batch:

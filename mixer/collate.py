@@ -18,21 +18,57 @@ worker's shared slot, see :mod:`mixer.transport`); the batch types are :mod:`mix
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
 
 from .batch import _DTYPES, FIELD_DTYPES, Batch, FieldBatch, PackedBatch, Spec, _extents
+from .batchers import PackedGroup
+from .decode import Sample
 from .errors import ConfigError, SampleError
 from .layout import Field, Packed, check_fields
 
 if TYPE_CHECKING:
-    from .batchers import PackedGroup
     from .bucket import TokenBudget
-    from .mixture import Mixture
     from .source import Counters
+
+#: Where a collate writes: ``out(num_elements)`` gives a writable 1-D array of the batch dtype (a
+#: worker's shared slot) or None (a new array is allocated).
+Out = Callable[[int], np.ndarray | None]
+
+
+class Delivered(NamedTuple):
+    """What one batch delivers, per item (a sample; a segment of a packed batch), in the fields of
+    the per-source counters they are added to (:func:`count_delivered`)."""
+
+    tokens: np.ndarray  # real tokens
+    samples: np.ndarray  # 1 on a sample's first (or only) segment
+    padded: np.ndarray  # slots taken, padding included
+    split: np.ndarray  # 1 on the first piece of a document that was cut
+
+
+class Layout(Protocol):
+    """How a batch is accounted, collated and sized: :class:`PaddedLayout`, :class:`PackedLayout`,
+    :class:`FieldLayout` (one per mixture, from :func:`make_layout`). ``group`` is a batch as level
+    2 cut it (samples in batch order; a :class:`~mixer.batchers.PackedGroup` for packed batches),
+    ``sources`` each sample's source index."""
+
+    def account(self, group: Sequence[Sample]) -> Delivered:
+        """What the batch delivers, per item, before it is collated (the selector and the
+        counters count it)."""
+        ...
+
+    def collate(self, group: Sequence[Sample], sources: np.ndarray, *, info: dict[str, Any], out: Out | None = None) -> Batch:
+        """The batch in one flat buffer: from ``out`` when it gives one, else a new array."""
+        ...
+
+    def max_elements(self, edges: Sequence[Sequence[int]]) -> int:
+        """The largest flat buffer a batch can need (the size of a worker's shared slot), given
+        every source's bucket edges; a batch beyond it travels by value instead."""
+        ...
 
 
 
@@ -45,7 +81,7 @@ def collate(
     pad_id: int = 0,
     dtype: str = "int32",
     info: dict[str, Any] | None = None,
-    out: Callable[[int], np.ndarray | None] | None = None,
+    out: Out | None = None,
 ) -> Batch:
     """Pad ``token_arrays`` (already cut to ``lengths``) into one preallocated buffer: a new array,
     or the one ``out(num_elements)`` provides (a worker's shared slot).
@@ -78,17 +114,60 @@ def _numpy_views(flat: np.ndarray, spec: Spec) -> dict[str, np.ndarray]:
     }
 
 
-def _flat_buffer(spec: Spec, dtype: str, out: Callable[[int], np.ndarray | None] | None) -> np.ndarray:
+def _flat_buffer(spec: Spec, dtype: str, out: Out | None) -> np.ndarray:
     _, total = _extents(spec, np.dtype(_DTYPES[dtype][0]).itemsize)
     flat = out(total) if out is not None else None
     return flat if flat is not None else np.empty(total, dtype=_DTYPES[dtype][0])
 
 
-# ---- collates -------------------------------------------------------------------------------
+# ---- layouts --------------------------------------------------------------------------------
+
+_LENGTH = operator.attrgetter("length")  # a C-level getter: no Python frame per sample
+
+
+def _per_sample(group: Sequence[Sample]) -> Delivered:
+    """One row per sample, padded to the longest: the padded and multi-field layouts."""
+    lengths = np.fromiter(map(_LENGTH, group), dtype=np.int64, count=len(group))
+    ones = np.ones(len(group), dtype=np.int64)
+    return Delivered(lengths, ones, ones * (int(lengths.max()) if len(group) else 0), np.zeros_like(ones))
+
+
+def _most_samples(budget: TokenBudget, edges: Sequence[Sequence[int]]) -> int:
+    """The most samples a bucketed batch can hold: the largest capacity of any bucket."""
+    return max(budget.capacity(e) for per_source in edges for e in per_source)
+
+
+class PaddedLayout:
+    """Token samples padded to ``[B, L]`` (:func:`collate`), ``L`` the batch's longest sample."""
+
+    def __init__(self, budget: TokenBudget, *, dtype: str, pad_id: int, names: Sequence[str]) -> None:
+        self.budget = budget
+        self.dtype = dtype
+        self.pad_id = pad_id
+        self.names = tuple(names)  # the sources', for errors
+
+    def account(self, group: Sequence[Sample]) -> Delivered:
+        return _per_sample(group)
+
+    def collate(self, group: Sequence[Sample], sources: np.ndarray, *, info: dict[str, Any], out: Out | None = None) -> Batch:
+        if group and isinstance(group[0].tokens, dict):
+            raise ConfigError(
+                f"source {self.names[int(sources[0])]!r}: decode returned fields {sorted(group[0].tokens)}; pass "
+                "Mixture(fields={name: mixer.Field(...)}) to collate them"
+            )
+        # Sample is a tuple: one C-level transpose instead of a Python pass per field.
+        keys, tokens, lengths = list(zip(*group))[:3]
+        return collate(tokens, np.array(lengths, dtype=np.int64), sources, list(keys), pad_id=self.pad_id, dtype=self.dtype, info=info, out=out)
+
+    def max_elements(self, edges: Sequence[Sequence[int]]) -> int:
+        """``B * L <= max_tokens`` plus ``lengths`` and ``source`` (``2 * B``), ``B`` at most the
+        largest bucket capacity."""
+        return self.budget.max_tokens + 2 * _most_samples(self.budget, edges)
 
 
 class PackedLayout:
-    """What the reader needs for :class:`Packed` batches: accounting and the collate."""
+    """Documents packed back to back (:class:`~mixer.PackedBatch`), as a
+    :class:`~mixer.batchers.Packer` placed them: its batches are :class:`~mixer.batchers.PackedGroup`\\ s."""
 
     def __init__(self, packed: Packed, *, dtype: str, pad_id: int) -> None:
         self.packed = packed
@@ -108,15 +187,17 @@ class PackedLayout:
         extent = np.diff(pos, append=total)
         return pos, extent, count, total
 
-    def account(self, group: PackedGroup[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def account(self, group: Sequence[Sample]) -> Delivered:
         """Per segment: real tokens, documents (1 on a document's first piece), padded slots, and
         split documents (1 on the first piece of a document that was cut)."""
+        assert isinstance(group, PackedGroup)
         _, extent, count, _ = self._geometry(group)
         first = np.asarray(group.starts, dtype=np.int64) == 0
         whole = np.fromiter((s.length for s in group), dtype=np.int64, count=len(group))
-        return count, first.astype(np.int64), extent, (first & (count < whole)).astype(np.int64)
+        return Delivered(count, first.astype(np.int64), extent, (first & (count < whole)).astype(np.int64))
 
-    def collate(self, group: PackedGroup[Any], sources: np.ndarray, *, info: dict[str, Any], out: Callable[[int], np.ndarray | None] | None = None) -> PackedBatch:
+    def collate(self, group: Sequence[Sample], sources: np.ndarray, *, info: dict[str, Any], out: Out | None = None) -> PackedBatch:
+        assert isinstance(group, PackedGroup)
         pos, extent, count, total = self._geometry(group)
         n, dt = len(group), self.dtype
         spec: Spec = (
@@ -149,7 +230,7 @@ class PackedLayout:
         max_seqlen = int(extent.max()) if n else 0
         return PackedBatch(torch.from_numpy(flat), spec, [s.key for s in group], info, (seq_len, max_seqlen))
 
-    def max_elements(self, mixture: Mixture) -> int:
+    def max_elements(self, edges: Sequence[Sequence[int]]) -> int:
         # Each segment holds at least one token (or is a document of none), so n <= T <= max_tokens
         # barring empty documents; an unusual batch beyond the slot travels by value.
         t = self.packed.max_tokens
@@ -160,19 +241,18 @@ class PackedLayout:
 
 
 class FieldLayout:
-    """What the reader needs for multi-field samples: accounting and the collate."""
+    """Samples of several named fields (:class:`~mixer.FieldBatch`), each padded on its own; the
+    budget and the counters count each sample's ``length``."""
 
-    def __init__(self, fields: Mapping[str, Field], *, dtype: str) -> None:
+    def __init__(self, fields: Mapping[str, Field], budget: TokenBudget, *, dtype: str) -> None:
         self.fields = dict(fields)
+        self.budget = budget
         self.dtype = dtype
 
-    def account(self, group: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        lengths = np.fromiter((s.length for s in group), dtype=np.int64, count=len(group))
-        longest = int(lengths.max()) if len(group) else 0
-        ones = np.ones(len(group), dtype=np.int64)
-        return lengths, ones, ones * longest, np.zeros(len(group), dtype=np.int64)
+    def account(self, group: Sequence[Sample]) -> Delivered:
+        return _per_sample(group)
 
-    def collate(self, group: Sequence[Any], sources: np.ndarray, *, info: dict[str, Any], out: Callable[[int], np.ndarray | None] | None = None) -> FieldBatch:
+    def collate(self, group: Sequence[Sample], sources: np.ndarray, *, info: dict[str, Any], out: Out | None = None) -> FieldBatch:
         b, dt = len(group), self.dtype
         columns: dict[str, list[np.ndarray]] = {}
         for name in self.fields:
@@ -212,36 +292,35 @@ class FieldLayout:
         v["source"][:] = sources
         return FieldBatch(torch.from_numpy(flat), spec, [s.key for s in group], info, (int(lengths.max()) if b else 0,))
 
-    def max_elements(self, mixture: Mixture) -> int:
+    def max_elements(self, edges: Sequence[Sequence[int]]) -> int:
         """Each field provisioned for ``max_tokens`` elements (true of the counted field; a field
         longer than the counted one, rare, may make a batch travel by value instead of by slot)."""
-        budget = mixture.batching
-        assert not isinstance(budget, Packed)
-        b = max(budget.capacity(e) for edges in mixture.edges for e in edges)
-        t, dt = budget.max_tokens, self.dtype
+        b = _most_samples(self.budget, edges)
+        t, dt = self.budget.max_tokens, self.dtype
         spec: Spec = tuple(
             x for name, f in self.fields.items() for x in ((name, f.dtype, (t,)), (f"{name}_lengths", dt, (b,)))
         ) + (("lengths", dt, (b,)), ("source", dt, (b,)))
         return _extents(spec, np.dtype(_DTYPES[dt][0]).itemsize)[1]
 
 
-Layout = PackedLayout | FieldLayout
-
-
-def make_layout(batching: TokenBudget | Packed, fields: Mapping[str, Field] | None, *, dtype: str, pad_id: int) -> Layout | None:
-    """None for the padded token layout (the mixture's own collate)."""
+def make_layout(
+    batching: TokenBudget | Packed, fields: Mapping[str, Field] | None, *, dtype: str, pad_id: int, names: Sequence[str]
+) -> Layout:
+    """The mixture's layout: packed for :class:`~mixer.Packed`, multi-field with ``fields``, else
+    padded tokens. ``names``: the sources', for errors."""
     if isinstance(batching, Packed):
         if fields is not None:
             raise ConfigError("fields: multi-field samples are batched with TokenBudget (padded per field); Packed packs token documents")
         return PackedLayout(batching, dtype=dtype, pad_id=pad_id)
     if fields is not None:
-        return FieldLayout(check_fields(fields), dtype=dtype)
-    return None
+        return FieldLayout(check_fields(fields), batching, dtype=dtype)
+    return PaddedLayout(batching, dtype=dtype, pad_id=pad_id, names=names)
 
 
-def count_delivered(counters: Sequence[Counters], sources: np.ndarray, accounted: tuple[np.ndarray, ...]) -> None:
-    """Add one batch to the per-source counters from :meth:`PackedLayout.account` (or Field's)."""
-    tokens, docs, slots, split = accounted
+def count_delivered(counters: Sequence[Counters], sources: np.ndarray, delivered: Delivered) -> None:
+    """Add one batch to the per-source counters: what :meth:`Layout.account` gave, summed per
+    source; a source with an item in the batch counts the batch."""
+    tokens, docs, slots, split = delivered
     n = len(counters)
     present = np.bincount(sources, minlength=n)
     sums = [np.bincount(sources, weights=x, minlength=n) for x in (tokens, docs, slots, split)]

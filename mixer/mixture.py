@@ -19,7 +19,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .batch import _DTYPES, Batch
 from .batchers import Batcher, make_batcher, unpair
 from .bucket import TokenBudget
-from .collate import collate, count_delivered, make_layout
+from .collate import Layout, count_delivered, make_layout
 from .decode import Sample
 from .edges import bucket_edges
 from .errors import ConfigError
@@ -123,8 +123,8 @@ class Mixture(IterableDataset[Batch]):
         self.dtype = dtype
         self.state_every = state_every
         self.rank, self.world_size = resolve_rank(rank, world_size, dp_group)
-        # None: padded token batches (collate below); else packed or multi-field (mixer.layout).
-        self.layout = make_layout(batching, fields, dtype=dtype, pad_id=self.pad_id)
+        # How a batch is accounted, collated and sized: padded, packed or multi-field (mixer.collate).
+        self.layout: Layout = make_layout(batching, fields, dtype=dtype, pad_id=self.pad_id, names=names)
         for s in sources:
             if isinstance(s.length, str) and (fields is None or s.length not in fields):
                 raise ConfigError(f"source {s.name!r}: length={s.length!r} names a field, but the mixture's fields= {sorted(fields or ())} lack it")
@@ -174,13 +174,8 @@ class Mixture(IterableDataset[Batch]):
 
     @property
     def max_batch_elements(self) -> int:
-        """The largest flat buffer a batch can need: ``B * L <= max_tokens`` plus ``lengths`` and
-        ``source`` (``2 * B``), with ``B`` at most the largest bucket capacity."""
-        if self.layout is not None:
-            return self.layout.max_elements(self)
-        assert isinstance(self.batching, TokenBudget)
-        most = max(self.batching.capacity(e) for edges in self.edges for e in edges)
-        return self.batching.max_tokens + 2 * most
+        """The largest flat buffer a batch can need (see :meth:`mixer.collate.Layout.max_elements`)."""
+        return self.layout.max_elements(self.edges)
 
     def reader(self, world: World, *, pool: SlotPool | None = None) -> Reader:
         return Reader(self, world, pool=pool)
@@ -437,25 +432,10 @@ class Reader:
                 yield self._finish(self._collate(*unpair(rest)))
 
     def _collate(self, samples: list[Sample], sources: np.ndarray) -> Batch:
-        m = self.mixture
-        layout = m.layout
-        if layout is not None:
-            accounted = layout.account(samples)  # type: ignore[arg-type]
-            count_delivered(self.counters, sources, accounted)
-            return self._emit(int(accounted[0].sum()), lambda info, out: layout.collate(samples, sources, info=info, out=out))  # type: ignore[arg-type]
-        if samples and isinstance(samples[0].tokens, dict):
-            raise ConfigError(
-                f"source {m.names[int(sources[0])]!r}: decode returned fields {sorted(samples[0].tokens)}; pass "
-                "Mixture(fields={name: mixer.Field(...)}) to collate them"
-            )
-        # Sample is a tuple: one C-level transpose instead of a Python pass per field.
-        key_col, tokens, length_col = list(zip(*samples))[:3]
-        keys = list(key_col)
-        lengths = np.array(length_col, dtype=np.int64)
-        n_tokens = int(lengths.sum())
-        ones = np.ones(len(samples), dtype=np.int64)
-        count_delivered(self.counters, sources, (lengths, ones, ones * int(lengths.max()), np.zeros_like(ones)))
-        return self._emit(n_tokens, lambda info, out: collate(tokens, lengths, sources, keys, pad_id=m.pad_id, dtype=m.dtype, info=info, out=out))
+        layout = self.mixture.layout
+        delivered = layout.account(samples)
+        count_delivered(self.counters, sources, delivered)
+        return self._emit(int(delivered.tokens.sum()), lambda info, out: layout.collate(samples, sources, info=info, out=out))
 
     def _emit(self, n_tokens: int, build: Callable[[dict[str, Any], Callable[[int], np.ndarray | None] | None], Batch]) -> Batch:
         """Attach the bookkeeping and build the batch, into a shared slot when there is a pool."""

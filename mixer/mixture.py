@@ -451,21 +451,9 @@ class Reader:
         self.tokens += n_tokens
         if self.pool is None:
             return build(info, None)
-        pool, worker = self.pool, self.world.worker
-        claimed: list[tuple[int, int]] = []
-
-        def into_slot(n: int) -> np.ndarray | None:
-            got = pool.claim(worker, n)
-            if got is None:
-                return None
-            claimed.append(got[:2])
-            return got[2]
-
-        batch = build(info, into_slot)
-        if claimed:
-            slot, stamp = claimed[0]
-            pool.seal(worker, slot, stamp)
-            batch.slot = (pool.id, worker, slot, stamp)
+        writer = self.pool.writer(self.world.worker)
+        batch = build(info, writer.out)
+        batch.slot = writer.seal()
         return batch
 
 

@@ -18,8 +18,6 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-import numpy as np
-
 from .errors import ConfigError, SampleError, StateError
 from .layout import Packed
 
@@ -343,12 +341,3 @@ class Packer(Generic[T]):
                 batch.left -= piece[4]
             self.open.append(batch)
         self.emitted = int(state["emitted"])
-
-
-def unpair(group: list[tuple[int, Any]]) -> tuple[list[Any], np.ndarray]:
-    """A group of ``(source, sample)`` pairs (``mix="sample"``) as samples and their sources."""
-    samples = [s for _, s in group]
-    sources = np.fromiter((j for j, _ in group), dtype=np.int64, count=len(group))
-    if isinstance(group, PackedGroup):
-        return group.with_items(samples), sources
-    return samples, sources

@@ -17,13 +17,14 @@ import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
 from .batch import _DTYPES, Batch
-from .batchers import Batcher, make_batcher, unpair
+from .batchers import Batcher, make_batcher
 from .bucket import TokenBudget
 from .collate import Layout, count_delivered, make_layout
 from .decode import Sample
 from .edges import bucket_edges
 from .errors import ConfigError
 from .layout import Field, Packed
+from .mixing import Cut, mix_batches, mix_samples
 from .schedule import Schedule, SourceInfo, Static, check_schedule
 from .select import SELECTORS, make_selector
 from .source import Counters, Profile, Source, SourceStream, profile, reread
@@ -49,8 +50,8 @@ class Mixture(IterableDataset[Batch]):
     the realized share of ``unit`` (real tokens by default) tracks ``schedule``'s target. Level 2
     (``batching``) groups a source's samples by length so that padding stays small
     (:class:`~mixer.TokenBudget`), or packs them back to back (:class:`~mixer.Packed`: batches are
-    :class:`~mixer.layout.PackedBatch`). ``fields``: samples whose ``decode`` returns named arrays
-    are collated per field (batches are :class:`~mixer.layout.FieldBatch`; see :mod:`mixer.layout`).
+    :class:`~mixer.PackedBatch`). ``fields``: samples whose ``decode`` returns named arrays are
+    collated per field (batches are :class:`~mixer.FieldBatch`; see :mod:`mixer.collate`).
 
     ``stop``: ``"never"`` restarts an exhausted source with a reshuffled epoch; ``"first_exhausted"``
     ends when any source has delivered its whole pass; ``"all_exhausted"`` drops exhausted sources
@@ -269,7 +270,7 @@ class Reader:
         (1 for the most wanted source). Its shuffle buffer keeps ``max(ceil(r * shuffle_buffer),
         min(shuffle_buffer, MIN_SHUFFLE))`` samples and its buckets ``max(r * len(edges), 2)``
         batches of padded tokens; beyond that the best batch they can make leaves (see
-        :meth:`mixer.bucket.Bucketer.release`: fewer or shorter-padded samples), so a source at a
+        :meth:`mixer.batchers.Bucketer.release`: fewer or shorter-padded samples), so a source at a
         0.5% share reads about what it delivers instead of filling every bucket first. Unchanged
         for the most wanted source: ``len(edges)`` buckets, each short of a full batch, never hold
         ``len(edges)`` batches.
@@ -291,10 +292,21 @@ class Reader:
         return p / total
 
     def __iter__(self) -> Iterator[Batch]:
-        if self.mixture.mix == "sample":
-            yield from self._sample_mix()
+        m = self.mixture
+        count_tokens = m.unit == "tokens"
+        cuts: Iterator[Cut]
+        if m.mix == "sample":
+            cuts = mix_samples(
+                self.streams, self.batchers[0], self.selector, m.layout, probs=self._probs, active=self.active,
+                retire=self._retire, count_tokens=count_tokens, drain=m.stop == "all_exhausted",
+            )
         else:
-            yield from self._batch_mix()
+            cuts = mix_batches(
+                self.streams, self.batchers, self.selector, m.layout, probs=self._probs, holds=self._holds,
+                active=self.active, retire=self._retire, count_tokens=count_tokens,
+            )
+        for cut in cuts:
+            yield self._finish(self._emit(cut))
 
     def fast_forward(self, batches: int) -> Iterator[Batch]:
         """The stream after producing and dropping ``batches`` batches (to reach the exact point of
@@ -384,61 +396,12 @@ class Reader:
             log.warning("source %r has no data for reader %d; mixing the other sources only", self.mixture.names[i], self.world.reader)
         return self.mixture.stop != "first_exhausted" and bool(self.active.any())
 
-    def _batch_mix(self) -> Iterator[Batch]:
-        unit_tokens = self.mixture.unit == "tokens"
-        while self.active.any():
-            probs = self._probs()
-            i = self.selector.choose(probs, self.active)
-            samples = self._next_batch(i)
-            if samples is None:
-                if not self._retire(i):
-                    return
-                continue
-            batch = self._collate(samples, np.full(len(samples), i, dtype=np.int64))
-            n_tokens = int(batch.info["tokens"])
-            self.selector.update(i, n_tokens if unit_tokens else len(samples), probs)
-            yield self._finish(batch)
-
-    def _next_batch(self, i: int) -> list[Sample] | None:
-        bucketer: Batcher[Sample] = self.batchers[i]
-        ready = bucketer.ready
-        hold = self._holds[i]
-        if ready or bucketer.release(hold):
-            return ready.popleft()
-        add = bucketer.add
-        for sample in self.streams[i]:
-            if add(sample, sample.length) or (bucketer.held > hold and bucketer.release(hold)):
-                return ready.popleft()
-        return next(bucketer.drain(), None)
-
-    def _sample_mix(self) -> Iterator[Batch]:
-        unit_tokens = self.mixture.unit == "tokens"
-        shared: Batcher[tuple[int, Sample]] = self.batchers[0]
-        while self.active.any():
-            probs = self._probs()
-            i = self.selector.choose(probs, self.active)
-            sample = next(self.streams[i], None)
-            if sample is None:
-                if not self._retire(i):
-                    break
-                continue
-            self.selector.update(i, sample.length if unit_tokens else 1, probs)
-            if shared.add((i, sample), sample.length):
-                while shared.ready:
-                    full = shared.ready.popleft()
-                    yield self._finish(self._collate(*unpair(full)))
-        if self.mixture.stop == "all_exhausted":
-            for rest in shared.drain():
-                yield self._finish(self._collate(*unpair(rest)))
-
-    def _collate(self, samples: list[Sample], sources: np.ndarray) -> Batch:
-        layout = self.mixture.layout
-        delivered = layout.account(samples)
+    def _emit(self, cut: Cut) -> Batch:
+        """Count the batch, attach the bookkeeping and collate it, into a shared slot when there is
+        a pool."""
+        samples, sources, delivered = cut
         count_delivered(self.counters, sources, delivered)
-        return self._emit(int(delivered.tokens.sum()), lambda info, out: layout.collate(samples, sources, info=info, out=out))
-
-    def _emit(self, n_tokens: int, build: Callable[[dict[str, Any], Callable[[int], np.ndarray | None] | None], Batch]) -> Batch:
-        """Attach the bookkeeping and build the batch, into a shared slot when there is a pool."""
+        n_tokens = int(delivered.tokens.sum())
         info = {
             "step": self.step,
             "worker": self.world.worker,
@@ -449,10 +412,11 @@ class Reader:
         }
         self.batches += 1
         self.tokens += n_tokens
+        layout = self.mixture.layout
         if self.pool is None:
-            return build(info, None)
+            return layout.collate(samples, sources, info=info)
         writer = self.pool.writer(self.world.worker)
-        batch = build(info, writer.out)
+        batch = layout.collate(samples, sources, info=info, out=writer.out)
         batch.slot = writer.seal()
         return batch
 

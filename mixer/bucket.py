@@ -1,5 +1,5 @@
-"""The padded layout's batch budget: :class:`TokenBudget`. Length buckets and their edges are
-:mod:`mixer.batchers`' and :mod:`mixer.edges`'.
+"""The batch budget of the bucketed layouts (padded and multi-field): :class:`TokenBudget`. Length
+buckets and their edges are :mod:`mixer.batchers`' and :mod:`mixer.edges`'.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Literal
 
 import numpy as np
 
-from .batchers import Bucketer  # noqa: F401  (re-exported: its old home)
-from .edges import bucket_edges  # noqa: F401  (re-exported: its old home)
+from .batchers import Bucketer  # noqa: F401  (re-exported from its old home until callers move)
+from .edges import bucket_edges  # noqa: F401  (re-exported from its old home until callers move)
 from .errors import ConfigError
 
 

@@ -71,7 +71,6 @@ class Layout(Protocol):
         ...
 
 
-
 def collate(
     token_arrays: Sequence[np.ndarray],
     lengths: np.ndarray,

@@ -217,7 +217,11 @@ class Reader:
     """The stream of one reader. Global step of its ``k``-th batch: ``k * num_workers + worker``
     (DataLoader takes batches from its workers round-robin, in order), so every reader of every rank
     asks the schedule about the same global step at the same point in training. Tokens seen are
-    estimated as this reader's tokens times the number of readers (readers deliver alike on average)."""
+    estimated as this reader's tokens times the number of readers (readers deliver alike on average).
+
+    A reader runs one of :mod:`mixer.mixing`'s loops over its streams and batchers and keeps the
+    bookkeeping around it: the target shares and hold sizes as progress moves, the counters, each
+    batch's info and, every ``state_every`` batches, its state."""
 
     def __init__(self, mixture: Mixture, world: World, *, pool: SlotPool | None = None) -> None:
         self.mixture = mixture

@@ -4,12 +4,11 @@ The distribution is named ``wds-mixer`` on PyPI; the import package is ``mixer``
 """
 
 from .audio import SpeechDecode
-from .batch import Batch
+from .batch import Batch, FieldBatch, PackedBatch
 from .budget import Field, Packed, TokenBudget
 from .device import to_device
 from .errors import ConfigError, MixerError, SampleError, ShardError, StateError
 from .storage import IOOptions
-from .layout import FieldBatch, PackedBatch
 from .loader import Loader, make_loader
 from .mixture import Mixture
 from .config import MixtureConfig, build_mixture, load_config, parse_config

@@ -1,15 +1,22 @@
-"""The batch a training step receives, and the collate that builds it.
+"""The batches a training step receives: padded tokens (:class:`Batch`), packed documents
+(:class:`PackedBatch`) and samples of several named fields (:class:`FieldBatch`).
 
-All integer fields live in ONE flat int32 (or int64) buffer, and a batch pickles as that buffer (by
-value, as a numpy array) plus shapes. Measured here: torch's default tensor pickling moves every
+All of a batch lives in ONE flat buffer of the mixture's int dtype (int32 or int64), and a batch
+pickles as that buffer (by value, as a numpy array, or through a worker's shared slot, see
+:mod:`mixer.transport`) plus shapes. Measured here: torch's default tensor pickling moves every
 tensor into a new shared-memory segment, ~6.6 ms per batch of ~100 samples, which doubled the
 pipeline's total CPU per sample with 2 DataLoader workers; copying a few hundred KB through the
-worker's pipe costs a small fraction of that.
+worker's pipe costs a small fraction of that. ``pin_memory()`` / ``to()`` move the buffer in one copy.
+
+The views of a :class:`LayoutBatch` are described by a *spec*: ``(name, dtype, shape)`` regions in
+order, each starting on an 8-byte boundary, so a region of another dtype (float32 audio in an int32
+buffer, int32 ``cu_seqlens`` in an int64 one) is a reinterpreting view of the same memory. How the
+buffer is filled is :mod:`mixer.collate`'s.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
 from typing import Any
 
 import numpy as np
@@ -18,6 +25,21 @@ import torch
 from . import transport
 
 _DTYPES = {"int32": (np.int32, torch.int32), "int64": (np.int64, torch.int64)}
+
+#: Field dtypes: what numpy and torch both have (no bfloat16: numpy cannot collate it).
+FIELD_DTYPES: dict[str, tuple[Any, torch.dtype]] = {
+    "int8": (np.int8, torch.int8),
+    "int16": (np.int16, torch.int16),
+    "int32": (np.int32, torch.int32),
+    "int64": (np.int64, torch.int64),
+    "uint8": (np.uint8, torch.uint8),
+    "float16": (np.float16, torch.float16),
+    "float32": (np.float32, torch.float32),
+    "float64": (np.float64, torch.float64),
+}
+_ALIGN = 8  # bytes: every region starts here, so any field dtype can view it
+
+Spec = tuple[tuple[str, str, tuple[int, ...]], ...]
 
 
 class Batch:
@@ -55,7 +77,7 @@ class Batch:
         return self.batch_size
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Subclasses (mixer.layout) share this machinery: they rebuild from (buffer, *_meta()).
+        # Subclasses (LayoutBatch) share this machinery: they rebuild from (buffer, *_meta()).
         cls, meta = type(self), self._meta()
         if self.slot is not None:
             return (_from_slot, (cls, *self.slot, self.buffer.numel(), meta))
@@ -112,35 +134,127 @@ def _from_numpy(cls: type[Batch], buffer: np.ndarray, meta: tuple[Any, ...]) -> 
     return cls(torch.from_numpy(buffer), *meta)
 
 
-def collate(
-    token_arrays: Sequence[np.ndarray],
-    lengths: np.ndarray,
-    sources: np.ndarray,
-    keys: list[str],
-    *,
-    pad_id: int = 0,
-    dtype: str = "int32",
-    info: dict[str, Any] | None = None,
-    out: Callable[[int], np.ndarray | None] | None = None,
-) -> Batch:
-    """Pad ``token_arrays`` (already cut to ``lengths``) into one preallocated buffer: a new array,
-    or the one ``out(num_elements)`` provides (a worker's shared slot).
+# ---- views over one flat buffer -------------------------------------------------------------
 
-    One concatenate and one masked assignment place every token: no per-sample tensors and no Python
-    loop over tokens.
+
+def _extents(spec: Spec, itemsize: int) -> tuple[list[tuple[int, int, int]], int]:
+    """Per region (first element, end element, element count of its own dtype) in units of the
+    buffer's ``itemsize``; and the buffer's total elements."""
+    out = []
+    pos = 0  # bytes
+    for _, dtype, shape in spec:
+        count = math.prod(shape)
+        nbytes = -(-count * np.dtype(FIELD_DTYPES[dtype][0]).itemsize // _ALIGN) * _ALIGN
+        out.append((pos // itemsize, (pos + nbytes) // itemsize, count))
+        pos += nbytes
+    return out, pos // itemsize
+
+
+
+def _torch_views(buffer: torch.Tensor, spec: Spec) -> dict[str, torch.Tensor]:
+    extents, _ = _extents(spec, buffer.element_size())
+    return {
+        name: buffer[a:b].view(FIELD_DTYPES[dtype][1])[:count].view(shape)
+        for (name, dtype, shape), (a, b, count) in zip(spec, extents)
+    }
+
+
+
+class LayoutBatch(Batch):
+    """A :class:`~mixer.Batch` whose views are described by a spec (see the module docstring):
+    ``batch[name]`` is the view called ``name``; ``views`` all of them. Pickling, ``pin_memory()``
+    and ``to()`` are :class:`~mixer.Batch`'s: one buffer moves, the views are rebuilt."""
+
+    __slots__ = ("spec", "views", "extra")
+
+    def __init__(self, buffer: torch.Tensor, spec: Spec, keys: list[str], info: dict[str, Any] | None = None, extra: tuple[Any, ...] = ()) -> None:
+        self.buffer = buffer
+        self.slot: tuple[int, int, int, int] | None = None
+        self.spec = spec
+        self.keys = keys
+        self.info = info if info is not None else {}
+        self.extra = extra
+        self.views = _torch_views(buffer, spec)
+        self.lengths = self.views["lengths"]
+        self.source = self.views["source"]
+        self.batch_size = len(self.lengths)
+        self._bind()
+
+    def _bind(self) -> None:
+        pass
+
+    def _meta(self) -> tuple[Any, ...]:
+        return (self.spec, self.keys, self.info, self.extra)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        try:
+            return self.views[name]
+        except KeyError:
+            raise KeyError(f"{type(self).__name__} has no view {name!r} (it has {sorted(self.views)})") from None
+
+
+class PackedBatch(LayoutBatch):
+    """Documents packed back to back (see :class:`~mixer.Packed`); every field is a view of one buffer.
+
+    * ``tokens [T]``: flat. ``T`` is the real token count (``seq_len=None``: no padding at all) or
+      ``rows * seq_len``, each row's tail after its last document filled with ``pad_id``;
+      ``rows`` is the ``[rows, seq_len]`` view (``[1, T]`` without rows).
+    * ``cu_seqlens [n + 1]`` (int32): where the ``n`` segments (documents, or pieces of a split
+      document) start in ``tokens``, then ``T``. A row's padding tail belongs to the segment before
+      it, after that document's real tokens (a causal kernel never lets a real token see it).
+      ``max_seqlen``: the longest segment (an int, as the kernels take it).
+    * ``position_ids [T]``: ``i - cu_seqlens[segment of i]``: restarting at 0 at every segment.
+    * ``lengths [n]``: real tokens per segment; ``source [n]``; ``offsets [n]``: where each segment
+      starts inside its document (0 unless it continues a split document); ``keys``: per segment.
     """
-    np_dtype, _ = _DTYPES[dtype]
-    b = len(token_arrays)
-    seq_len = int(lengths.max()) if b else 0
-    n = b * seq_len
-    flat = out(n + 2 * b) if out is not None else None
-    if flat is None:
-        flat = np.empty(n + 2 * b, dtype=np_dtype)
-    grid = flat[:n].reshape(b, seq_len)
-    grid.fill(pad_id)
-    if b:
-        mask = np.arange(seq_len) < lengths[:, None]
-        grid[mask] = np.concatenate(token_arrays, dtype=np_dtype, casting="unsafe")
-    flat[n : n + b] = lengths
-    flat[n + b :] = sources
-    return Batch(torch.from_numpy(flat), b, seq_len, keys, info)
+
+    __slots__ = ("position_ids", "cu_seqlens", "offsets", "max_seqlen")
+
+    def _bind(self) -> None:
+        self.tokens = self.views["tokens"]
+        self.position_ids = self.views["position_ids"]
+        self.cu_seqlens = self.views["cu_seqlens"]
+        self.offsets = self.views["offsets"]
+        self.seq_len, self.max_seqlen = self.extra
+
+    @property
+    def rows(self) -> torch.Tensor:
+        return self.tokens.view(-1, self.seq_len) if self.seq_len else self.tokens.view(1, -1)
+
+    @property
+    def padding_efficiency(self) -> float:
+        slots = self.tokens.numel()
+        return self.num_tokens / slots if slots else 1.0
+
+    def __repr__(self) -> str:
+        return (
+            f"PackedBatch(T={self.tokens.numel()}, docs={self.batch_size}, max_seqlen={self.max_seqlen}, "
+            f"tokens={self.num_tokens}, device={self.buffer.device})"
+        )
+
+
+class FieldBatch(LayoutBatch):
+    """Samples of several named fields (see :class:`~mixer.Field`); every tensor is a view of one buffer.
+
+    ``batch["audio"]`` is ``[B, L_audio]`` padded with that field's pad value, ``batch["audio_lengths"]``
+    ``[B]``; the same for every field. ``lengths [B]``: what the budget and the token shares counted
+    per sample (its ``length``); ``source [B]``; ``keys``. ``seq_len``: the longest ``length``, so
+    ``padding_efficiency`` is that of the counted field, as in the counters.
+    """
+
+    __slots__ = ()
+
+    def _bind(self) -> None:
+        (self.seq_len,) = self.extra
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return tuple(name for name, _, shape in self.spec if len(shape) == 2)
+
+    @property
+    def tokens(self) -> torch.Tensor:  # type: ignore[override]
+        raise AttributeError(f"FieldBatch has no 'tokens': its fields are batch[name] for name in {self.fields}")
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{n}={tuple(self.views[n].shape)}" for n in self.fields)
+        return f"FieldBatch(B={self.batch_size}, {shapes}, device={self.buffer.device})"

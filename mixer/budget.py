@@ -1,7 +1,7 @@
 """How batches are sized (:class:`TokenBudget`, :class:`Packed`) and how a field of a multi-field
 sample is collated (:class:`Field`): frozen, I/O-free configuration, checked when constructed (the
 same rules and messages as a config file; see :mod:`mixer._check`). The machinery that uses them is
-in :mod:`mixer.bucket` and :mod:`mixer.layout`."""
+in :mod:`mixer.batchers` and :mod:`mixer.collate`."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ from typing import Any, Literal
 import numpy as np
 
 from . import _check
+from .batch import FIELD_DTYPES as _FIELD_STORAGE
 from .errors import ConfigError
 
 OVERLONG = ("truncate", "drop")
-#: Field dtypes: what numpy and torch both have (no bfloat16: numpy cannot collate it).
-FIELD_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "float16", "float32", "float64")
+#: Field dtype names (see mixer.batch.FIELD_DTYPES: what numpy and torch both have).
+FIELD_DTYPES = tuple(_FIELD_STORAGE)
 RESERVED_FIELDS = ("source", "lengths")  # views every multi-field batch has (as has <field>_lengths)
 
 
@@ -29,7 +30,7 @@ class TokenBudget:
     """Batches whose padded size ``B * L`` stays within ``max_tokens``.
 
     ``buckets``: explicit, increasing bucket upper edges (lengths); None derives them from a warm-up
-    sample of lengths (see :func:`mixer.bucket.bucket_edges`). ``max_batch_size`` caps ``B``;
+    sample of lengths (see :func:`mixer.edges.bucket_edges`). ``max_batch_size`` caps ``B``;
     ``multiple_of`` rounds ``B`` down to a multiple (e.g. 8 for tensor cores; the final batches of a
     finite pass may be smaller). Samples longer than ``max_length`` are cut to it
     (``overlong="truncate"``) or dropped (``"drop"``), and counted either way; with

@@ -1,4 +1,5 @@
-"""Default token extraction from raw WebDataset samples, and the `Sample` record readers yield.
+"""Default token extraction from raw WebDataset samples, the `Sample` record readers yield, and the
+check of a multi-field decode's output.
 
 `decode_npy` is the hot one: `np.load(io.BytesIO(...))` costs tens of µs per small array, most of
 it re-parsing a header that, across a source's token arrays, differs only in the shape. So the
@@ -10,20 +11,21 @@ from __future__ import annotations
 
 import ast
 import io
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from .errors import SampleError
 
-__all__ = ["Sample", "decode_npy", "default_tokens"]
+__all__ = ["Sample", "decode_npy", "decoded_fields", "default_tokens", "field_length"]
 
 
 class Sample(NamedTuple):
     """One decoded sample, with where it came from (enough to find it again)."""
 
     key: str
-    tokens: Any  # a 1-D array, or a dict of named 1-D arrays (multi-field, see mixer.layout)
+    tokens: Any  # a 1-D array, or a dict of named 1-D arrays (multi-field, see mixer.collate)
     length: int
     shard: int  # index into the source's sorted shard list
     offset: int  # the raw sample's ``__offset__`` in that shard
@@ -195,3 +197,35 @@ def default_tokens(sample: dict[str, Any]) -> np.ndarray:
 
 def _name(sample: dict[str, Any]) -> str:
     return f"shard {sample.get('__url__', '?')}, key {sample.get('__key__')!r}"
+
+
+# ---- multi-field decode output ------------------------------------------------------------
+
+
+def decoded_fields(raw: Mapping[str, Any], out: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """A decode's mapping checked: named 1-D numeric arrays, in native byte order."""
+    where = f"shard {raw.get('__url__', '?')}, key {raw.get('__key__')!r}"
+    if not out:
+        raise SampleError(f"{where}: decode returned an empty mapping")
+    fields: dict[str, np.ndarray] = {}
+    for name, value in out.items():
+        a = np.asarray(value)
+        if a.ndim != 1 or a.dtype.kind not in "iuf":
+            raise SampleError(f"{where}: decode field {name!r} must be a 1-D numeric array (got dtype {a.dtype}, shape {a.shape})")
+        if not a.dtype.isnative:
+            a = a.astype(a.dtype.newbyteorder("="))
+        fields[name] = a
+    return fields
+
+
+def field_length(raw: Mapping[str, Any], fields: Mapping[str, np.ndarray], name: str | None) -> int:
+    """The counted length of a multi-field sample: field ``name``'s, or the first field's."""
+    if name is None:
+        return len(next(iter(fields.values())))
+    try:
+        return len(fields[name])
+    except KeyError:
+        raise SampleError(
+            f"shard {raw.get('__url__', '?')}, key {raw.get('__key__')!r}: length={name!r} names no field of the "
+            f"decoded sample (fields: {sorted(fields)})"
+        ) from None

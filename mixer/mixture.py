@@ -16,13 +16,15 @@ from typing import Any
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .batch import Batch, collate
-from .bucket import bucket_edges
+from .batch import _DTYPES, Batch
+from .batchers import Batcher, make_batcher
 from .budget import Field, Packed, TokenBudget
-from .layout import Level2, count, level2, make_layout, unpair
+from .collate import Layout, count_delivered, make_layout
 from .decode import Sample
+from .edges import bucket_edges
 from .errors import ConfigError
 from .options import MixMode, Stop, Unit, check_options
+from .mixing import Cut, mix_batches, mix_samples
 from .schedule import Schedule, SourceInfo, Static, check_schedule
 from .selector import make_selector
 from .profiling import Profile, list_source, profile
@@ -48,8 +50,8 @@ class Mixture(IterableDataset[Batch]):
     the realized share of ``unit`` (real tokens by default) tracks ``schedule``'s target. Level 2
     (``batching``) groups a source's samples by length so that padding stays small
     (:class:`~mixer.TokenBudget`), or packs them back to back (:class:`~mixer.Packed`: batches are
-    :class:`~mixer.layout.PackedBatch`). ``fields``: samples whose ``decode`` returns named arrays
-    are collated per field (batches are :class:`~mixer.layout.FieldBatch`; see :mod:`mixer.layout`).
+    :class:`~mixer.PackedBatch`). ``fields``: samples whose ``decode`` returns named arrays are
+    collated per field (batches are :class:`~mixer.FieldBatch`; see :mod:`mixer.collate`).
 
     ``stop``: ``"never"`` restarts an exhausted source with a reshuffled epoch; ``"first_exhausted"``
     ends when any source has delivered its whole pass; ``"all_exhausted"`` drops exhausted sources
@@ -111,8 +113,8 @@ class Mixture(IterableDataset[Batch]):
         self.dtype = dtype
         self.state_every = state_every
         self.rank, self.world_size = resolve_rank(rank, world_size, dp_group)
-        # None: padded token batches (collate below); else packed or multi-field (mixer.layout).
-        self.layout = make_layout(batching, fields, dtype=dtype, pad_id=self.pad_id)
+        # How a batch is accounted, collated and sized: padded, packed or multi-field (mixer.collate).
+        self.layout: Layout = make_layout(batching, fields, dtype=dtype, pad_id=self.pad_id, names=names)
         for s in sources:
             if isinstance(s.length, str) and (fields is None or s.length not in fields):
                 raise ConfigError(f"source {s.name!r}: length={s.length!r} names a field, but the mixture's fields= {sorted(fields or ())} lack it")
@@ -163,13 +165,8 @@ class Mixture(IterableDataset[Batch]):
 
     @property
     def max_batch_elements(self) -> int:
-        """The largest flat buffer a batch can need: ``B * L <= max_tokens`` plus ``lengths`` and
-        ``source`` (``2 * B``), with ``B`` at most the largest bucket capacity."""
-        if self.layout is not None:
-            return self.layout.max_elements(self)
-        assert isinstance(self.batching, TokenBudget)
-        most = max(self.batching.capacity(e) for edges in self.edges for e in edges)
-        return self.batching.max_tokens + 2 * most
+        """The largest flat buffer a batch can need (see :meth:`mixer.collate.Layout.max_elements`)."""
+        return self.layout.max_elements(self.edges)
 
     def reader(self, world: World, *, pool: SlotPool | None = None) -> Reader:
         return Reader(self, world, pool=pool)
@@ -210,7 +207,11 @@ class Reader:
     """The stream of one reader. Global step of its ``k``-th batch: ``k * num_workers + worker``
     (DataLoader takes batches from its workers round-robin, in order), so every reader of every rank
     asks the schedule about the same global step at the same point in training. Tokens seen are
-    estimated as this reader's tokens times the number of readers (readers deliver alike on average)."""
+    estimated as this reader's tokens times the number of readers (readers deliver alike on average).
+
+    A reader runs one of :mod:`mixer.mixing`'s loops over its streams and batchers and keeps the
+    bookkeeping around it: the target shares and hold sizes as progress moves, the counters, each
+    batch's info and, every ``state_every`` batches, its state."""
 
     def __init__(self, mixture: Mixture, world: World, *, pool: SlotPool | None = None) -> None:
         self.mixture = mixture
@@ -229,12 +230,12 @@ class Reader:
         ]
         # Items are Samples (mix="batch": one level 2 per source) or (source, Sample) pairs
         # (mix="sample": one shared level 2, repeated per source); use sites name the item type.
-        self.bucketers: list[Level2[Any]]
+        self.batchers: list[Batcher[Any]]
         if mixture.mix == "sample":
-            shared = level2(mixture.edges[0], budget)
-            self.bucketers = [shared] * n
+            shared = make_batcher(mixture.edges[0], budget)
+            self.batchers = [shared] * n
         else:
-            self.bucketers = [level2(e, budget) for e in mixture.edges]
+            self.batchers = [make_batcher(e, budget) for e in mixture.edges]
         self.selector = make_selector(mixture.selector, n, seed=mixture.seed, stream=(world.rank, world.worker))
         self.active = np.ones(n, dtype=bool)
         self.batches = 0
@@ -263,7 +264,7 @@ class Reader:
         (1 for the most wanted source). Its shuffle buffer keeps ``max(ceil(r * shuffle_buffer),
         min(shuffle_buffer, MIN_SHUFFLE))`` samples and its buckets ``max(r * len(edges), 2)``
         batches of padded tokens; beyond that the best batch they can make leaves (see
-        :meth:`mixer.bucket.Bucketer.release`: fewer or shorter-padded samples), so a source at a
+        :meth:`mixer.batchers.Bucketer.release`: fewer or shorter-padded samples), so a source at a
         0.5% share reads about what it delivers instead of filling every bucket first. Unchanged
         for the most wanted source: ``len(edges)`` buckets, each short of a full batch, never hold
         ``len(edges)`` batches.
@@ -285,10 +286,21 @@ class Reader:
         return p / total
 
     def __iter__(self) -> Iterator[Batch]:
-        if self.mixture.mix == "sample":
-            yield from self._sample_mix()
+        m = self.mixture
+        count_tokens = m.unit == "tokens"
+        cuts: Iterator[Cut]
+        if m.mix == "sample":
+            cuts = mix_samples(
+                self.streams, self.batchers[0], self.selector, m.layout, probs=self._probs, active=self.active,
+                retire=self._retire, count_tokens=count_tokens, drain=m.stop == "all_exhausted",
+            )
         else:
-            yield from self._batch_mix()
+            cuts = mix_batches(
+                self.streams, self.batchers, self.selector, m.layout, probs=self._probs, holds=self._holds,
+                active=self.active, retire=self._retire, count_tokens=count_tokens,
+            )
+        for cut in cuts:
+            yield self._finish(self._emit(cut))
 
     def fast_forward(self, batches: int) -> Iterator[Batch]:
         """The stream after producing and dropping ``batches`` batches (to reach the exact point of
@@ -320,7 +332,7 @@ class Reader:
 
     def state_dict(self) -> dict[str, Any]:
         shared = self.mixture.mix == "sample"
-        bucketers = self.bucketers[:1] if shared else self.bucketers
+        batchers = self.batchers[:1] if shared else self.batchers
         return {
             "batches": self.batches,
             "tokens": self.tokens,
@@ -330,7 +342,7 @@ class Reader:
             "streams": [st.state_dict() for st in self.streams],
             "bucketers": [
                 b.state_dict(_encode_pair if shared else _encode_sample)
-                for b in bucketers
+                for b in batchers
             ],
         }
 
@@ -353,10 +365,10 @@ class Reader:
         for st, saved, found in zip(self.streams, state["streams"], samples):
             st.load_state_dict(saved, found)
         if shared:
-            pairs: Level2[tuple[int, Sample]] = self.bucketers[0]
+            pairs: Batcher[tuple[int, Sample]] = self.batchers[0]
             pairs.load_state_dict(state["bucketers"][0], _pair_decoder(samples))
         else:
-            for b, bs, found in zip(self.bucketers, state["bucketers"], samples):
+            for b, bs, found in zip(self.batchers, state["bucketers"], samples):
                 b.load_state_dict(bs, _sample_decoder(found))
         self.selector.load_state_dict(state["selector"])
         self.active = np.asarray(state["active"], dtype=bool)
@@ -378,76 +390,12 @@ class Reader:
             log.warning("source %r has no data for reader %d; mixing the other sources only", self.mixture.names[i], self.world.reader)
         return self.mixture.stop != "first_exhausted" and bool(self.active.any())
 
-    def _batch_mix(self) -> Iterator[Batch]:
-        unit_tokens = self.mixture.unit == "tokens"
-        while self.active.any():
-            probs = self._probs()
-            i = self.selector.choose(probs, self.active)
-            samples = self._next_batch(i)
-            if samples is None:
-                if not self._retire(i):
-                    return
-                continue
-            batch = self._collate(samples, np.full(len(samples), i, dtype=np.int64))
-            n_tokens = int(batch.info["tokens"])
-            self.selector.update(i, n_tokens if unit_tokens else len(samples), probs)
-            yield self._finish(batch)
-
-    def _next_batch(self, i: int) -> list[Sample] | None:
-        bucketer: Level2[Sample] = self.bucketers[i]
-        ready = bucketer.ready
-        hold = self._holds[i]
-        if ready or bucketer.release(hold):
-            return ready.popleft()
-        add = bucketer.add
-        for sample in self.streams[i]:
-            if add(sample, sample.length) or (bucketer.held > hold and bucketer.release(hold)):
-                return ready.popleft()
-        return next(bucketer.drain(), None)
-
-    def _sample_mix(self) -> Iterator[Batch]:
-        unit_tokens = self.mixture.unit == "tokens"
-        shared: Level2[tuple[int, Sample]] = self.bucketers[0]
-        while self.active.any():
-            probs = self._probs()
-            i = self.selector.choose(probs, self.active)
-            sample = next(self.streams[i], None)
-            if sample is None:
-                if not self._retire(i):
-                    break
-                continue
-            self.selector.update(i, sample.length if unit_tokens else 1, probs)
-            if shared.add((i, sample), sample.length):
-                while shared.ready:
-                    full = shared.ready.popleft()
-                    yield self._finish(self._collate(*unpair(full)))
-        if self.mixture.stop == "all_exhausted":
-            for rest in shared.drain():
-                yield self._finish(self._collate(*unpair(rest)))
-
-    def _collate(self, samples: list[Sample], sources: np.ndarray) -> Batch:
-        m = self.mixture
-        layout = m.layout
-        if layout is not None:
-            accounted = layout.account(samples)  # type: ignore[arg-type]
-            count(self.counters, sources, accounted)
-            return self._emit(int(accounted[0].sum()), lambda info, out: layout.collate(samples, sources, info=info, out=out))  # type: ignore[arg-type]
-        if samples and isinstance(samples[0].tokens, dict):
-            raise ConfigError(
-                f"source {m.names[int(sources[0])]!r}: decode returned fields {sorted(samples[0].tokens)}; pass "
-                "Mixture(fields={name: mixer.Field(...)}) to collate them"
-            )
-        # Sample is a tuple: one C-level transpose instead of a Python pass per field.
-        key_col, tokens, length_col = list(zip(*samples))[:3]
-        keys = list(key_col)
-        lengths = np.array(length_col, dtype=np.int64)
-        n_tokens = int(lengths.sum())
-        ones = np.ones(len(samples), dtype=np.int64)
-        count(self.counters, sources, (lengths, ones, ones * int(lengths.max()), np.zeros_like(ones)))
-        return self._emit(n_tokens, lambda info, out: collate(tokens, lengths, sources, keys, pad_id=m.pad_id, dtype=m.dtype, info=info, out=out))
-
-    def _emit(self, n_tokens: int, build: Callable[[dict[str, Any], Callable[[int], np.ndarray | None] | None], Batch]) -> Batch:
-        """Attach the bookkeeping and build the batch, into a shared slot when there is a pool."""
+    def _emit(self, cut: Cut) -> Batch:
+        """Count the batch, attach the bookkeeping and collate it, into a shared slot when there is
+        a pool."""
+        samples, sources, delivered = cut
+        count_delivered(self.counters, sources, delivered)
+        n_tokens = int(delivered.tokens.sum())
         info = {
             "step": self.step,
             "worker": self.world.worker,
@@ -458,23 +406,12 @@ class Reader:
         }
         self.batches += 1
         self.tokens += n_tokens
+        layout = self.mixture.layout
         if self.pool is None:
-            return build(info, None)
-        pool, worker = self.pool, self.world.worker
-        claimed: list[tuple[int, int]] = []
-
-        def into_slot(n: int) -> np.ndarray | None:
-            got = pool.claim(worker, n)
-            if got is None:
-                return None
-            claimed.append(got[:2])
-            return got[2]
-
-        batch = build(info, into_slot)
-        if claimed:
-            slot, stamp = claimed[0]
-            pool.seal(worker, slot, stamp)
-            batch.slot = (pool.id, worker, slot, stamp)
+            return layout.collate(samples, sources, info=info)
+        writer = self.pool.writer(self.world.worker)
+        batch = layout.collate(samples, sources, info=info, out=writer.out)
+        batch.slot = writer.seal()
         return batch
 
 

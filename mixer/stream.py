@@ -18,7 +18,7 @@ from .budget import Packed, TokenBudget
 from .storage import codec_of
 from .decode import Sample, default_tokens
 from .errors import SampleError, ShardError
-from .layout import decoded_fields, field_length
+from .decode import decoded_fields, field_length
 from .shards import ShardSlice, plan
 from .source import ListedSource, Source
 from .tario import read_samples
@@ -43,7 +43,7 @@ def _decode(source: Source, raw: dict[str, Any]) -> Any:
 
 def _length_of(source: Source, raw: dict[str, Any], tokens: Any) -> int:
     length = source.length
-    if isinstance(tokens, dict):  # multi-field (see mixer.layout)
+    if isinstance(tokens, dict):  # multi-field (see mixer.collate.FieldLayout)
         return int(length(raw)) if callable(length) else field_length(raw, tokens, length)
     if isinstance(length, str):
         raise SampleError(

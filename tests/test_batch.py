@@ -5,7 +5,8 @@ import pickle
 import numpy as np
 import torch
 
-from mixer.batch import Batch, collate
+from mixer.batch import Batch
+from mixer.collate import collate
 
 
 def make(pad_id=0, dtype="int32"):

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from mixer import ConfigError, TokenBudget
-from mixer.bucket import Bucketer, bucket_edges
+from mixer.batchers import Bucketer
+from mixer.edges import bucket_edges
 
 
 def padding_efficiency(lengths, budget, edges):

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import mixer
-from mixer.batch import Batch, collate
+from mixer.batch import Batch
+from mixer.collate import collate
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA (run benchmarks/gpu_check.sh on a GPU machine)")

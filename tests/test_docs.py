@@ -33,3 +33,16 @@ def test_readme_states_the_io_options_defaults():
     doc = " ".join((IOOptions.__doc__ or "").split())
     for name, shown in (("timeout", f"{d.timeout:g}"), ("retries", d.retries), ("backoff", d.backoff), ("block_size", "1 MiB"), ("read_ahead", d.read_ahead)):
         assert f"``{name}`` (default {shown})" in doc
+
+
+def test_readme_module_map_names_every_module_and_only_those():
+    """The README's module table is the map a new maintainer reads first: it must match the code."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    rows = [line for line in readme.splitlines() if line.startswith("| `")]
+    named = {m for row in rows for m in re.findall(r"`([\w/]+\.py|storage/)`", row.split(" | ")[0])}
+    storage_row = next(row for row in rows if row.startswith("| `storage/`"))
+    in_storage = set(re.findall(r"`(\w+)`", storage_row.split(" | ", 1)[1]))
+    modules = {p.name for p in (REPO / "mixer").glob("*.py")}
+    storage = {p.stem for p in (REPO / "mixer" / "storage").glob("*.py")} - {"__init__"}
+    assert named - {"storage/"} == modules
+    assert storage <= in_storage, f"storage modules missing from the README: {sorted(storage - in_storage)}"

@@ -390,7 +390,7 @@ def test_a_rare_source_reads_about_what_it_delivers(make_sources):
     budget = mixer.TokenBudget(max_tokens=4096)
     mix = shardutil.mixture(srcs, weights={"common": 0.995, "rare": 0.005}, batching=budget, shuffle_buffer=1000, seed=3)
     reader = mix.reader(World(rank=0, world_size=1, worker=0, num_workers=1))
-    rare, bucketer, stream = reader.counters[1], reader.bucketers[1], reader.streams[1]
+    rare, bucketer, stream = reader.counters[1], reader.batchers[1], reader.streams[1]
     hold = int(HOLD_MIN_BATCHES * budget.max_tokens)
     most_held = 0
     for batch, _ in zip(reader, range(400)):

@@ -13,7 +13,8 @@ import torch
 
 import mixer
 from mixer.decode import Sample
-from mixer.layout import PackedGroup, PackedLayout, Packer
+from mixer.batchers import PackedGroup, Packer
+from mixer.collate import PackedLayout
 from resume_oracle import _equal, assert_resumes_exactly, take
 import shardutil
 from shardutil import LogNormal, expected_tokens

@@ -70,7 +70,7 @@ def test_one_way_to_build_a_loader(three_sources):
 
 
 def test_removed_spellings_stay_removed():
-    # Test-only helpers live in their modules (mixer.world.World, mixer.bucket.bucket_edges); the
+    # Test-only helpers live in their modules (mixer.world.World, mixer.edges.bucket_edges); the
     # device feed is built by mixer.to_device (or make_loader(device=...)), never by its class.
     for name in ("World", "bucket_edges", "DeviceFeed"):
         assert not hasattr(mixer, name)

@@ -7,26 +7,16 @@ import pytest
 import torch
 
 import mixer
-from mixer.batch import collate
+from mixer.collate import collate
 from mixer.errors import MixerError
 from mixer.transport import SlotPool
 
 
 def batch_in_slot(pool, worker=0):
-    claimed = []
-
-    def into_slot(n):
-        got = pool.claim(worker, n)
-        if got is None:
-            return None
-        claimed.append(got[:2])
-        return got[2]
-
-    b = collate([np.array([1, 2, 3]), np.array([4])], np.array([3, 1]), np.array([0, 1]), ["a", "b"], out=into_slot, info={"step": 0})
-    if claimed:
-        slot, stamp = claimed[0]
-        pool.seal(worker, slot, stamp)
-        b.slot = (pool.id, worker, slot, stamp)
+    """A batch collated as a worker's reader does it: into a slot when one is free, then sealed."""
+    writer = pool.writer(worker)
+    b = collate([np.array([1, 2, 3]), np.array([4])], np.array([3, 1]), np.array([0, 1]), ["a", "b"], out=writer.out, info={"step": 0})
+    b.slot = writer.seal()
     return b
 
 

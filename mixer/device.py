@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -213,28 +213,30 @@ class _CudaOps:
         tensor.record_stream(stream)
 
 
+def _map_leaves(item: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``item`` rebuilt with ``leaf`` applied to every Batch and tensor in it (through NamedTuples,
+    lists, tuples and dicts); anything else is kept as it is."""
+    if isinstance(item, (Batch, torch.Tensor)):
+        return leaf(item)
+    if isinstance(item, tuple) and hasattr(item, "_fields"):  # a NamedTuple
+        return type(item)(*(_map_leaves(v, leaf) for v in item))
+    if isinstance(item, (list, tuple)):
+        return type(item)(_map_leaves(v, leaf) for v in item)
+    if isinstance(item, dict):
+        return type(item)((k, _map_leaves(v, leaf)) for k, v in item.items())
+    return item
+
+
 def _move(item: Any, device: torch.device, *, non_blocking: bool) -> tuple[Any, list[torch.Tensor]]:
     """``item`` with its tensors on ``device``, and the list of the new device tensors."""
     out: list[torch.Tensor] = []
 
-    def move(x: Any) -> Any:
-        if isinstance(x, Batch):
-            b = x.to(device, non_blocking=non_blocking)
-            out.append(b.buffer)
-            return b
-        if isinstance(x, torch.Tensor):
-            t = x.to(device, non_blocking=non_blocking)
-            out.append(t)
-            return t
-        if isinstance(x, tuple) and hasattr(x, "_fields"):  # a NamedTuple
-            return type(x)(*(move(v) for v in x))
-        if isinstance(x, (list, tuple)):
-            return type(x)(move(v) for v in x)
-        if isinstance(x, dict):
-            return type(x)((k, move(v)) for k, v in x.items())
-        return x
+    def move(x: Batch | torch.Tensor) -> Batch | torch.Tensor:
+        moved = x.to(device, non_blocking=non_blocking)
+        out.append(moved.buffer if isinstance(moved, Batch) else moved)
+        return moved
 
-    return move(item), out
+    return _map_leaves(item, move), out
 
 
 def _tensors(item: Any) -> Iterator[torch.Tensor]:
@@ -251,12 +253,4 @@ def _tensors(item: Any) -> Iterator[torch.Tensor]:
 
 
 def _pin(item: Any) -> Any:
-    if isinstance(item, (Batch, torch.Tensor)):
-        return item.pin_memory()
-    if isinstance(item, tuple) and hasattr(item, "_fields"):
-        return type(item)(*(_pin(v) for v in item))
-    if isinstance(item, (list, tuple)):
-        return type(item)(_pin(v) for v in item)
-    if isinstance(item, dict):
-        return type(item)((k, _pin(v)) for k, v in item.items())
-    return item
+    return _map_leaves(item, lambda x: x.pin_memory())

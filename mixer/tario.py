@@ -17,60 +17,19 @@ from typing import Any, BinaryIO
 from zlib import adler32
 
 from .errors import ConfigError, SampleError, ShardError
+from .tarheader import (
+    TarDamage, BLOCK, EXTENSIONS, NO_DATA, REGULAR, SPARSE, ZERO_BLOCK, apply_extensions, checksum_ok, corrupt, extension, header_number, nts, signed_mismatch,
+)
 
 __all__ = ["TarDamage", "group_samples", "iter_members", "read_samples"]
 
 Member = tuple[str, int, bytes]
 
-_BLOCK = 512
-_ZERO_BLOCK = bytes(_BLOCK)
-_LOW_BYTES = bytes(range(128))
-
-# Typeflags (as ints: indexing bytes gives ints). tarfile.REGULAR_TYPES minus GNU sparse, which we
-# refuse rather than expand.
-_REGULAR = frozenset(b"0\x007")
-_LONGNAME, _LONGLINK = ord("L"), ord("K")
-_PAX_LOCAL = frozenset(b"xX")  # 'X' is Solaris' spelling of 'x'
-_PAX_GLOBAL = ord("g")
-_EXTENSIONS = frozenset(b"xXgLK")  # headers that describe the next member
-_SPARSE = ord("S")
-# Supported non-regular types whose data tarfile does NOT skip (`_proc_builtin`): hard/sym links,
-# devices, directories, FIFOs. Any other unknown type is skipped like a regular file's data.
-_NO_DATA = frozenset(b"123456")
-
 # webdataset.tariterators, verbatim, so that key/extension splitting and metadata skipping agree
 # exactly (our fast paths below fall back to these whenever they are not provably equivalent).
 _BASE_PLUS_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 _SKIP_META = re.compile(r"__[^/]*__($|/)")
-_PAX_RECORD = re.compile(rb"(\d+) ([^=]+)=")  # tarfile._proc_pax
 _RESERVED = frozenset(("__key__", "__url__", "__offset__", "__end__"))
-
-
-class TarDamage(ShardError):
-    """The tar stream breaks off: truncated, a corrupt header, or the byte stream itself failed.
-
-    ``offset``: the shard offset of the first header block that could not be read whole (where the
-    damage is). ``member``: that member's name when its header was read before the damage (its data
-    was cut), else None. ``stop``: how far the stream was read (its end when truncated; else the
-    damage). ``truncated``: the stream simply ended there (nothing of the shard follows),
-    as opposed to unreadable bytes with more of the shard after them. ``lost``: filled in by
-    `group_samples`: the keys of the samples the damage cut (members of them were read, but not all),
-    which are therefore not delivered.
-    """
-
-    def __init__(
-        self, message: str, *, offset: int, stop: int | None = None, member: str | None = None, truncated: bool = False
-    ) -> None:
-        super().__init__(message)
-        self.offset = offset
-        self.stop = offset if stop is None else stop
-        self.member = member
-        self.truncated = truncated
-        self.lost: list[str] = []
-
-
-# ---------------------------------------------------------------------------------------------
-# stage 1: byte stream -> members
 
 
 def iter_members(
@@ -92,9 +51,9 @@ def iter_members(
     generator's return value is the offset of the end-of-archive block (`group_samples` uses it as
     the last sample's ``__end__``).
     """
-    if start_offset < 0 or start_offset % _BLOCK:
+    if start_offset < 0 or start_offset % BLOCK:
         raise ConfigError(f"{url}: start_offset must be a non-negative multiple of 512 (got {start_offset})")
-    if chunk_size < _BLOCK:
+    if chunk_size < BLOCK:
         raise ConfigError(f"{url}: chunk_size must be >= 512 (got {chunk_size})")
     buf = b""
     blen = pos = 0
@@ -106,15 +65,15 @@ def iter_members(
         buf = _first_block(stream, chunk_size, url)
         blen = len(buf)
     while True:
-        if pos + _BLOCK > blen:
-            buf, base = _refill(stream, buf, pos, base, _BLOCK, chunk_size, url, "a tar header or end block", first if exts else -1)
+        if pos + BLOCK > blen:
+            buf, base = _refill(stream, buf, pos, base, BLOCK, chunk_size, url, "a tar header or end block", first if exts else -1)
             pos, blen = 0, len(buf)
         typeflag = buf[pos + 156]
         field = buf[pos + 148 : pos + 156]
         try:
             stored = int(field.rstrip(b"\0 "), 8)
         except ValueError:  # not the common "%06o\0 " spelling: parse exactly as tarfile does
-            stored = _header_number(buf, pos, 148, url, base)
+            stored = header_number(buf, pos, 148, url, base)
         # adler32 is the only C-speed byte sum at hand. A 512-byte sum can exceed its modulus but a
         # 256-byte one cannot (256 * 255 < 65521), so adler32's low half is exactly 1 + the byte sum
         # of each half. The checksum field counts as 8 spaces (+256) instead of its own bytes.
@@ -124,60 +83,60 @@ def iter_members(
             - (adler32(field) & 0xFFFF)
             + 255
         )
-        if stored != unsigned and _signed_mismatch(buf, pos, stored, unsigned):
-            if buf[pos : pos + _BLOCK] == _ZERO_BLOCK:
+        if stored != unsigned and signed_mismatch(buf, pos, stored, unsigned):
+            if buf[pos : pos + BLOCK] == ZERO_BLOCK:
                 if exts:
-                    raise _corrupt(url, first, "an extension header is followed by the end-of-archive block")
+                    raise corrupt(url, first, "an extension header is followed by the end-of-archive block")
                 return base + pos
-            raise _corrupt(url, base + pos, f"bad checksum (stored {stored}, computed {unsigned})")
+            raise corrupt(url, base + pos, f"bad checksum (stored {stored}, computed {unsigned})")
         try:
             size = int(buf[pos + 124 : pos + 136].rstrip(b"\0 "), 8)
         except ValueError:
-            size = _header_number(buf, pos, 124, url, base)
+            size = header_number(buf, pos, 124, url, base)
         if size < 0:  # int() takes a sign; tarfile would too, and then misread the shard
-            raise _corrupt(url, base + pos, f"negative size {size}")
+            raise corrupt(url, base + pos, f"negative size {size}")
 
-        if typeflag in _REGULAR:
+        if typeflag in REGULAR:
             end = buf.find(b"\0", pos, pos + 100)
             name = buf[pos : end if end >= 0 else pos + 100].decode("utf-8", "surrogateescape")
             if typeflag != 0 or not name.endswith("/"):  # "name/" of type NUL: a V7 directory
                 if buf[pos + 345]:  # ustar prefix (tarfile applies it whatever the magic says)
-                    name = _nts(buf[pos + 345 : pos + 500]) + "/" + name
+                    name = nts(buf[pos + 345 : pos + 500]) + "/" + name
                 if exts or global_pax:
-                    name, size = _apply_extensions(name, size, exts, global_pax, url, first)
-                need = _BLOCK + ((size + 511) & -512)
+                    name, size = apply_extensions(name, size, exts, global_pax, url, first)
+                need = BLOCK + ((size + 511) & -512)
                 if pos + need > blen:
                     buf, base = _refill(stream, buf, pos, base, need, chunk_size, url, f"member {name!r}", first if exts else -1, name)
                     pos, blen = 0, len(buf)
                 offset = first if exts else base + pos
-                data = buf[pos + _BLOCK : pos + _BLOCK + size]
+                data = buf[pos + BLOCK : pos + BLOCK + size]
                 pos += need
                 if exts:
                     exts.clear()
                 yield name, offset, data
                 continue
             has_data = False
-        elif typeflag in _EXTENSIONS:
-            need = _BLOCK + ((size + 511) & -512)
+        elif typeflag in EXTENSIONS:
+            need = BLOCK + ((size + 511) & -512)
             if pos + need > blen:
                 buf, base = _refill(stream, buf, pos, base, need, chunk_size, url, "an extension header", first if exts else -1)
                 pos, blen = 0, len(buf)
             if not exts:
                 first = base + pos
-            payload = buf[pos + _BLOCK : pos + _BLOCK + size]
-            exts.append((typeflag, _extension(typeflag, payload, global_pax, url, base + pos)))
+            payload = buf[pos + BLOCK : pos + BLOCK + size]
+            exts.append((typeflag, extension(typeflag, payload, global_pax, url, base + pos)))
             pos += need
             continue
-        elif typeflag == _SPARSE:
+        elif typeflag == SPARSE:
             raise TarDamage(f"{url}: unsupported GNU sparse member at offset {base + pos}", offset=base + pos)
         else:
-            has_data = typeflag not in _NO_DATA
+            has_data = typeflag not in NO_DATA
         # A non-regular member: consume its extension headers and skip it (and its data, where
         # tarfile would: unknown types yes, links/devices/directories no).
         if exts or global_pax:
-            _, size = _apply_extensions("", size, exts, global_pax, url, first)
+            _, size = apply_extensions("", size, exts, global_pax, url, first)
             exts.clear()
-        skip = _BLOCK + ((size + 511) & -512) if has_data else _BLOCK
+        skip = BLOCK + ((size + 511) & -512) if has_data else BLOCK
         if pos + skip > blen:
             buf, base = _refill(stream, buf, pos, base, skip, chunk_size, url, "a non-regular member", first if exts else -1)
             pos, blen = 0, len(buf)
@@ -231,7 +190,7 @@ def _first_block(stream: BinaryIO, chunk_size: int, url: str) -> bytes:
     buf = b""
     try:
         buf = stream.read(chunk_size)
-        while buf and len(buf) < _BLOCK:
+        while buf and len(buf) < BLOCK:
             more = stream.read(chunk_size)
             if not more:
                 break
@@ -240,10 +199,10 @@ def _first_block(stream: BinaryIO, chunk_size: int, url: str) -> bytes:
         raise TarDamage(str(exc), offset=0, stop=len(buf), truncated=getattr(exc, "truncated", False)) from exc
     if not buf:
         raise TarDamage(f"{url}: empty file (0 bytes), not a tar shard", offset=0, stop=0, truncated=True)
-    block = buf[:_BLOCK]
-    if len(block) == _BLOCK and (block == _ZERO_BLOCK or block[257:262] == b"ustar" or _checksum_ok(block)):
+    block = buf[:BLOCK]
+    if len(block) == BLOCK and (block == ZERO_BLOCK or block[257:262] == b"ustar" or checksum_ok(block)):
         return buf
-    if len(block) < _BLOCK and (block[257:262] == b"ustar" or not block.strip(b"\0")):
+    if len(block) < BLOCK and (block[257:262] == b"ustar" or not block.strip(b"\0")):
         return buf  # a header or end block cut short: reported as truncated by the caller
     hint = ""
     if block[:2] == b"\x1f\x8b":
@@ -253,113 +212,6 @@ def _first_block(stream: BinaryIO, chunk_size: int, url: str) -> bytes:
     elif block[:4] == b"\x28\xb5\x2f\xfd":
         hint = "; zstd-compressed data, which is not supported"
     raise TarDamage(f"{url}: not a tar file (starts with {block[:16]!r}, {len(buf)}{'+' if len(buf) >= chunk_size else ''} bytes){hint}", offset=0)
-
-
-def _checksum_ok(block: bytes) -> bool:
-    """Whether a 512-byte block's checksum field holds its unsigned or signed sum (as tarfile checks)."""
-    field = block[148:156]
-    end = field.find(b"\0")
-    text = (field[:end] if end >= 0 else field).strip()
-    try:
-        stored = int(text, 8)
-    except ValueError:
-        return False
-    rest = block[:148] + block[156:]
-    unsigned = 256 + sum(rest)
-    signed = 256 + sum(b - 256 if b > 127 else b for b in rest)
-    return stored in (unsigned, signed)
-
-
-def _extension(typeflag: int, payload: bytes, global_pax: dict[str, str], url: str, offset: int) -> Any:
-    """What an extension header contributes to the next member (see `_apply_extensions`)."""
-    if typeflag == _LONGNAME:
-        return _nts(payload)
-    if typeflag == _LONGLINK:
-        return None
-    records = _parse_pax(payload, url, offset)
-    if typeflag == _PAX_GLOBAL:
-        global_pax.update(records)  # tarfile: applies to every later member
-        return None
-    return {**global_pax, **records}  # tarfile: a local header sees the global records under its own
-
-
-def _signed_mismatch(buf: bytes, pos: int, stored: int, unsigned: int) -> bool:
-    """False when `stored` is the signed-char checksum some old tars (Sun, NeXT) write."""
-    header = buf[pos : pos + 148] + buf[pos + 156 : pos + _BLOCK]
-    high = len(header.translate(None, _LOW_BYTES))  # how many bytes are >= 0x80
-    return stored != unsigned - 256 * high
-
-
-def _header_number(buf: bytes, pos: int, field: int, url: str, base: int) -> int:
-    """A 12- or 8-byte numeric header field, exactly as `tarfile.nti` reads it (octal or base-256)."""
-    width = 8 if field == 148 else 12
-    raw = buf[pos + field : pos + field + width]
-    if raw[0] in (0o200, 0o377):  # GNU base-256, big-endian, 0o377 = negative
-        n = int.from_bytes(raw[1:], "big")
-        if raw[0] == 0o377:
-            n -= 256 ** (width - 1)
-    else:
-        end = raw.find(b"\0")
-        text = (raw[:end] if end >= 0 else raw).strip()
-        try:
-            text.decode("ascii")
-            n = int(text, 8) if text else 0
-        except ValueError:
-            raise _corrupt(url, base + pos, f"invalid number field at byte {field} ({raw!r})") from None
-    return n
-
-
-def _nts(raw: bytes) -> str:
-    """A NUL-terminated header string, decoded as tarfile does (UTF-8, surrogateescape)."""
-    end = raw.find(b"\0")
-    return (raw[:end] if end >= 0 else raw).decode("utf-8", "surrogateescape")
-
-
-def _parse_pax(payload: bytes, url: str, offset: int) -> dict[str, str]:
-    """PAX records ``"%d %s=%s\\n"``, parsed like `tarfile._proc_pax` (which stops at the first
-    record that does not parse)."""
-    records: dict[str, str] = {}
-    pos = 0
-    while True:
-        match = _PAX_RECORD.match(payload, pos)
-        if not match:
-            return records
-        length = int(match.group(1))
-        if length == 0:
-            raise _corrupt(url, offset, "PAX record of length 0")
-        keyword = match.group(2).decode("utf-8", "surrogateescape")
-        value = payload[match.end(2) + 1 : match.start(1) + length - 1]
-        if keyword.startswith("GNU.sparse."):
-            raise TarDamage(f"{url}: unsupported GNU sparse member (PAX header at offset {offset})", offset=offset)
-        records[keyword] = value.decode("utf-8", "surrogateescape")
-        pos += length
-
-
-def _apply_extensions(
-    name: str, size: int, exts: list[tuple[int, Any]], global_pax: dict[str, str], url: str, first: int
-) -> tuple[str, int]:
-    """The member's name and size after its extension headers, in tarfile's precedence: the global
-    PAX path first, then the extension headers from the innermost out (so the first one wins)."""
-    if "path" in global_pax:
-        name = global_pax["path"].rstrip("/")
-    for typeflag, value in reversed(exts):
-        if typeflag == _LONGNAME:
-            name = value
-        elif typeflag in _PAX_LOCAL:
-            if "path" in value:
-                name = value["path"].rstrip("/")
-            if "size" in value:
-                try:
-                    size = int(value["size"])
-                except ValueError:
-                    size = -1
-                if size < 0:  # tarfile would read it as 0 and misparse the rest of the shard
-                    raise _corrupt(url, first, f"invalid PAX size {value['size']!r}")
-    return name, size
-
-
-def _corrupt(url: str, offset: int, why: str) -> TarDamage:
-    return TarDamage(f"{url}: corrupt header at offset {offset}: {why}", offset=offset)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -430,7 +282,7 @@ def group_samples(members: Iterable[Member], *, url: str) -> Iterator[dict[str, 
         sample[suffix] = data
     if sample:
         if not isinstance(last_end, int):
-            last_end = offset + _BLOCK + ((len(data) + 511) & -512)
+            last_end = offset + BLOCK + ((len(data) + 511) & -512)
         sample["__end__"] = last_end
         yield sample
 

@@ -22,6 +22,8 @@ commands). Beyond the obvious ones:
   samples (``Mixture(fields=...)``; not with ``packed``). A source's ``length`` is then either an
   import path or the name of a field.
 * ``schedule``: see :mod:`mixer.schedule_config`.
+* ``profile_cache``: a directory for the sources' up-front profiles (``Mixture(profile_cache=)``),
+  so a restarted job reads no shard to start; ``profile_share``: whether rank 0 profiles for all.
 * ``sources[i].io_options``: :class:`mixer.IOOptions` keys (``timeout``, ``retries``, ``backoff``,
   ``block_size``, ``read_ahead``) for remote shards.
 """
@@ -45,6 +47,7 @@ from .errors import ConfigError
 from .storage import IOOptions
 from .nemo import NEMO_KEYS, apply_nemo, nemo_options, nemo_values
 from .options import check_options
+from .profiling import check_profile_cache, check_profile_share
 from .schedule import Schedule
 from .schedule_config import parse_schedule, schedule_to_dict
 from .source import Source
@@ -107,11 +110,15 @@ class MixtureConfig:
     dtype: str = "int32"
     state_every: int = DEFAULT_STATE_EVERY
     fields: Mapping[str, Field] | None = None
+    profile_cache: str | None = None
+    profile_share: bool | None = None
 
     def __post_init__(self) -> None:
         checked = check_options(**{k: getattr(self, k) for k in _OPTIONS})  # the Mixture's own check
         for key, value in checked.items():
             object.__setattr__(self, key, value)
+        check_profile_cache(self.profile_cache)
+        check_profile_share(self.profile_share)
 
     def mixture_options(self) -> dict[str, Any]:
         """The keywords of :class:`~mixer.Mixture` besides the sources."""
@@ -128,6 +135,9 @@ class MixtureConfig:
                 out[key] = getattr(self, key)
         if self.fields is not None:
             out["fields"] = {name: _values(f) for name, f in self.fields.items()}
+        for key in ("profile_cache", "profile_share"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
         return out
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import operator
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -27,7 +28,7 @@ from .options import MixMode, Stop, Unit, check_options
 from .mixing import Cut, mix_batches, mix_samples
 from .schedule import Schedule, SourceInfo, Static, check_schedule
 from .selector import make_selector
-from .profiling import Profile, list_source, profile
+from .profiling import Profile, check_profile_cache, check_profile_share, list_source, profile_sources
 from .source import ListedSource, Source
 from .reread import reread
 from .stream import Counters, SourceStream
@@ -57,6 +58,16 @@ class Mixture(IterableDataset[Batch]):
     ends when any source has delivered its whole pass; ``"all_exhausted"`` drops exhausted sources
     and renormalises the rest, so one pass delivers every sample of every source exactly once.
 
+    Building it lists every source's shards and looks at the sources that need it (their size when
+    ``Source.size`` is not given, their lengths when the bucket edges are derived; see
+    :mod:`mixer.profiling`), in parallel, with bounded reads. ``profile_cache``: a directory where
+    those looks are kept, keyed by each source's shard listing, so that a restarted job reads no
+    shard to start (default None: no cache; see :mod:`mixer.profile_cache` for what the key
+    covers). ``profile_share``: under ``torch.distributed``, rank 0 of ``dp_group`` (else of the
+    default group) looks and broadcasts the result, so the other ranks read nothing (None: when a
+    group of several ranks is initialized; every rank of it must then build the mixture; False:
+    every rank looks for itself).
+
     Each ``iter()`` starts the stream from the beginning: same seed, same batches. For exact resume
     use the loader's ``state_dict()`` / ``load_state_dict()``: every ``state_every`` batches a
     reader attaches its full state (where it reads, and the shard and byte offset of every buffered
@@ -83,6 +94,8 @@ class Mixture(IterableDataset[Batch]):
         dp_group: Any = None,
         state_every: int = 64,
         fields: Mapping[str, Field] | None = None,
+        profile_cache: str | os.PathLike[str] | None = None,
+        profile_share: bool | None = None,
     ) -> None:
         super().__init__()
         sources = list(sources)
@@ -122,7 +135,9 @@ class Mixture(IterableDataset[Batch]):
         # Judges every sample it reads as the readers do: too long for the budget is a SampleError
         # naming shard and key, raised or skipped by the source's on_error, as mid-stream.
         self.listed: list[ListedSource] = [list_source(s) for s in sources]  # the only listing of shards
-        self.profiles: list[Profile] = [profile(s, batching) for s in self.listed]
+        self.profiles: list[Profile] = profile_sources(
+            self.listed, batching, cache=check_profile_cache(profile_cache), share=check_profile_share(profile_share), group=dp_group
+        )
         self.info = SourceInfo(
             names=tuple(names),
             weights=np.array([s.weight for s in sources], dtype=np.float64),

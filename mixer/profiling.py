@@ -1,22 +1,56 @@
-"""The up-front look at a source: lengths for bucket edges and its size in tokens (once per job)."""
+"""The up-front look at a source: lengths for bucket edges and its size in tokens, made once per job.
+
+What a source needs: its size in tokens (for the schedule) unless ``Source.size`` gives it, and a
+sample of lengths when the bucket edges are derived from it (``TokenBudget`` without ``buckets``).
+A source that needs neither is not read at all. The others (:func:`profile_sources`):
+
+* are looked up in the profile cache first (:mod:`mixer.profile_cache`, ``Mixture(profile_cache=)``):
+  a hit reads no shard;
+* are read in parallel, at most :data:`MAX_CONCURRENT` sources at once, results in source order;
+  an error is raised for the first failing source in source order, naming it, as a sequential look
+  would, and the warnings are emitted in source order from the calling thread;
+* read only what they use: remote shards as ranged requests with an end byte, sized from what the
+  samples read so far measure (:class:`_Windows`), stopping at ``max_samples``;
+* under ``torch.distributed`` (``Mixture(profile_share=)``), are profiled by rank 0 of the group
+  only, and the result (or the error) is broadcast to the other ranks, which read nothing.
+"""
 
 from __future__ import annotations
 
 import logging
+import math
+import os
+import pickle
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any, BinaryIO, Literal, cast
 
 import numpy as np
-from dataclasses import dataclass
 
-from . import storage
-from ._warn import warn
-from .budget import TokenBudget
-from .errors import MixerError, SampleError, ShardError
-from .budget import Packed
+from . import _warn, storage
+from .budget import Packed, TokenBudget
+from .errors import ConfigError, MixerError, SampleError, ShardError
+from .profile_cache import ProfileCache, cache_key, lengths_of
 from .source import ListedSource, Source
+from .storage.compressed import codec_of
+from .storage.streams import ForwardStream
+from .storage.urls import is_local, scheme_of
 from .stream import Counters, _decoded, _fit, _skip_or_raise
 from .tario import read_samples
 
 log = logging.getLogger(__name__)
+
+MAX_SAMPLES = 2048  # lengths read per source (spread over its shards)
+MAX_SHARDS = 3  # shards read per source: the first, the middle and the last
+MAX_CONCURRENT = 16
+"""Sources profiled at once (threads; each holds at most one open shard). Enough to hide 50-100 ms
+of time to first byte over a hundred sources, few enough not to stampede one object store."""
+FIRST_WINDOW = 1 << 20  # bytes the first request for a source asks for, before any sample is measured
+MIN_WINDOW = 64 << 10  # the least a request asks for
+SLACK = 1.15  # requests ask for this much more than the samples measured so far predict
+
+Origin = Literal["read", "cache", "given"]
 
 
 @dataclass(frozen=True)
@@ -25,26 +59,144 @@ class Profile:
     size in tokens, given or estimated as ``total shard bytes * tokens per byte`` measured on the
     samples read (shards whose byte size the listing did not give are assumed average-sized).
     ``skipped``: samples the look skipped under ``on_error="skip"`` (the readers meet them again,
-    skip them again and count them in ``skipped_samples``)."""
+    skip them again and count them in ``skipped_samples``); ``retries``: retried requests.
+    ``origin``: ``"read"`` from the shards, ``"cache"`` from the profile cache (nothing read), or
+    ``"given"`` (``Source.size`` given and no lengths needed: nothing read, ``lengths`` empty)."""
 
     lengths: np.ndarray
     tokens_per_byte: float
     size: float
     estimated: bool
     skipped: int = 0
+    retries: int = 0
+    origin: Origin = "read"
 
 
-def profile(listed: ListedSource, budget: TokenBudget | Packed, *, max_samples: int = 2048, max_shards: int = 3) -> Profile:
+def needs_profile(source: Source, budget: TokenBudget | Packed) -> bool:
+    """Whether ``source`` must be looked at: its size is not given, or the bucket edges are derived
+    from lengths (a ``TokenBudget`` without ``buckets``; ``Packed`` has no edges)."""
+    return source.size is None or (isinstance(budget, TokenBudget) and budget.buckets is None)
+
+
+def _picks(n: int, max_shards: int) -> list[int]:
+    return sorted({round(i * (n - 1) / max(max_shards - 1, 1)) for i in range(min(max_shards, n))})
+
+
+class _Windows(ForwardStream):
+    """A remote shard from its start as successive ranged requests, each with an end byte, so the
+    server sends about what is read: ``want`` is the size of the next request (the profiler keeps it
+    at what the samples still wanted are measured to need), never less than :data:`MIN_WINDOW`."""
+
+    def __init__(self, url: str, open_kwargs: dict[str, Any], want: int, size: int | None) -> None:
+        super().__init__()
+        self.url = url
+        self.want = want
+        self.size = size
+        self.requests = 0
+        self._kwargs = open_kwargs
+        self._cur: BinaryIO | None = None
+        self._end = 0
+        self._retries = 0
+
+    @property
+    def retries(self) -> int:
+        return self._retries + int(getattr(self._cur, "retries", 0))
+
+    def _next(self) -> bool:
+        if self._cur is not None:
+            if self._pos < self._end:  # the last window ended early: so did the shard
+                return False
+            self._retries += int(getattr(self._cur, "retries", 0))
+            self._cur.close()
+            self._cur = None
+        if self.size is not None and self._pos >= self.size:
+            return False
+        end = self._pos + max(self.want, MIN_WINDOW)
+        if self.size is not None:
+            end = min(end, self.size)
+        self._cur = storage.open_shard(self.url, start_offset=self._pos, end_offset=end, **self._kwargs)
+        self._end = end
+        self.requests += 1
+        told = getattr(self._cur, "size", None)
+        if told is not None:
+            self.size = int(told)
+        return True
+
+    def read(self, size: int | None = -1) -> bytes:
+        if size is None or size < 0:
+            parts = []
+            while chunk := self.read(1 << 20):
+                parts.append(chunk)
+            return b"".join(parts)
+        while True:
+            if self._cur is not None:
+                data = self._cur.read(size)
+                if data or size == 0:
+                    self._pos += len(data)
+                    return data
+            if not self._next():
+                return b""
+
+    def read1(self, size: int = -1) -> bytes:
+        return self.read(size if size >= 0 else 1 << 20)
+
+    def _release(self) -> None:
+        if self._cur is not None:
+            self._cur.close()
+            self._cur = None
+
+
+def _open(url: str, source: Source, want: int, size: int | None) -> BinaryIO:
+    kwargs = {"storage_options": dict(source.storage_options or {}), "allow_pipe": source.allow_pipe,
+              **storage.IOOptions.of(source.io_options).open_kwargs()}  # fmt: skip
+    scheme = scheme_of(url)
+    if is_local(scheme) or scheme == "pipe" or codec_of(url) is not None:
+        return storage.open_shard(url, **kwargs)  # local: no over-read to bound; compressed: from the start
+    return cast(BinaryIO, _Windows(url, kwargs, want, size))
+
+
+def profile(
+    listed: ListedSource,
+    budget: TokenBudget | Packed,
+    *,
+    max_samples: int = MAX_SAMPLES,
+    max_shards: int = MAX_SHARDS,
+    warn: Callable[[str], None] = _warn.warn,
+) -> Profile:
+    """The profile of one source, read now (see :func:`_look`), with its given size if it has one."""
+    return _given(_look(listed, budget, max_samples=max_samples, max_shards=max_shards, warn=warn), listed.source)
+
+
+def _given(p: Profile, source: Source) -> Profile:
+    if source.size is not None:
+        return replace(p, size=source.size, estimated=False)
+    if p.origin == "read":
+        log.info("source %r: estimated size %.3g tokens (%.4f tokens/byte over %d samples)", source.name, p.size, p.tokens_per_byte, p.lengths.size)
+    return p
+
+
+def _look(
+    listed: ListedSource,
+    budget: TokenBudget | Packed,
+    *,
+    max_samples: int = MAX_SAMPLES,
+    max_shards: int = MAX_SHARDS,
+    warn: Callable[[str], None] = _warn.warn,
+) -> Profile:
     """Read up to ``max_samples`` samples from up to ``max_shards`` shards spread over the sorted
-    list. Runs once in the main process; the result travels to every reader with the mixture.
+    list (the same number from each); the size is always the estimate. Runs once per job; the
+    result travels to every reader with the mixture. Remote shards are read with ranged requests that end about where the last sample
+    wanted ends (the first request of a source asks for :data:`FIRST_WINDOW` bytes; later ones for
+    what the samples measured so far predict).
 
     Every sample read is judged as a reader judges it (:func:`make_sample`'s decode, length policy
     for ``budget`` and ``on_error``): a sample too long for the budget is the same error naming
     source, shard and key, raised or skipped (and counted in ``skipped``) by the source's policy.
-    The lengths recorded are those decoded, before truncation, so the size counts source tokens."""
+    The lengths recorded are those decoded, before truncation, so the size counts source tokens.
+    ``warn``: where the warnings go (the parallel look collects them, to emit them in order)."""
     source, shards = listed.source, listed.shards
     n = len(shards)
-    picks = sorted({round(i * (n - 1) / max(max_shards - 1, 1)) for i in range(min(max_shards, n))})
+    picks = _picks(n, max_shards)
     per_shard = max(1, max_samples // len(picks))
     lengths: list[int] = []
     scratch = Counters()  # the policy's counts while profiling (skipped_samples is reported)
@@ -56,30 +208,36 @@ def profile(listed: ListedSource, budget: TokenBudget | Packed, *, max_samples: 
             warn(f"{message} (seen while profiling the source)")
 
     nbytes = 0
+    seen_bytes = seen_samples = 0  # measured so far: sizes the next requests
+    retries = 0
     told: list[int] = []  # shard sizes the servers gave while we read (remote shards listed without sizes)
     for shard in picks:
         url = shards[shard]
         start = None
         end = 0
+        count = 0
         got: list[int] = []
         stream = None
+        bps = seen_bytes / seen_samples if seen_samples else 0.0
+        want = math.ceil((per_shard + 1) * bps * SLACK) if bps else FIRST_WINDOW
         try:
-            with storage.open_shard(url, storage_options=dict(source.storage_options or {}), allow_pipe=source.allow_pipe, **storage.IOOptions.of(source.io_options).open_kwargs()) as stream:
-                for i, raw in enumerate(read_samples(stream, url=storage.redact(url))):
-                    if i >= per_shard:
-                        break
+            with _open(url, source, want, listed.shard_bytes[shard]) as stream:
+                for raw in read_samples(stream, url=storage.redact(url)):
                     if start is None:
                         start = raw["__offset__"]
                     end = raw["__end__"]
+                    count += 1
+                    if isinstance(stream, _Windows):  # what the samples still wanted will take
+                        stream.want = math.ceil((per_shard - count + 1) * (end - start) / count * SLACK)
                     try:
                         decoded = _decoded(source, raw, scratch)
-                        if decoded is None:  # the decode filtered the sample out
-                            continue
-                        _fit(source, budget, scratch, raw, *decoded)
+                        if decoded is not None:  # else the decode filtered the sample out
+                            _fit(source, budget, scratch, raw, *decoded)
+                            got.append(decoded[1])
                     except SampleError as exc:
                         _skip_or_raise(source, scratch, raw, shard, exc, warn_once)
-                        continue
-                    got.append(decoded[1])
+                    if count >= per_shard:
+                        break
                 size_told = getattr(stream, "size", None)
                 if size_told is not None:
                     told.append(int(size_told))
@@ -89,9 +247,14 @@ def profile(listed: ListedSource, budget: TokenBudget | Packed, *, max_samples: 
             if source.on_error == "raise":
                 raise ShardError(f"source {source.name!r}: {exc}") from exc
             warn(f"source {source.name!r}: profiling skips shard {storage.redact(url)}: {exc}")
+        finally:
+            retries += int(getattr(stream, "retries", 0) or 0)
         lengths += got
         scale = getattr(stream, "ratio", 1.0)  # compressed shards: offsets are uncompressed, listed sizes not
         nbytes += round((end - (start or 0)) * scale)
+        if count:
+            seen_bytes += end - (start or 0)
+            seen_samples += count
     skipped = scratch.skipped_samples
     if not lengths:
         also = f" ({skipped} skipped as bad)" if skipped else ""
@@ -100,8 +263,6 @@ def profile(listed: ListedSource, budget: TokenBudget | Packed, *, max_samples: 
         log.warning("source %r: profiling skipped %d bad sample(s) of %d read (on_error='skip')", source.name, skipped, len(lengths) + skipped)
     arr = np.asarray(lengths, dtype=np.int64)
     tpb = float(arr.sum()) / max(nbytes, 1)
-    if source.size is not None:
-        return Profile(arr, tpb, source.size, False, skipped)
     known = [b for b in listed.shard_bytes if b is not None]
     if len(known) < n:
         pool: list[float] = [*known, *told] or [nbytes / len(picks)]
@@ -109,9 +270,8 @@ def profile(listed: ListedSource, budget: TokenBudget | Packed, *, max_samples: 
         total = sum(known) + mean * (n - len(known))
     else:
         total = float(sum(known))
-    size = max(total * tpb, 1.0)
-    log.info("source %r: estimated size %.3g tokens (%.4f tokens/byte over %d samples)", source.name, size, tpb, arr.size)
-    return Profile(arr, tpb, size, True, skipped)
+    # Always the estimate (a cached look serves the source with or without a given size).
+    return Profile(arr, tpb, max(total * tpb, 1.0), True, skipped, retries)
 
 
 def list_source(source: Source) -> ListedSource:
@@ -121,3 +281,136 @@ def list_source(source: Source) -> ListedSource:
     except MixerError as exc:
         raise type(exc)(f"source {source.name!r}: {exc}") from exc
     return ListedSource(source, tuple(url for url, _ in listed), tuple(nbytes for _, nbytes in listed))
+
+
+def profile_sources(
+    listed: Sequence[ListedSource],
+    budget: TokenBudget | Packed,
+    *,
+    cache: str | os.PathLike[str] | None = None,
+    share: bool | None = None,
+    group: Any = None,
+    max_samples: int = MAX_SAMPLES,
+    max_shards: int = MAX_SHARDS,
+    concurrency: int = MAX_CONCURRENT,
+) -> list[Profile]:
+    """The profile of every source, in source order (see the module docstring): ``"given"`` for a
+    source that needs none (:func:`needs_profile`), else from ``cache`` (a directory, or None for
+    no cache) or read, ``concurrency`` sources at once. ``share``: None shares the look over the
+    process group ``group`` (None: the default group) when one with more than one rank is
+    initialized; True requires one; False looks on every rank. Sharing is a collective: every rank
+    of the group must build the mixture."""
+    todo = [i for i, ls in enumerate(listed) if needs_profile(ls.source, budget)]
+    out: list[Profile] = [
+        Profile(np.zeros(0, dtype=np.int64), math.nan, float(ls.source.size or 0.0), False, origin="given") for ls in listed
+    ]
+    if not todo:
+        return out
+    shared = _share_group(share, group)
+
+    def look() -> list[Profile]:
+        return _look_all([listed[i] for i in todo], budget, cache, max_samples, max_shards, concurrency)
+
+    looked = look() if shared is None else _broadcast(look, [(listed[i].name, len(listed[i].shards)) for i in todo], shared[0])
+    for i, p in zip(todo, looked):
+        out[i] = _given(p, listed[i].source)
+    return out
+
+
+def _look_all(todo: list[ListedSource], budget: TokenBudget | Packed, cache: str | os.PathLike[str] | None,
+              max_samples: int, max_shards: int, concurrency: int) -> list[Profile]:  # fmt: skip
+    store = ProfileCache(cache) if cache is not None else None
+    keys: list[str | None] = [None] * len(todo)
+    results: list[Profile | None] = [None] * len(todo)
+    if store is not None:
+        for j, ls in enumerate(todo):
+            keys[j] = key = cache_key(ls, budget, _picks(len(ls.shards), max_shards), max_samples=max_samples, max_shards=max_shards)
+            entry = store.load(key) if key is not None else None
+            if entry is not None:
+                results[j] = Profile(lengths_of(entry), float(entry["tokens_per_byte"]), float(entry["size"]), True, int(entry["skipped"]), 0, "cache")
+    misses = [j for j, r in enumerate(results) if r is None]
+    if not misses:
+        return [r for r in results if r is not None]
+    warned: list[list[str]] = [[] for _ in todo]
+    pool = ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(misses))), thread_name_prefix="mixer-profile")
+    try:
+        futures = {j: pool.submit(_look, todo[j], budget, max_samples=max_samples, max_shards=max_shards, warn=warned[j].append) for j in misses}
+        for j in misses:  # in source order: the warnings, and the error a sequential look would raise first
+            try:
+                results[j] = p = futures[j].result()
+            finally:
+                for message in warned[j]:
+                    _warn.warn(message)
+            key = keys[j]
+            if store is not None and key is not None:
+                store.store(key, {"lengths": p.lengths.tolist(), "tokens_per_byte": p.tokens_per_byte, "size": p.size, "skipped": p.skipped})
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    return [r for r in results if r is not None]
+
+
+def _share_group(share: bool | None, group: Any) -> tuple[Any] | None:
+    """``(group,)`` when the look is shared over ``group`` (None: the default group), else None."""
+    if share is False:
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        if share:
+            raise ConfigError("profile_share=True needs an initialized torch.distributed process group")
+        return None
+    return (group,) if dist.get_world_size(group) > 1 else None
+
+
+def _broadcast(look: Callable[[], list[Profile]], what: list[tuple[str, int]], group: Any) -> list[Profile]:
+    """``look()`` on rank 0 of ``group``, its result (or its error) broadcast to the other ranks,
+    which check that they list the same sources alike."""
+    import torch.distributed as dist
+
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    box: list[Any] = [None]
+    error: BaseException | None = None
+    if dist.get_rank(group) == 0:
+        try:
+            box[0] = ("ok", what, look())
+        except BaseException as exc:
+            error = exc
+            box[0] = ("error", what, _portable(exc))
+    dist.broadcast_object_list(box, src=src, group=group)
+    if error is not None:
+        raise error
+    kind, theirs, value = box[0]
+    if kind == "error":
+        raise value
+    for (name, n), (_, m) in zip(what, theirs):
+        if n != m:
+            raise ConfigError(f"source {name!r}: this rank lists {n} shard(s), rank 0 of the group {m}; every rank must see the same shards")
+    return list(value)
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling as itself, else a :class:`MixerError` with its message."""
+    try:
+        back = pickle.loads(pickle.dumps(exc))
+        if type(back) is type(exc) and str(back) == str(exc):
+            return exc
+    except Exception:  # noqa: BLE001 (an exception whose constructor needs more than its message)
+        pass
+    for cls in (ShardError, SampleError, ConfigError, MixerError):
+        if isinstance(exc, cls):
+            return cls(str(exc))
+    return MixerError(f"{type(exc).__name__}: {exc}")
+
+
+def check_profile_cache(value: Any) -> str | os.PathLike[str] | None:
+    if value is not None and not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"profile_cache: must be a directory path or None, got {value!r} ({type(value).__name__})")
+    if isinstance(value, str) and not value:
+        raise ConfigError("profile_cache: must be a directory path or None, got ''")
+    return value
+
+
+def check_profile_share(value: Any) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError(f"profile_share: must be true, false or None, got {value!r} ({type(value).__name__})")
+    return value

@@ -325,7 +325,7 @@ ERRORS = [
     # root
     (_set("sourcs", []), "sourcs: unknown key; did you mean 'sources'?"),
     (_set("zzz", 1), "zzz: unknown key (expected one of: sources, batching, schedule, selector, unit, mix, stop, seed, "
-     "shuffle_buffer, pad_id, dtype, state_every, fields, sampling_technique, sampling_temperature, sampling_probabilities, sampling_scale, "
+     "shuffle_buffer, pad_id, dtype, state_every, fields, profile_cache, profile_share, sampling_technique, sampling_temperature, sampling_probabilities, sampling_scale, "
      "shuffle, concat_sampling_technique, concat_sampling_temperature, concat_sampling_probabilities, "
      "concat_sampling_scale, concat_shuffle, concat_sampling_seed)"),
     (_set("sources", DELETE), "sources: required"),

@@ -66,7 +66,7 @@ def _parse_content_range(value: str | None) -> tuple[int | None, int | None]:
 
 
 class _HTTPRemote(PumpRemote):
-    """GET with ``Range: bytes=pos-`` through the aiohttp session of fsspec's HTTP filesystem (so its
+    """GET with ``Range: bytes=pos-`` (``pos-end`` with an end byte) through the aiohttp session of fsspec's HTTP filesystem (so its
     ``storage_options``, e.g. ``headers`` or ``client_kwargs``, apply), with the status checked here."""
 
     def __init__(self, fs: Any, url: str, timeout: float, block_size: int) -> None:
@@ -82,8 +82,8 @@ class _HTTPRemote(PumpRemote):
         headers = dict(kw.pop("headers", None) or {})
         headers["Accept-Encoding"] = "identity"  # byte offsets must be offsets into the file itself
         headers["Connection"] = "close"  # one connection per response: see cleanup() below
-        if pos:
-            headers["Range"] = f"bytes={pos}-"
+        if pos or self.end is not None:
+            headers["Range"] = f"bytes={pos}-{'' if self.end is None else self.end - 1}"
             if self.etag:
                 headers["If-Match"] = self.etag
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout, sock_read=self.timeout)
@@ -155,8 +155,8 @@ class _S3Remote(PumpRemote):
         kw: dict[str, Any] = {"Bucket": self.bucket, "Key": self.key, **self.fs.req_kw}
         if self.version:
             kw["VersionId"] = self.version
-        if pos:
-            kw["Range"] = f"bytes={pos}-"
+        if pos or self.end is not None:
+            kw["Range"] = f"bytes={pos}-{'' if self.end is None else self.end - 1}"
             if self.etag:
                 kw["IfMatch"] = self.etag
         try:
@@ -172,7 +172,7 @@ class _S3Remote(PumpRemote):
             first, total = _parse_content_range(resp.get("ContentRange"))
             if pos and first != pos:
                 raise Fault(f"asked for bytes from {pos}, S3 sent them from {first}", transient=False)
-            self._learn(total if pos else resp.get("ContentLength"), resp.get("ETag"))
+            self._learn(total if "Range" in kw else resp.get("ContentLength"), resp.get("ETag"))
         except BaseException:
             body.close()
             raise
@@ -198,6 +198,8 @@ class _FsspecRemote(Remote):
 
     def read(self, n: int) -> bytes:
         end = self._pos + n if self.size is None else min(self._pos + n, self.size)
+        if self.end is not None:
+            end = min(end, self.end)
         if end <= self._pos:
             return b""
         data = bytes(self._call("cat_file", self.url, start=self._pos, end=end))

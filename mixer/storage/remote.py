@@ -26,6 +26,8 @@ class Remote:
     ``close()`` drops it. ``size`` is learnt from responses; the ETag pins the version across re-opens."""
 
     size: int | None = None
+    end: int | None = None
+    """The byte a response should stop before (a ranged GET with an end byte); None: the shard's end."""
 
     def __init__(self, fs: Any, url: str, timeout: float) -> None:
         self.fs = fs
@@ -78,16 +80,28 @@ class RemoteStream(ForwardStream):
     `ShardError` at once, naming the redacted URL and byte offset; so do exhausted retries, with the
     last cause chained. ``retries`` counts every retry made (for the caller's stats); ``size`` is the
     shard's size once a response has told it; ``tell()`` is the offset of the next byte ``read`` returns.
+    ``end_offset``: the stream ends before this byte, and every request says so (an end byte in its
+    range), so the server sends no more than is asked for; a server that ignores ranges is cut off.
     Not thread-safe. Nothing is written to disk; read-ahead is bounded (about 3 x ``block_size``).
     """
 
     def __init__(
-        self, url: str, remote: Remote, *, start_offset: int, retries: int, backoff: float, block_size: int
+        self,
+        url: str,
+        remote: Remote,
+        *,
+        start_offset: int,
+        retries: int,
+        backoff: float,
+        block_size: int,
+        end_offset: int | None = None,
     ) -> None:
         super().__init__()
         self.url = url
         self.retries = 0
         self._remote = remote
+        self._end = end_offset
+        remote.end = end_offset
         self._max_retries = retries
         self._backoff = Backoff(backoff)
         self._block = block_size
@@ -175,6 +189,9 @@ class RemoteStream(ForwardStream):
             raise ValueError("I/O operation on closed stream")
 
     def _try_open(self) -> bytes:
+        if self._end is not None and self._fetched >= self._end:
+            self._eof = self._body_open = True
+            return b""
         try:
             self._remote.open(self._fetched)
         except EndOfShard:
@@ -197,11 +214,18 @@ class RemoteStream(ForwardStream):
             self._try_open()
             if self._eof:
                 return b""
+        end = self._end
+        if end is not None and self._fetched >= end:
+            return b""
         chunk = self._remote.read(self._block)
         if chunk:
+            if end is not None and self._fetched + len(chunk) > end:
+                chunk = chunk[: end - self._fetched]  # a server that ignored the end byte
             self._fetched += len(chunk)
             return chunk
         size = self._remote.size
+        if size is not None and end is not None:
+            size = min(size, end)
         if size is not None and self._fetched < size:
             raise Fault(f"the body ended at byte {self._fetched} of {size}", transient=True)
         return b""

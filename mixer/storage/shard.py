@@ -14,6 +14,7 @@ from .compressed import DecompressingStream, codec_of
 from .filesystems import filesystem
 from .options import DEFAULT_BLOCK_SIZE, IOOptions
 from .remote import RemoteStream
+from .streams import ForwardStream
 from .urls import check_url, is_local, local_path, redact, scheme_of
 
 __all__ = ["ReadAhead", "open_shard"]
@@ -29,6 +30,7 @@ def open_shard(
     backoff: float = 0.5,
     block_size: int = DEFAULT_BLOCK_SIZE,
     allow_pipe: bool = False,
+    end_offset: int | None = None,
 ) -> BinaryIO:
     """A readable binary stream of the shard at ``url``, positioned at ``start_offset``.
 
@@ -40,8 +42,17 @@ def open_shard(
     A compressed shard (``.tar.gz``, ``.tgz``, ``.tar.xz``) gives a `mixer.storage.compressed.DecompressingStream`:
     ``start_offset`` is then an offset into the uncompressed tar, reached by reading the shard from its
     start and dropping what comes before (see `mixer.storage.compressed` for what that costs).
+
+    ``end_offset``: the stream ends before this byte (of the file, so not for compressed shards nor
+    ``pipe:``), and a remote shard is asked for no more: its requests carry the end byte
+    (``Range: bytes=start-(end-1)``), so a reader that wants a prefix costs the server that prefix.
     """
     codec = codec_of(url)
+    if end_offset is not None:
+        if codec is not None or scheme_of(url) == "pipe":
+            raise ConfigError(f"{redact(url)}: end_offset needs an uncompressed shard file (not {codec or 'pipe:'})")
+        if end_offset < start_offset:
+            raise ConfigError(f"{redact(url)}: end_offset must be >= start_offset ({start_offset}), got {end_offset}")
     stream = _new_stream(
         url,
         start_offset=0 if codec else start_offset,
@@ -51,6 +62,7 @@ def open_shard(
         backoff=backoff,
         block_size=block_size,
         allow_pipe=allow_pipe,
+        end_offset=end_offset,
     )
     if isinstance(stream, RemoteStream):
         stream.open_body()
@@ -77,6 +89,7 @@ def _new_stream(
     backoff: float,
     block_size: int,
     allow_pipe: bool,
+    end_offset: int | None = None,
 ) -> BinaryIO:
     """`open_shard` up to, not including, the first request of a remote shard (local files and pipes
     are opened)."""
@@ -93,11 +106,13 @@ def _new_stream(
             raise ConfigError(f"{redact(url)}: a pipe: stream cannot start at an offset")
         return cast(BinaryIO, PipeStream(url))
     if is_local(scheme):
-        return _open_local(local_path(url), start_offset)
+        local = _open_local(local_path(url), start_offset)
+        return local if end_offset is None else cast(BinaryIO, _LocalRange(local, end_offset))
     assert scheme is not None
     remote = remote_for(scheme, filesystem(scheme, storage_options, timeout), url, timeout, block_size)
     stream = RemoteStream(
-        url, remote, start_offset=start_offset, retries=retries, backoff=backoff, block_size=block_size
+        url, remote, start_offset=start_offset, retries=retries, backoff=backoff, block_size=block_size,
+        end_offset=end_offset,
     )
     return cast(BinaryIO, stream)
 
@@ -174,6 +189,29 @@ class ReadAhead:
 
     def __repr__(self) -> str:
         return f"<ReadAhead {len(self._begun)} begun: {[redact(u) for u in self._begun]}>"
+
+
+class _LocalRange(ForwardStream):
+    """A local file's bytes up to ``end`` (`open_shard`'s ``end_offset``)."""
+
+    def __init__(self, f: BinaryIO, end: int) -> None:
+        super().__init__()
+        self._f = f
+        self._end = end
+        self._pos = f.tell()
+        self.retries = 0
+
+    def read(self, size: int | None = -1) -> bytes:
+        left = max(self._end - self._pos, 0)
+        data = self._f.read(left if size is None or size < 0 else min(size, left))
+        self._pos += len(data)
+        return data
+
+    def read1(self, size: int = -1) -> bytes:
+        return self.read(size)
+
+    def _release(self) -> None:
+        self._f.close()
 
 
 def _open_local(path: str, start_offset: int) -> BinaryIO:

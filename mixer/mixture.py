@@ -134,10 +134,9 @@ class Mixture(IterableDataset[Batch]):
 
         # Judges every sample it reads as the readers do: too long for the budget is a SampleError
         # naming shard and key, raised or skipped by the source's on_error, as mid-stream.
+        cache, share = check_profile_cache(profile_cache), check_profile_share(profile_share)
         self.listed: list[ListedSource] = [list_source(s) for s in sources]  # the only listing of shards
-        self.profiles: list[Profile] = profile_sources(
-            self.listed, batching, cache=check_profile_cache(profile_cache), share=check_profile_share(profile_share), group=dp_group
-        )
+        self.profiles: list[Profile] = profile_sources(self.listed, batching, cache=cache, share=share, group=dp_group)
         self.info = SourceInfo(
             names=tuple(names),
             weights=np.array([s.weight for s in sources], dtype=np.float64),

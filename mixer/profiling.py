@@ -292,11 +292,11 @@ def profile_sources(
     group: Any = None,
     max_samples: int = MAX_SAMPLES,
     max_shards: int = MAX_SHARDS,
-    concurrency: int = MAX_CONCURRENT,
+    concurrency: int | None = None,
 ) -> list[Profile]:
     """The profile of every source, in source order (see the module docstring): ``"given"`` for a
     source that needs none (:func:`needs_profile`), else from ``cache`` (a directory, or None for
-    no cache) or read, ``concurrency`` sources at once. ``share``: None shares the look over the
+    no cache) or read, ``concurrency`` (None: :data:`MAX_CONCURRENT`) sources at once. ``share``: None shares the look over the
     process group ``group`` (None: the default group) when one with more than one rank is
     initialized; True requires one; False looks on every rank. Sharing is a collective: every rank
     of the group must build the mixture."""
@@ -309,7 +309,7 @@ def profile_sources(
     shared = _share_group(share, group)
 
     def look() -> list[Profile]:
-        return _look_all([listed[i] for i in todo], budget, cache, max_samples, max_shards, concurrency)
+        return _look_all([listed[i] for i in todo], budget, cache, max_samples, max_shards, concurrency or MAX_CONCURRENT)
 
     looked = look() if shared is None else _broadcast(look, [(listed[i].name, len(listed[i].shards)) for i in todo], shared[0])
     for i, p in zip(todo, looked):

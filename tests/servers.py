@@ -86,6 +86,9 @@ class FaultyHTTPServer:
         self._conns: set[socket.socket] = set()
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        self.delay = 0.0  # seconds every GET waits before it is answered (an object store's time to first byte)
+        self.peak = 0  # the most GETs in flight at once since the last clear()
+        self._inflight = 0
 
     # ----------------------------------------------------------------------------- lifecycle
     def __enter__(self) -> FaultyHTTPServer:
@@ -149,11 +152,12 @@ class FaultyHTTPServer:
             self._versions[_norm(path)] = content
 
     def clear(self) -> None:
-        """Forget faults, versions and the request log."""
+        """Forget faults, versions, the request log and the peak of GETs in flight."""
         with self._lock:
             self._faults.clear()
             self._versions.clear()
             self._log.clear()
+            self.peak = 0
 
     def requests(self, path: str | None = None, method: str | None = "GET") -> list[Request]:
         with self._lock:
@@ -238,7 +242,17 @@ class _Handler(BaseHTTPRequestHandler):
         self._serve(head=True)
 
     def do_GET(self) -> None:
-        self._serve(head=False)
+        owner = self.owner
+        with owner._lock:
+            owner._inflight += 1
+            owner.peak = max(owner.peak, owner._inflight)
+        try:
+            if owner.delay:
+                owner._stop.wait(owner.delay)
+            self._serve(head=False)
+        finally:
+            with owner._lock:
+                owner._inflight -= 1
 
     def _serve(self, head: bool) -> None:
         owner = self.owner

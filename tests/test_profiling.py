@@ -263,3 +263,71 @@ def test_profile_options_are_checked() -> None:
         mixer.Mixture([mixer.Source("a", "/nonexistent/a.tar")], batching=mixer.TokenBudget(64), profile_share="yes")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="profile_share=True needs an initialized torch.distributed process group"):
         mixer.profiling._share_group(True, None)
+
+
+# ------------------------------------------------------------------------------ one look per job
+
+
+@pytest.mark.slow
+def test_under_torchrun_rank_0_looks_and_the_other_ranks_receive(http: FaultyHTTPServer, tmp_path: Path) -> None:
+    """2 ranks (gloo): with the look shared (the default under a process group) every profiled shard
+    is fetched once per job, and both ranks hold the same profiles; with profile_share=False once
+    per rank; rank 0's error reaches every rank, naming the source; a cache written by rank 0 is
+    all a restarted job reads."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    def names(lo: int, hi: int) -> list[list[str]]:
+        return [[f"s{i:02d}", http.url(f"many/s{i:02d}-{{000000..000002}}.tar")] for i in range(lo, hi)]
+
+    cache = tmp_path / "cache"
+    cases = [
+        {"name": "shared", "sources": names(0, 4)},
+        {"name": "own", "sources": names(4, 8), "share": False},
+        {"name": "fail", "sources": names(8, 10)},
+        {"name": "cached", "sources": names(10, 12), "cache": str(cache)},
+    ]
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"cases": cases}))
+    http.fail("many/s09-000001.tar", "status", status=404, times=None)
+
+    def torchrun() -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        here = Path(__file__).parent
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1", "--master_addr=127.0.0.1",
+               f"--master_port={port}", str(here / "profile_worker.py"), str(spec), str(tmp_path)]  # fmt: skip
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(here.parent), os.environ.get("PYTHONPATH", "")]))
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=here.parent)
+        assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+    def result(case: str, rank: int) -> dict[str, Any]:
+        return dict(json.loads((tmp_path / f"{case}-rank{rank}.json").read_text()))
+
+    def fetched(lo: int, hi: int) -> int:
+        return sum(1 for r in gets(http) if any(r.path.startswith(f"many/s{i:02d}-") for i in range(lo, hi)))
+
+    torchrun()
+    # Each source's 3 shards are small: one ranged GET each, per look.
+    assert fetched(0, 4) == 3 * 4  # once per job
+    assert fetched(4, 8) == 2 * 3 * 4  # once per rank
+    for case in ("shared", "own", "cached"):
+        assert result(case, 0) == result(case, 1), case
+    single = mixer.Mixture([mixer.Source(n, p) for n, p in names(0, 4)], batching=mixer.TokenBudget(4096))
+    assert [p["lengths"] for p in result("shared", 1)["profiles"]] == [p.lengths.tolist() for p in single.profiles]
+    assert result("shared", 1)["edges"] == single.edges
+    # rank 0 met the 404 (s08 was looked at in parallel, s09 fails): both ranks raise it, naming s09
+    for rank in (0, 1):
+        kind, message = result("fail", rank)["error"]
+        assert kind == "ShardError" and message.startswith(f"source 's09': shard {http.url('many/s09-000001.tar')} at byte 0: not found (HTTP 404)")
+    assert fetched(9, 10) == 2  # s09-000000 and the 404: rank 1 asked nothing
+    assert [p["origin"] for p in result("cached", 1)["profiles"]] == ["read", "read"]
+    assert len(list(cache.iterdir())) == 2  # written once, by rank 0
+
+    http.clear()
+    torchrun()  # the restarted job: the cache answers, no shard is read by any rank
+    assert [p["origin"] for p in result("cached", 1)["profiles"]] == ["cache", "cache"]
+    assert fetched(10, 12) == 0

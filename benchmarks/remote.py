@@ -69,10 +69,11 @@ class _FileHandler(BaseHTTPRequestHandler):
             return
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            start, status = 0, 200
-            m = re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range", ""))
-            if m:
+            start, last, status = 0, size - 1, 200
+            m = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+            if m:  # from a byte to the end, or to an end byte (the profiling's bounded reads)
                 start, status = int(m.group(1)), 206
+                last = min(int(m.group(2)), size - 1) if m.group(2) else size - 1
             if start > size:
                 self.send_response(416)
                 self.send_header("Content-Range", f"bytes */{size}")
@@ -81,18 +82,18 @@ class _FileHandler(BaseHTTPRequestHandler):
                 return
             self.send_response(status)
             self.send_header("Content-Type", "application/x-tar")
-            self.send_header("Content-Length", str(size - start))
+            self.send_header("Content-Length", str(max(last + 1 - start, 0)))
             self.send_header("Accept-Ranges", "bytes")
             self.send_header("ETag", '"' + hashlib.md5(f"{rel}:{size}".encode()).hexdigest() + '"')
             if self.headers.get("Connection", "").lower() == "close":
                 self.send_header("Connection", "close")
             if status == 206:
-                self.send_header("Content-Range", f"bytes {start}-{size - 1}/{size}")
+                self.send_header("Content-Range", f"bytes {start}-{last}/{size}")
             self.end_headers()
             self.wfile.flush()
             try:
-                if size > start:
-                    self.connection.sendfile(f, start, size - start)
+                if last >= start:
+                    self.connection.sendfile(f, start, last + 1 - start)
             except OSError:  # the client went away (e.g. a stream closed early)
                 self.close_connection = True
 

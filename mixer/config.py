@@ -135,13 +135,14 @@ class MixtureConfig:
                 out[key] = getattr(self, key)
         if self.fields is not None:
             out["fields"] = {name: _values(f) for name, f in self.fields.items()}
-        for key in ("profile_cache", "profile_share"):
+        for key in _PROFILE_OPTIONS:
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out
 
 
 _OPTIONS = ("selector", "unit", "mix", "stop", "seed", "shuffle_buffer", "pad_id", "dtype", "state_every")
+_PROFILE_OPTIONS = ("profile_cache", "profile_share")  # checked by mixer.profiling
 NATIVE_KEYS = tuple(f.name for f in dataclasses.fields(MixtureConfig))
 ROOT_KEYS = tuple(dict.fromkeys(NATIVE_KEYS + tuple(NEMO_KEYS) + tuple(NEMO_KEYS.values())))
 
@@ -344,7 +345,7 @@ def _parse(config: Any, allow_pipe: bool) -> MixtureConfig:
     if not any(s.weight > 0 for s in sources):
         raise ConfigError("sources: every weight is 0; at least one must be > 0")
     schedule = native["schedule"] if "schedule" in native else parse_schedule(m.get("schedule"), names)
-    options = {k: m[k] for k in _OPTIONS if k in m and k != "seed"}
+    options = {k: m[k] for k in (*_OPTIONS, *_PROFILE_OPTIONS) if k in m and k != "seed"}
     options.update(nemo_options(m, nemo, default_shuffle_buffer=DEFAULT_SHUFFLE_BUFFER))
     if "selector" in native:
         options["selector"] = native["selector"]

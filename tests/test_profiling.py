@@ -331,3 +331,16 @@ def test_under_torchrun_rank_0_looks_and_the_other_ranks_receive(http: FaultyHTT
     torchrun()  # the restarted job: the cache answers, no shard is read by any rank
     assert [p["origin"] for p in result("cached", 1)["profiles"]] == ["cache", "cache"]
     assert fetched(10, 12) == 0
+
+
+def test_the_config_keys_reach_the_mixture(http: FaultyHTTPServer, tmp_path: Path) -> None:
+    from mixer.config import build_mixture, parse_config
+
+    raw = {"sources": [{"name": "s00", "urls": http.url("many/s00-{000000..000002}.tar")}], "batching": {"max_tokens": 4096},
+           "profile_cache": str(tmp_path / "c"), "profile_share": False}  # fmt: skip
+    config = parse_config(raw)
+    assert (config.profile_cache, config.profile_share) == (str(tmp_path / "c"), False)
+    assert parse_config(config.to_dict()) == config
+    assert build_mixture(config).profiles[0].origin == "read" and build_mixture(config).profiles[0].origin == "cache"
+    with pytest.raises(ConfigError, match=r"profile_share: must be true, false or None, got 1 \(int\)"):
+        parse_config({**raw, "profile_share": 1})

@@ -142,6 +142,7 @@ class _Windows(ForwardStream):
 
     def _release(self) -> None:
         if self._cur is not None:
+            self._retries += int(getattr(self._cur, "retries", 0))
             self._cur.close()
             self._cur = None
 
@@ -364,9 +365,15 @@ def _share_group(share: bool | None, group: Any) -> tuple[Any] | None:
 
 def _broadcast(look: Callable[[], list[Profile]], what: list[tuple[str, int]], group: Any) -> list[Profile]:
     """``look()`` on rank 0 of ``group``, its result (or its error) broadcast to the other ranks,
-    which check that they list the same sources alike."""
+    which check that they list the same sources alike. Over CPU objects: a group whose backend has
+    no CPU collectives (NCCL) gets a gloo group over the same ranks, as :mod:`mixer.distributed` does."""
     import torch.distributed as dist
 
+    from .distributed import _handles_cpu
+
+    if not _handles_cpu(group):  # NCCL only: object collectives would need each rank's GPU set already
+        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+        group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
     src = dist.get_global_rank(group, 0) if group is not None else 0
     box: list[Any] = [None]
     error: BaseException | None = None

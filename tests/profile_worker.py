@@ -2,7 +2,8 @@
 
     python -m torch.distributed.run --nproc_per_node=N tests/profile_worker.py SPEC.json OUT_DIR
 
-SPEC.json lists cases (a name, source URL patterns, ``profile_share``, ``profile_cache``). For each,
+SPEC.json lists cases (a name, source URL patterns, ``profile_share``, ``profile_cache``, ``side``:
+share over a gloo group of its own as with an NCCL-only group). For each,
 in order, every rank builds the Mixture and writes ``OUT_DIR/<case>-rank<r>.json``: each source's
 profile (lengths, size, origin) and the bucket edges, or the error the construction raised (its
 type and message); the next case still runs.
@@ -18,10 +19,21 @@ from typing import Any
 import torch.distributed as dist
 
 import mixer
+import mixer.distributed
 
 
 def run_case(case: dict[str, Any]) -> dict[str, Any]:
     sources = [mixer.Source(name, pattern) for name, pattern in case["sources"]]
+    handles_cpu = mixer.distributed._handles_cpu
+    if case.get("side"):  # as with an NCCL-only group: the look is shared over a gloo group of its own
+        mixer.distributed._handles_cpu = lambda group: False  # type: ignore[assignment]
+    try:
+        return _build(case, sources)
+    finally:
+        mixer.distributed._handles_cpu = handles_cpu  # type: ignore[assignment]
+
+
+def _build(case: dict[str, Any], sources: list[mixer.Source]) -> dict[str, Any]:
     try:
         mix = mixer.Mixture(
             sources, batching=mixer.TokenBudget(4096), profile_share=case.get("share"), profile_cache=case.get("cache")

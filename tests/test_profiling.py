@@ -175,6 +175,15 @@ def test_errors_name_the_first_failing_source_in_order(http: FaultyHTTPServer) -
         mixer.Mixture(many(http), batching=mixer.TokenBudget(4096))
 
 
+def test_retries_and_skips_of_the_look_are_counted(http: FaultyHTTPServer) -> None:
+    http.fail("many/s01-000001.tar", "status", status=503, times=2)  # transient: retried from the same byte
+    http.fail("many/s02-000002.tar", "status", status=404, times=None)  # permanent: skipped (on_error="skip")
+    with pytest.warns(RuntimeWarning, match="source 's02': profiling skips shard"):
+        mix = mixer.Mixture(many(http, 3, on_error="skip", io_options={"backoff": 0.01}), batching=mixer.TokenBudget(4096))
+    assert [p.retries for p in mix.profiles] == [0, 2, 0]
+    assert [p.lengths.size for p in mix.profiles] == [90, 90, 60]
+
+
 def test_warnings_come_in_source_order_from_the_callers_line(http: FaultyHTTPServer) -> None:
     for i in (7, 2, 5):
         http.fail(f"many/s{i:02d}-000001.tar", "status", status=404, times=None)
@@ -288,6 +297,7 @@ def test_under_torchrun_rank_0_looks_and_the_other_ranks_receive(http: FaultyHTT
         {"name": "own", "sources": names(4, 8), "share": False},
         {"name": "fail", "sources": names(8, 10)},
         {"name": "cached", "sources": names(10, 12), "cache": str(cache)},
+        {"name": "side", "sources": names(0, 2), "side": True},
     ]
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"cases": cases}))
@@ -312,13 +322,14 @@ def test_under_torchrun_rank_0_looks_and_the_other_ranks_receive(http: FaultyHTT
 
     torchrun()
     # Each source's 3 shards are small: one ranged GET each, per look.
-    assert fetched(0, 4) == 3 * 4  # once per job
+    assert fetched(0, 4) == 3 * 4 + 3 * 2  # once per job (s00 and s01 twice: the "side" case looks again)
     assert fetched(4, 8) == 2 * 3 * 4  # once per rank
-    for case in ("shared", "own", "cached"):
+    for case in ("shared", "own", "cached", "side"):
         assert result(case, 0) == result(case, 1), case
     single = mixer.Mixture([mixer.Source(n, p) for n, p in names(0, 4)], batching=mixer.TokenBudget(4096))
     assert [p["lengths"] for p in result("shared", 1)["profiles"]] == [p.lengths.tolist() for p in single.profiles]
     assert result("shared", 1)["edges"] == single.edges
+    assert result("side", 1)["profiles"] == result("shared", 1)["profiles"][:2]
     # rank 0 met the 404 (s08 was looked at in parallel, s09 fails): both ranks raise it, naming s09
     for rank in (0, 1):
         kind, message = result("fail", rank)["error"]

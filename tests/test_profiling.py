@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from servers import FaultyHTTPServer, loopback_only
+from servers import FaultyHTTPServer, loopback_only, no_aws_config, s3_storage_options
 from shardutil import write_token_shards
 
 import mixer
@@ -129,6 +129,12 @@ def test_end_offset_ends_the_stream_and_the_request(http: FaultyHTTPServer, root
         assert stream.read() == data[1000:5000]
     (request,) = gets(http)
     assert (request.start, request.end, request.status) == (1000, 4999, 206)
+    # The same through S3 (the server posing as an endpoint: a GetObject is a GET of /bucket/key).
+    http.clear()
+    with no_aws_config(), mixer.storage.open_shard("s3://big/big-000000.tar", end_offset=4096, storage_options=s3_storage_options(http.url().rstrip("/"))) as stream:
+        assert stream.read() == data[:4096] and stream.size == len(data)
+    (request,) = gets(http)
+    assert (request.start, request.end, request.status) == (0, 4095, 206)
     with mixer.storage.open_shard(str(path), start_offset=10, end_offset=20) as stream:
         assert stream.read(100) == data[10:20] and stream.read(1) == b""
     http.clear()

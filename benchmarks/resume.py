@@ -130,7 +130,7 @@ def measure(shards: common.ShardSet, num_workers: int, rounds: int, max_tokens: 
     for what in POINTS:
         state = cuts["states"][at[what]]
         out[f"{what}_batch"] = at[what]
-        out[f"state_bytes_{what}"] = mixer.state.size_bytes(state)
+        out[f"state_bytes_{what}"] = mixer.checkpoint.size_bytes(state)
         out[f"state_bytes_per_reader_max_{what}"] = max(len(json.dumps(r, separators=(",", ":"))) for r in state["readers"])
         out[f"reread_mb_{what}"] = reread_span(state)["reread_mb"]
     for num, den in (("deep", "early"), ("deep", "mid")):

@@ -127,12 +127,15 @@ def test_release_caps_what_the_buckets_hold_with_the_best_batch_they_can_make():
 
 
 def test_release_takes_the_oldest_of_a_lower_bucket_and_restores_held():
-    b = Bucketer([10, 20], TokenBudget(max_tokens=80, max_wait=100))  # capacities 8, 4
+    own = lambda x: (x,)  # noqa: E731  an item is its own location in the state
+    b = Bucketer([10, 20], TokenBudget(max_tokens=80, max_wait=100), locate=own)  # capacities 8, 4
     for n in (1, 2, 3, 11, 12, 13):
         b.add(n, n)
     # b0 alone: 30 -> 11.25; b1 with room 4: 11, 12, 13 and the oldest of b0 (1): 70 -> 61.25
     assert b.release(80) and b.ready.popleft() == [11, 12, 13, 1]
     assert b.buffers == [[2, 3], []] and b.held == 20
-    restored = Bucketer([10, 20], TokenBudget(max_tokens=80, max_wait=100))
-    restored.load_state_dict(b.state_dict(lambda x: x), lambda x: x)
+    restored = Bucketer([10, 20], TokenBudget(max_tokens=80, max_wait=100), locate=own)
+    restored.load_state_dict(b.state_dict())
+    assert sorted(restored.locations()) == [(2,), (3,)]
+    restored.attach(lambda loc: loc[0])
     assert restored.held == 20 and restored.buffers == b.buffers

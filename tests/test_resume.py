@@ -49,7 +49,7 @@ def test_fifty_random_cut_points_with_the_uninterrupted_run_as_oracle(shards):
     mix = mixture(shards)
     reference = [batch_view(b) for b in take(mixer.make_loader(mix), 260)]
     # Cuts right after 'tiny' restarted an epoch: find them from the counters the batches carry.
-    epochs = [b.info["counters"][2][mixer.stream.Counters.FIELDS.index("epochs")] for b in take(mixer.make_loader(mix), 240)]
+    epochs = [b.meta.counters[2][mixer.stream.Counters.FIELDS.index("epochs")] for b in take(mixer.make_loader(mix), 240)]
     after_restart = [i + 1 for i in range(1, len(epochs)) if epochs[i] != epochs[i - 1]][:8]
     assert after_restart, "the fixture should make 'tiny' restart its epoch"
     rng = random.Random(0)
@@ -138,8 +138,8 @@ def test_state_is_plain_small_and_torch_saveable(shards, tmp_path):
     text = json.dumps(state)
     # Issue 6's target: under 1 MiB per worker with default buffers; here each reader holds a full
     # shuffle buffer and bucket buffers after 40 batches.
-    per_reader = [mixer.state.size_bytes(r) for r in state["readers"]]
-    assert len(per_reader) == 2 and all(r["state"] is not None for r in state["readers"])
+    per_reader = [mixer.checkpoint.size_bytes(r) for r in state["readers"]]
+    assert len(per_reader) == 2 and all(r["snapshot"] is not None for r in state["readers"])
     assert max(per_reader) < 1 << 20, per_reader
     assert min(per_reader) > 10_000, per_reader  # the buffered locations really are in it
     torch.save({"data": state}, tmp_path / "ckpt.pt")

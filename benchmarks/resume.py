@@ -138,7 +138,7 @@ def measure(shards: common.ShardSet, num_workers: int, rounds: int, max_tokens: 
         out[f"{num}_over_{den}"] = statistics.median(ratios)
         out[f"{num}_over_{den}_per_round"] = ratios
     out["replay_deep_s"] = cuts["reached"][at["deep"]]
-    out["rerun_batches_max"] = max(int(r["since"]) for p in POINTS for r in cuts["states"][at[p]]["readers"])
+    out["rerun_batches_max"] = max(int(r["replay"]) for p in POINTS for r in cuts["states"][at[p]]["readers"])
     return out
 
 
@@ -149,8 +149,8 @@ def reread_span(state: dict[str, Any]) -> dict[str, float]:
 
     span = 0
     for reader in state["readers"]:
-        saved = reader["state"] or {"streams": [], "bucketers": []}
-        for stream, bucketer in zip(saved["streams"], saved["bucketers"]):
+        saved = reader["snapshot"] or {"streams": [], "batchers": []}
+        for stream, bucketer in zip(saved["streams"], saved["batchers"]):
             by_shard: dict[int, list[int]] = {}
             for shard, offset in stream["buffer"]:
                 by_shard.setdefault(int(shard), []).append(int(offset))

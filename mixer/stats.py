@@ -1,6 +1,6 @@
 """Run statistics, built in the main process from what the batches carry (no extra IPC).
 
-Every batch's ``info`` holds its reader's cumulative per-source :class:`~mixer.stream.Counters`, the
+Every batch's :class:`~mixer.BatchMeta` holds its reader's cumulative per-source :class:`~mixer.stream.Counters`, the
 global ``step`` and the schedule's ``target`` share at that step, as computed in the worker. The main
 process keeps the last counters of each worker and, per batch handed out, one snapshot of their sum
 in a ring buffer; a window's counters are then the difference of two snapshots, so the per-batch
@@ -41,7 +41,7 @@ STARVED_BELOW = 0.5
 
 
 class Stats:
-    """Per-source counters, cumulative and over the last ``window`` batches, fed one batch ``info``
+    """Per-source counters, cumulative and over the last ``window`` batches, fed one batch's metadata
     at a time by :class:`~mixer.Loader` (see :meth:`as_dict` for what comes out). Cumulative means
     since the loader's pass began, and after ``load_state_dict`` since the resume (the readers' raw
     counters, saved run included, are :meth:`mixer.Loader.counters`).

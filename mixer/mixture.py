@@ -20,7 +20,7 @@ from .batchers import Batcher, make_batcher
 from .budget import Field, Packed, TokenBudget
 from .collate import Layout, count_delivered, make_layout
 from .edges import bucket_edges
-from .checkpoint import (READER_KEYS, SNAPSHOT_KEYS, Resume, Stateful, expect_keys, fingerprint, group_locations, locate_pair,
+from .checkpoint import (READER_KEYS, SNAPSHOT_KEYS, Rereads, Resume, expect_keys, fingerprint, group_locations, locate_pair,
                          pair_lookup, with_skips)
 from .errors import ConfigError, StateError
 from .options import MixMode, Stop, Unit, check_options
@@ -335,7 +335,7 @@ class Reader:
         batchers = self.batchers[:1] if shared else self.batchers
         if len(snapshot["streams"]) != len(self.streams) or len(snapshot["batchers"]) != len(batchers):
             raise StateError(f"reader snapshot: {len(snapshot['streams'])} streams and {len(snapshot['batchers'])} batchers, this mixture {len(self.streams)} and {len(batchers)}")
-        parts: list[Stateful] = [*self.streams, *batchers]
+        parts: list[Rereads] = [*self.streams, *batchers]
         for part, saved in zip(parts, (*snapshot["streams"], *snapshot["batchers"])):
             part.load_state_dict(saved)
         self.selector.load_state_dict(snapshot["selector"])

@@ -174,10 +174,9 @@ class ReaderLog:
     def state_dict(self) -> dict[str, Any]:
         return {"snapshot": self.snapshot, "replay": self.replay, "skips": [list(s) for s in self.skips]}
 
-    @classmethod
-    def of(cls, state: dict[str, Any]) -> ReaderLog:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         expect_keys("loader reader", state, READER_KEYS)
-        return cls(state["snapshot"], int(state["replay"]), [list(s) for s in state["skips"]])
+        self.snapshot, self.replay, self.skips = state["snapshot"], int(state["replay"]), [list(s) for s in state["skips"]]
 
 
 def without_snapshot(meta: BatchMeta) -> BatchMeta:

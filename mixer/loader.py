@@ -200,10 +200,10 @@ class Loader:
         return max(self.num_workers, 1)
 
     def _reset_bookkeeping(self, resume: Resume | None) -> None:
-        if resume is None:
-            self._delivered, self._logs = 0, [ReaderLog() for _ in range(self._readers)]
-        else:
-            self._delivered, self._logs = resume.delivered, [ReaderLog.of(r) for r in resume.readers]
+        self._delivered = 0 if resume is None else resume.delivered
+        self._logs = [ReaderLog() for _ in range(self._readers)]
+        for log, saved in zip(self._logs, resume.readers if resume is not None else ()):
+            log.load_state_dict(saved)
 
     def state_dict(self) -> dict[str, Any]:
         """The stream's position as of the last batch handed out: small, plain (JSON-able), and

@@ -209,7 +209,7 @@ def run_rank(opts: argparse.Namespace, rank: int, world: int, local_rank: int) -
             first_batch_s = time.perf_counter() - t_start
         if i >= opts.warmup:
             data_s.append(dt)
-            tokens += int(batch.info["tokens"])
+            tokens += batch.meta.tokens
             batch_bytes.append(batch.buffer.numel() * batch.buffer.element_size())
         step(batch)
         del batch

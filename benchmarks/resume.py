@@ -130,7 +130,7 @@ def measure(shards: common.ShardSet, num_workers: int, rounds: int, max_tokens: 
     for what in POINTS:
         state = cuts["states"][at[what]]
         out[f"{what}_batch"] = at[what]
-        out[f"state_bytes_{what}"] = mixer.state.size_bytes(state)
+        out[f"state_bytes_{what}"] = mixer.checkpoint.size_bytes(state)
         out[f"state_bytes_per_reader_max_{what}"] = max(len(json.dumps(r, separators=(",", ":"))) for r in state["readers"])
         out[f"reread_mb_{what}"] = reread_span(state)["reread_mb"]
     for num, den in (("deep", "early"), ("deep", "mid")):
@@ -138,7 +138,7 @@ def measure(shards: common.ShardSet, num_workers: int, rounds: int, max_tokens: 
         out[f"{num}_over_{den}"] = statistics.median(ratios)
         out[f"{num}_over_{den}_per_round"] = ratios
     out["replay_deep_s"] = cuts["reached"][at["deep"]]
-    out["rerun_batches_max"] = max(int(r["since"]) for p in POINTS for r in cuts["states"][at[p]]["readers"])
+    out["rerun_batches_max"] = max(int(r["replay"]) for p in POINTS for r in cuts["states"][at[p]]["readers"])
     return out
 
 
@@ -149,8 +149,8 @@ def reread_span(state: dict[str, Any]) -> dict[str, float]:
 
     span = 0
     for reader in state["readers"]:
-        saved = reader["state"] or {"streams": [], "bucketers": []}
-        for stream, bucketer in zip(saved["streams"], saved["bucketers"]):
+        saved = reader["snapshot"] or {"streams": [], "batchers": []}
+        for stream, bucketer in zip(saved["streams"], saved["batchers"]):
             by_shard: dict[int, list[int]] = {}
             for shard, offset in stream["buffer"]:
                 by_shard.setdefault(int(shard), []).append(int(offset))

@@ -4,7 +4,7 @@ The distribution is named ``wds-mixer`` on PyPI; the import package is ``mixer``
 """
 
 from .audio import SpeechDecode
-from .batch import Batch, FieldBatch, PackedBatch
+from .batch import Batch, BatchMeta, FieldBatch, PackedBatch
 from .budget import Field, Packed, TokenBudget
 from .device import to_device
 from .errors import ConfigError, MixerError, SampleError, ShardError, StateError
@@ -18,6 +18,7 @@ from .stats import log_every
 
 __all__ = [
     "Batch",
+    "BatchMeta",
     "ConfigError",
     "Curriculum",
     "Field",

@@ -17,6 +17,9 @@ buffer is filled is :mod:`mixer.collate`'s.
 from __future__ import annotations
 
 import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -42,32 +45,66 @@ _ALIGN = 8  # bytes: every region starts here, so any field dtype can view it
 Spec = tuple[tuple[str, str, tuple[int, ...]], ...]
 
 
+@dataclass(slots=True)
+class BatchMeta:
+    """What a batch tells the loader's bookkeeping (and the training loop) about itself.
+
+    ``step``: the global step (the same meaning on every worker and rank); ``worker``: the reader
+    that made it; ``tokens``: its real tokens; ``counters``: that reader's cumulative per-source
+    counters (rows of :attr:`mixer.stream.Counters.FIELDS`), this batch included; ``target``: the
+    schedule's share per source at this step. For exact resume (see :mod:`mixer.checkpoint`):
+    ``snapshot``, the reader's full state every ``state_every`` batches (None otherwise; the loader
+    takes it off before handing the batch out); ``skips``, shards given up since the reader's last
+    batch; ``resumed_counters``, on a resumed reader's first batch, its counters at the resume
+    point. ``filler``: a filler batch (see :class:`Batch`), which delivers nothing.
+
+    Treat it as read-only (the loader replaces it, never changes it). It travels with every batch
+    from a worker as a tuple of its values (see :meth:`Batch.__reduce__`): plain numbers and lists,
+    no class lookup, and not frozen, because a frozen dataclass's constructor costs about 1 us more
+    per batch to rebuild."""
+
+    step: int = 0
+    worker: int = 0
+    tokens: int = 0
+    counters: Sequence[Sequence[int]] = ()
+    target: Sequence[float] = ()
+    snapshot: dict[str, Any] | None = None
+    skips: Sequence[Sequence[int]] = ()
+    resumed_counters: Sequence[Sequence[int]] | None = None
+    filler: bool = False
+
+
+_META_VALUES = operator.attrgetter(*BatchMeta.__slots__)  # pickled as its values: no class lookup per batch
+FILLER = BatchMeta(filler=True)
+_NO_META = BatchMeta()  # a batch built outside a mixture (tests, custom collate)
+
+
 class Batch:
     """Padded tokens ``[B, L]`` (``pad_id`` past each length), ``lengths [B]``, ``source [B]`` (index
-    into ``Mixture.sources``), the ``keys`` of the samples, and ``info``: a small dict the mixture
-    attaches (global step, per-source counters, state) for the loader's bookkeeping.
+    into ``Mixture.sources``), the ``keys`` of the samples, and ``meta``: a :class:`BatchMeta` the
+    mixture attaches (global step, per-source counters, resume bookkeeping).
 
     ``filler`` is True for a *filler* batch: under ``torchrun`` with a finite mixture, a rank whose
     data ended before the other ranks' hands out fillers until every rank has ended, so that all
     ranks take the same number of steps (see :mod:`mixer.distributed`). A filler is a copy of a real
     batch (same shapes and kinds of values, finite loss) whose samples are *not* delivered by it:
     the training step must still run (DDP's gradient all-reduce needs every rank) but weigh its loss
-    by 0 (``loss = loss * 0`` when ``batch.filler``). Its ``info`` holds only ``{"filler": True}``.
+    by 0 (``loss = loss * 0`` when ``batch.filler``). Its ``meta`` is :data:`FILLER`.
 
     ``pin_memory()`` and ``to()`` move the one buffer and rebuild the views, so DataLoader's
     ``pin_memory=True`` pins it with a single copy.
     """
 
-    __slots__ = ("buffer", "batch_size", "seq_len", "keys", "info", "tokens", "lengths", "source", "slot")
+    __slots__ = ("buffer", "batch_size", "seq_len", "keys", "meta", "tokens", "lengths", "source", "slot")
 
-    def __init__(self, buffer: torch.Tensor, batch_size: int, seq_len: int, keys: list[str], info: dict[str, Any] | None = None) -> None:
+    def __init__(self, buffer: torch.Tensor, batch_size: int, seq_len: int, keys: list[str], *, meta: BatchMeta | None = None) -> None:
         self.buffer = buffer
         # (pool id, worker, slot, stamp) while the buffer lives in a worker's shared slot.
         self.slot: tuple[int, int, int, int] | None = None
         self.batch_size = batch_size
         self.seq_len = seq_len
         self.keys = keys
-        self.info = info if info is not None else {}
+        self.meta = meta if meta is not None else _NO_META
         n = batch_size * seq_len
         self.tokens = buffer[:n].view(batch_size, seq_len)
         self.lengths = buffer[n : n + batch_size]
@@ -77,20 +114,20 @@ class Batch:
         return self.batch_size
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Subclasses (LayoutBatch) share this machinery: they rebuild from (buffer, *_meta()).
-        cls, meta = type(self), self._meta()
+        # Subclasses (LayoutBatch) share this machinery: they rebuild from (buffer, *_args(), meta).
+        cls, args, meta = type(self), self._args(), _META_VALUES(self.meta)
         if self.slot is not None:
-            return (_from_slot, (cls, *self.slot, self.buffer.numel(), meta))
+            return (_from_slot, (cls, *self.slot, self.buffer.numel(), args, meta))
         if self.buffer.device.type == "cpu":
-            return (_from_numpy, (cls, self.buffer.numpy(), meta))
-        return (cls, (self.buffer, *meta))
+            return (_from_numpy, (cls, self.buffer.numpy(), args, meta))
+        return (_rebuild, (cls, self.buffer, args, meta))
 
-    def _meta(self) -> tuple[Any, ...]:
-        """What the constructor takes after the buffer."""
-        return (self.batch_size, self.seq_len, self.keys, self.info)
+    def _args(self) -> tuple[Any, ...]:
+        """What the constructor takes between the buffer and the metadata."""
+        return (self.batch_size, self.seq_len, self.keys)
 
     def _with_buffer(self, buffer: torch.Tensor) -> Batch:
-        return type(self)(buffer, *self._meta())
+        return type(self)(buffer, *self._args(), meta=self.meta)
 
     def pin_memory(self, device: Any = None) -> Batch:
         return self._with_buffer(self.buffer.pin_memory() if device is None else self.buffer.pin_memory(device))
@@ -103,12 +140,12 @@ class Batch:
 
     @property
     def filler(self) -> bool:
-        return bool(self.info.get("filler", False))
+        return self.meta.filler
 
     def as_filler(self) -> Batch:
-        """A filler copy of this batch (own buffer, ``info == {"filler": True}``)."""
+        """A filler copy of this batch (own buffer, ``meta`` :data:`FILLER`)."""
         copy = self._with_buffer(self.buffer.clone())
-        copy.info = {"filler": True}
+        copy.meta = FILLER
         return copy
 
     @property
@@ -125,13 +162,17 @@ class Batch:
         return f"Batch(B={self.batch_size}, L={self.seq_len}, tokens={self.num_tokens}, device={self.buffer.device})"
 
 
-def _from_slot(cls: type[Batch], pool_id: int, worker: int, slot: int, stamp: int, n: int, meta: tuple[Any, ...]) -> Batch:
+def _from_slot(cls: type[Batch], pool_id: int, worker: int, slot: int, stamp: int, n: int, args: tuple[Any, ...], meta: tuple[Any, ...]) -> Batch:
     data = transport.pool(pool_id).copy_out(worker, slot, stamp, n)
-    return cls(torch.from_numpy(data), *meta)
+    return cls(torch.from_numpy(data), *args, meta=BatchMeta(*meta))
 
 
-def _from_numpy(cls: type[Batch], buffer: np.ndarray, meta: tuple[Any, ...]) -> Batch:
-    return cls(torch.from_numpy(buffer), *meta)
+def _from_numpy(cls: type[Batch], buffer: np.ndarray, args: tuple[Any, ...], meta: tuple[Any, ...]) -> Batch:
+    return cls(torch.from_numpy(buffer), *args, meta=BatchMeta(*meta))
+
+
+def _rebuild(cls: type[Batch], buffer: torch.Tensor, args: tuple[Any, ...], meta: tuple[Any, ...]) -> Batch:
+    return cls(buffer, *args, meta=BatchMeta(*meta))
 
 
 # ---- views over one flat buffer -------------------------------------------------------------
@@ -167,12 +208,12 @@ class LayoutBatch(Batch):
 
     __slots__ = ("spec", "views", "extra")
 
-    def __init__(self, buffer: torch.Tensor, spec: Spec, keys: list[str], info: dict[str, Any] | None = None, extra: tuple[Any, ...] = ()) -> None:
+    def __init__(self, buffer: torch.Tensor, spec: Spec, keys: list[str], extra: tuple[Any, ...] = (), *, meta: BatchMeta | None = None) -> None:
         self.buffer = buffer
         self.slot: tuple[int, int, int, int] | None = None
         self.spec = spec
         self.keys = keys
-        self.info = info if info is not None else {}
+        self.meta = meta if meta is not None else _NO_META
         self.extra = extra
         self.views = _torch_views(buffer, spec)
         self.lengths = self.views["lengths"]
@@ -183,8 +224,8 @@ class LayoutBatch(Batch):
     def _bind(self) -> None:
         pass
 
-    def _meta(self) -> tuple[Any, ...]:
-        return (self.spec, self.keys, self.info, self.extra)
+    def _args(self) -> tuple[Any, ...]:
+        return (self.spec, self.keys, self.extra)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         try:

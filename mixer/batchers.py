@@ -1,9 +1,10 @@
 """Level 2: the batchers that group one source's (or, with ``mix="sample"``, every source's)
 samples into batches: :class:`Bucketer` (length buckets under a :class:`~mixer.TokenBudget`) and
 :class:`Packer` (documents packed into rows, :class:`~mixer.Packed`), with the same interface
-(``add`` → ``ready`` queue, ``release``, ``drain``, ``state_dict(encode)`` /
-``load_state_dict(state, decode)``), so the mixture's exact resume re-reads a packer's documents by
-(shard, offset) like it does a bucketer's.
+(``add`` → ``ready`` queue, ``release``, ``drain``) and the same state: each is a
+:class:`~mixer.checkpoint.Rereads` part whose state lists its items by location (``locate(item)``:
+``(shard, offset)``, or ``(source, shard, offset)`` in ``mix="sample"``), so the mixture's exact
+resume re-reads a packer's documents like it does a bucketer's.
 
 A bucketer's sample goes to the bucket whose length range holds it; a bucket is full when one more
 sample could push ``batch_size * bucket_edge`` past the budget. A batch's padded length is its
@@ -18,8 +19,9 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-from .errors import ConfigError, SampleError, StateError
+from .errors import SampleError, StateError
 from .budget import Packed
+from .checkpoint import Location, expect_keys, locate_sample
 
 if TYPE_CHECKING:
     from .budget import TokenBudget
@@ -34,9 +36,8 @@ class Batcher(Protocol[T]):
     ``ready`` holds the batches that may leave, oldest first (a batch is a list of items); ``held``
     is what the buffers hold in padded tokens. ``add`` buffers an item and says whether a batch is
     ready; ``release(hold)`` makes one ready early when the buffers hold more than ``hold``;
-    ``drain`` yields every batch left at the end of a finite pass. ``state_dict(encode)`` lists the
-    buffered items through ``encode`` (a sample's shard and offset), ``load_state_dict(state,
-    decode)`` restores them through ``decode`` (from the re-read samples)."""
+    ``drain`` yields every batch left at the end of a finite pass. State: see
+    :class:`~mixer.checkpoint.Rereads` (``load_state_dict``, then ``locations`` and ``attach``)."""
 
     ready: deque[Any]
     held: int
@@ -47,14 +48,19 @@ class Batcher(Protocol[T]):
 
     def drain(self) -> Iterator[list[T]]: ...
 
-    def state_dict(self, encode: Callable[[T], Any]) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, Any]: ...
 
-    def load_state_dict(self, state: dict[str, Any], decode: Callable[[Any], T]) -> None: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def locations(self) -> Iterator[Location]: ...
+
+    def attach(self, lookup: Callable[[Location], T]) -> None: ...
 
 
-def make_batcher(edges: Sequence[int], batching: TokenBudget | Packed) -> Batcher[Any]:
-    """A :class:`Packer` for :class:`~mixer.Packed`, else a :class:`Bucketer` over ``edges``."""
-    return Packer(batching) if isinstance(batching, Packed) else Bucketer(edges, batching)
+def make_batcher(edges: Sequence[int], batching: TokenBudget | Packed, *, locate: Callable[[Any], Location] = locate_sample) -> Batcher[Any]:
+    """A :class:`Packer` for :class:`~mixer.Packed`, else a :class:`Bucketer` over ``edges``;
+    ``locate(item)`` is where an item lives (its state lists items so)."""
+    return Packer(batching, locate=locate) if isinstance(batching, Packed) else Bucketer(edges, batching, locate=locate)
 
 
 class Bucketer(Generic[T]):
@@ -67,7 +73,8 @@ class Bucketer(Generic[T]):
     upper bound on its length); :meth:`release` caps it, so that a source read rarely does not hold
     (and read ahead) a whole set of nearly full buckets to hand out one batch now and then."""
 
-    def __init__(self, edges: Sequence[int], budget: TokenBudget) -> None:
+    def __init__(self, edges: Sequence[int], budget: TokenBudget, *, locate: Callable[[T], Location] = locate_sample) -> None:
+        self.locate = locate
         self.edges = [int(e) for e in edges]
         self.capacity = [budget.capacity(e) for e in self.edges]
         self.buffers: list[list[T]] = [[] for _ in self.edges]
@@ -76,9 +83,10 @@ class Bucketer(Generic[T]):
         self.emitted = 0  # batches that left the buffers
         # (batches emitted when the bucket's first item arrived, bucket); stale entries are skipped.
         self._waiting: list[tuple[int, int]] = []
-        # Per bucket: batches emitted when its oldest item arrived (the state's "since").
+        # Per bucket: batches emitted when its oldest item arrived.
         self._opened = [0] * len(self.edges)
         self.held = 0
+        self._restoring: dict[str, Any] | None = None  # a loaded state waiting for its samples
 
     def add(self, item: T, length: int) -> bool:
         """Buffer ``item``; returns whether a batch is ready."""
@@ -153,24 +161,39 @@ class Bucketer(Generic[T]):
     def __len__(self) -> int:
         return sum(len(b) for b in self.buffers) + sum(len(r) for r in self.ready)
 
-    def state_dict(self, encode: Callable[[T], Any]) -> dict[str, Any]:
+    STATE_KEYS = ("buffers", "ready", "emitted", "opened", "waiting")
+
+    def state_dict(self) -> dict[str, Any]:
+        locate = self.locate
         return {
-            "buffers": [list(map(encode, buf)) for buf in self.buffers],
-            "ready": [list(map(encode, batch)) for batch in self.ready],
+            "buffers": [list(map(locate, buf)) for buf in self.buffers],
+            "ready": [list(map(locate, batch)) for batch in self.ready],
             "emitted": self.emitted,
-            "since": list(self._opened),
+            "opened": list(self._opened),
             "waiting": [list(w) for w in self._waiting],
         }
 
-    def load_state_dict(self, state: dict[str, Any], decode: Callable[[Any], T]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        expect_keys("bucketer", state, self.STATE_KEYS)
         if len(state["buffers"]) != len(self.edges):
-            raise ConfigError(f"bucketer state has {len(state['buffers'])} buckets, this mixture {len(self.edges)}")
-        self.buffers = [[decode(x) for x in buf] for buf in state["buffers"]]
-        self.held = sum(len(buf) * e for buf, e in zip(self.buffers, self.edges))
-        self.ready = deque([decode(x) for x in batch] for batch in state["ready"])
+            raise StateError(f"bucketer state: 'buffers' has {len(state['buffers'])} buckets, this mixture {len(self.edges)}")
         self.emitted = int(state["emitted"])
-        self._opened = [int(x) for x in state["since"]]
+        self._opened = [int(x) for x in state["opened"]]
         self._waiting = [(int(a), int(b)) for a, b in state["waiting"]]
+        self._restoring = state
+
+    def locations(self) -> Iterator[Location]:
+        assert self._restoring is not None
+        for group in (*self._restoring["ready"], *self._restoring["buffers"]):
+            for loc in group:
+                yield tuple(loc)
+
+    def attach(self, lookup: Callable[[Location], T]) -> None:
+        state, self._restoring = self._restoring, None
+        assert state is not None
+        self.buffers = [[lookup(tuple(x)) for x in buf] for buf in state["buffers"]]
+        self.held = sum(len(buf) * e for buf, e in zip(self.buffers, self.edges))
+        self.ready = deque([lookup(tuple(x)) for x in batch] for batch in state["ready"])
 
 
 # ---- level 2 for Packed ---------------------------------------------------------------------
@@ -207,7 +230,8 @@ class Packer(Generic[T]):
     :class:`PackedGroup`\\ s; ``drain`` empties everything at the end of a finite pass. Placement is
     a pure function of the order of arrival, so a restored packer continues exactly."""
 
-    def __init__(self, packed: Packed) -> None:
+    def __init__(self, packed: Packed, *, locate: Callable[[T], Location] = locate_sample) -> None:
+        self.locate = locate
         self.rows = packed.rows
         self.row_len = packed.row_len
         self.split = packed.split_documents
@@ -217,6 +241,7 @@ class Packer(Generic[T]):
         self.ready: deque[PackedGroup[T]] = deque()
         self.emitted = 0
         self.held = 0  # never more than open_batches batches: nothing for release() to cap
+        self._restoring: dict[str, Any] | None = None  # a loaded state waiting for its samples
 
     def release(self, hold: int) -> bool:
         return bool(self.ready)
@@ -307,13 +332,15 @@ class Packer(Generic[T]):
     def __len__(self) -> int:
         return sum(len(b.pieces) for b in self.open) + sum(len(g) for g in self.ready)
 
-    def state_dict(self, encode: Callable[[T], Any]) -> dict[str, Any]:
-        """Groups of pieces ``[*encode(item), row, col, start, count]``: ``ready`` (batches) and
-        ``buffers`` (open batches), as a Bucketer's state lists its items, so the reader finds the
-        samples to re-read the same way."""
+    STATE_KEYS = ("ready", "buffers", "emitted")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Groups of pieces ``[*locate(item), row, col, start, count]``: ``ready`` (batches) and
+        ``buffers`` (open batches), as a Bucketer's state lists its items."""
+        locate = self.locate
 
         def enc(pieces: Iterator[tuple[T, int, int, int, int]]) -> list[list[Any]]:
-            return [[*encode(it), r, c, s, k] for it, r, c, s, k in pieces]
+            return [[*locate(it), r, c, s, k] for it, r, c, s, k in pieces]
 
         return {
             "ready": [enc(zip(g, g.rows, g.cols, g.starts, g.counts)) for g in self.ready],
@@ -321,15 +348,28 @@ class Packer(Generic[T]):
             "emitted": self.emitted,
         }
 
-    def load_state_dict(self, state: dict[str, Any], decode: Callable[[Any], T]) -> None:
-        if "since" in state:
-            raise StateError("this is a bucketer's state, not a packer's")
-
-        def dec(p: list[Any]) -> tuple[T, int, int, int, int]:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        expect_keys("packer", state, self.STATE_KEYS)
+        for p in (p for g in (*state["ready"], *state["buffers"]) for p in g):
             r, c, s, k = (int(x) for x in p[-4:])
             if not (0 <= r < self.rows and 0 <= c and c + k <= self.row_len):
                 raise StateError(f"packer state places a piece at row {r}, column {c} ({k} tokens): not in {self.rows} rows of {self.row_len}")
-            return (decode(p[:-4]), r, c, s, k)
+        self.emitted = int(state["emitted"])
+        self._restoring = state
+
+    def locations(self) -> Iterator[Location]:
+        assert self._restoring is not None
+        for group in (*self._restoring["ready"], *self._restoring["buffers"]):
+            for piece in group:
+                yield tuple(piece[:-4])
+
+    def attach(self, lookup: Callable[[Location], T]) -> None:
+        state, self._restoring = self._restoring, None
+        assert state is not None
+
+        def dec(p: list[Any]) -> tuple[T, int, int, int, int]:
+            r, c, s, k = (int(x) for x in p[-4:])
+            return (lookup(tuple(p[:-4])), r, c, s, k)
 
         self.ready = deque(self._group([dec(p) for p in g]) for g in state["ready"])
         self.open = []
@@ -340,4 +380,3 @@ class Packer(Generic[T]):
                 batch.free[piece[1]] -= piece[4]
                 batch.left -= piece[4]
             self.open.append(batch)
-        self.emitted = int(state["emitted"])

@@ -25,8 +25,15 @@ def _set(obj: Any, name: str, value: Any) -> None:
     object.__setattr__(obj, name, value)  # a frozen dataclass normalising its own field
 
 
+class _Described:
+    """Configuration that decides the stream: every field counts in the mixture's fingerprint."""
+
+    def describe(self) -> dict[str, Any]:
+        return {"type": type(self).__name__, **vars(self)}
+
+
 @dataclass(frozen=True)
-class TokenBudget:
+class TokenBudget(_Described):
     """Batches whose padded size ``B * L`` stays within ``max_tokens``.
 
     ``buckets``: explicit, increasing bucket upper edges (lengths); None derives them from a warm-up
@@ -92,7 +99,7 @@ class TokenBudget:
 
 
 @dataclass(frozen=True)
-class Packed:
+class Packed(_Described):
     """Batches of documents packed back to back instead of padded (use as ``Mixture(batching=...)``).
 
     ``seq_len=None``: one flat run of at most ``max_tokens`` real tokens per batch, no padding.
@@ -148,7 +155,7 @@ class Packed:
 
 
 @dataclass(frozen=True)
-class Field:
+class Field(_Described):
     """How one field of a multi-field sample is collated: its batch ``dtype`` (one of
     ``FIELD_DTYPES``; values are cast with numpy's ``same_kind`` rule, so float audio never silently
     becomes int) and the ``pad`` value past each sample's length (exactly representable in an int

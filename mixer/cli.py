@@ -55,7 +55,7 @@ def _stream(loader: Loader, *, steps: int, every: int, history: History | None) 
         start = time.perf_counter()
         try:
             for k, batch in enumerate(batches, 1):
-                tokens += int(batch.info["tokens"])
+                tokens += batch.meta.tokens
                 if history is not None:
                     history.update(batch)
                 bar.update(1)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import numpy as np
 import torch
 
-from .batch import _DTYPES, FIELD_DTYPES, Batch, FieldBatch, PackedBatch, Spec, _extents
+from .batch import _DTYPES, FIELD_DTYPES, Batch, BatchMeta, FieldBatch, PackedBatch, Spec, _extents
 from .batchers import PackedGroup
 from .decode import Sample
 from .errors import ConfigError, SampleError
@@ -61,7 +61,7 @@ class Layout(Protocol):
         counters count it)."""
         ...
 
-    def collate(self, group: Sequence[Sample], sources: np.ndarray, *, info: dict[str, Any], out: Out | None = None) -> Batch:
+    def collate(self, group: Sequence[Sample], sources: np.ndarray, *, meta: BatchMeta, out: Out | None = None) -> Batch:
         """The batch in one flat buffer: from ``out`` when it gives one, else a new array."""
         ...
 
@@ -79,7 +79,7 @@ def collate(
     *,
     pad_id: int = 0,
     dtype: str = "int32",
-    info: dict[str, Any] | None = None,
+    meta: BatchMeta | None = None,
     out: Out | None = None,
 ) -> Batch:
     """Pad ``token_arrays`` (already cut to ``lengths``) into one preallocated buffer: a new array,
@@ -102,7 +102,7 @@ def collate(
         grid[mask] = np.concatenate(token_arrays, dtype=np_dtype, casting="unsafe")
     flat[n : n + b] = lengths
     flat[n + b :] = sources
-    return Batch(torch.from_numpy(flat), b, seq_len, keys, info)
+    return Batch(torch.from_numpy(flat), b, seq_len, keys, meta=meta)
 
 
 def _numpy_views(flat: np.ndarray, spec: Spec) -> dict[str, np.ndarray]:
@@ -148,7 +148,7 @@ class PaddedLayout:
     def account(self, group: Sequence[Sample]) -> Delivered:
         return _per_sample(group)
 
-    def collate(self, group: Sequence[Sample], sources: np.ndarray, *, info: dict[str, Any], out: Out | None = None) -> Batch:
+    def collate(self, group: Sequence[Sample], sources: np.ndarray, *, meta: BatchMeta, out: Out | None = None) -> Batch:
         if group and isinstance(group[0].tokens, dict):
             raise ConfigError(
                 f"source {self.names[int(sources[0])]!r}: decode returned fields {sorted(group[0].tokens)}; pass "
@@ -156,7 +156,7 @@ class PaddedLayout:
             )
         # Sample is a tuple: one C-level transpose instead of a Python pass per field.
         keys, tokens, lengths = list(zip(*group))[:3]
-        return collate(tokens, np.array(lengths, dtype=np.int64), sources, list(keys), pad_id=self.pad_id, dtype=self.dtype, info=info, out=out)
+        return collate(tokens, np.array(lengths, dtype=np.int64), sources, list(keys), pad_id=self.pad_id, dtype=self.dtype, meta=meta, out=out)
 
     def max_elements(self, edges: Sequence[Sequence[int]]) -> int:
         """``B * L <= max_tokens`` plus ``lengths`` and ``source`` (``2 * B``), ``B`` at most the
@@ -195,7 +195,7 @@ class PackedLayout:
         whole = np.fromiter((s.length for s in group), dtype=np.int64, count=len(group))
         return Delivered(count, first.astype(np.int64), extent, (first & (count < whole)).astype(np.int64))
 
-    def collate(self, group: Sequence[Sample], sources: np.ndarray, *, info: dict[str, Any], out: Out | None = None) -> PackedBatch:
+    def collate(self, group: Sequence[Sample], sources: np.ndarray, *, meta: BatchMeta, out: Out | None = None) -> PackedBatch:
         assert isinstance(group, PackedGroup)
         pos, extent, count, total = self._geometry(group)
         n, dt = len(group), self.dtype
@@ -227,7 +227,7 @@ class PackedLayout:
         v["offsets"][:] = group.starts
         seq_len = group.row_len if not group.flat else total
         max_seqlen = int(extent.max()) if n else 0
-        return PackedBatch(torch.from_numpy(flat), spec, [s.key for s in group], info, (seq_len, max_seqlen))
+        return PackedBatch(torch.from_numpy(flat), spec, [s.key for s in group], (seq_len, max_seqlen), meta=meta)
 
     def max_elements(self, edges: Sequence[Sequence[int]]) -> int:
         # Each segment holds at least one token (or is a document of none), so n <= T <= max_tokens
@@ -251,7 +251,7 @@ class FieldLayout:
     def account(self, group: Sequence[Sample]) -> Delivered:
         return _per_sample(group)
 
-    def collate(self, group: Sequence[Sample], sources: np.ndarray, *, info: dict[str, Any], out: Out | None = None) -> FieldBatch:
+    def collate(self, group: Sequence[Sample], sources: np.ndarray, *, meta: BatchMeta, out: Out | None = None) -> FieldBatch:
         b, dt = len(group), self.dtype
         columns: dict[str, list[np.ndarray]] = {}
         for name in self.fields:
@@ -289,7 +289,7 @@ class FieldLayout:
         lengths = np.fromiter((s.length for s in group), dtype=np.int64, count=b)
         v["lengths"][:] = lengths
         v["source"][:] = sources
-        return FieldBatch(torch.from_numpy(flat), spec, [s.key for s in group], info, (int(lengths.max()) if b else 0,))
+        return FieldBatch(torch.from_numpy(flat), spec, [s.key for s in group], (int(lengths.max()) if b else 0,), meta=meta)
 
     def max_elements(self, edges: Sequence[Sequence[int]]) -> int:
         """Each field provisioned for ``max_tokens`` elements (true of the counted field; a field

@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader, IterableDataset
 from .batch import Batch
 from .device import DeviceLike, to_device
 from .mixture import Mixture
-from . import state
+from . import checkpoint
+from .checkpoint import ReaderLog, Resume
 from .errors import StateError
 from .stream import Counters
 from .transport import SlotPool
@@ -62,17 +63,17 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="mixer-parent-watch", daemon=True).start()
 
 
-class _Stream(IterableDataset[Batch]):
-    """What DataLoader iterates: the mixture's stream, with the shared slots the workers write into
+class _LoaderDataset(IterableDataset[Batch]):
+    """What DataLoader iterates: the mixture's batches, with the shared slots the workers write into
     and, for one iteration after ``load_state_dict``, where each reader resumes."""
 
     def __init__(self, mixture: Mixture, pool: SlotPool | None) -> None:
         self.mixture = mixture
         self.pool = pool
-        self.resume: dict[str, Any] | None = None
+        self.resume: Resume | None = None
 
     def __iter__(self) -> Iterator[Batch]:
-        return self.mixture.stream(pool=self.pool, resume=self.resume)
+        return self.mixture.batches(pool=self.pool, resume=self.resume)
 
 
 def _slot_pool(mixture: Mixture, num_workers: int, prefetch_factor: int | None, context: Any) -> SlotPool | None:
@@ -133,7 +134,7 @@ class Loader:
         generator = torch.Generator()
         generator.manual_seed(seed_for(mixture.seed, "dataloader", mixture.rank) % 2**63)
         self.dataloader = DataLoader(
-            _Stream(mixture, self.pool),
+            _LoaderDataset(mixture, self.pool),
             batch_size=None,
             num_workers=num_workers,
             pin_memory=pin_memory,
@@ -146,7 +147,7 @@ class Loader:
         )
         self.persistent_workers = persistent_workers and num_workers > 0
         self._started = False
-        self._resume: dict[str, Any] | None = None
+        self._resume: Resume | None = None
         self._reset_bookkeeping(None)
         self._stats = Stats(
             mixture.names, window=stats_window, num_workers=num_workers, max_tokens=mixture.batching.max_tokens, unit=mixture.unit
@@ -158,13 +159,13 @@ class Loader:
         self._stats.reset(resumed=self._resume is not None)
         resume, self._resume = self._resume, None
         self._reset_bookkeeping(resume)
-        stream = self.dataloader.dataset
-        assert isinstance(stream, _Stream)
-        stream.resume = None if resume is None else {"shift": resume["delivered"] % self._readers, "readers": resume["readers"]}
+        dataset = self.dataloader.dataset
+        assert isinstance(dataset, _LoaderDataset)
+        dataset.resume = resume
         if self._started and not self.persistent_workers and self.pool is not None:
             # This pass forks new workers; an earlier pass's workers may still be writing into the
             # old slots (its iterator is alive), so the new ones get slots of their own.
-            self.pool = stream.pool = _slot_pool(self.mixture, *self._pool_options)
+            self.pool = dataset.pool = _slot_pool(self.mixture, *self._pool_options)
         # Held for as long as this pass runs: its batches are copied out of this mapping.
         pool = self.pool  # noqa: F841
         self._started = True
@@ -183,20 +184,14 @@ class Loader:
         source = loader_iter if self.sync is None else self.sync.agreed(loader_iter)
         batches = source if self.device is None else to_device(source, self.device, prefetch=self.device_prefetch)
         for batch in batches:
-            info = batch.info
-            if "filler" in info:  # delivers nothing: no state, no counters (StopSync counts it)
+            meta = batch.meta
+            if meta.filler:  # delivers nothing: no state, no counters (StopSync counts it)
                 yield batch
                 continue
-            reader = info["worker"]
-            self._stats.update(info)
-            # The state of each reader as of the last batch handed out: its latest snapshot, how
-            # many batches it produced since, and the skip decisions taken since.
-            saved = self._saved[reader]
-            if "state" in info:
-                saved["state"], saved["since"], saved["skips"] = info.pop("state"), 0, []
-            else:
-                saved["since"] += 1
-                saved["skips"].extend(info.get("skips", ()))
+            self._stats.update(meta)
+            # Each reader's state as of the last batch handed out (see mixer.checkpoint.ReaderLog).
+            self._logs[meta.worker].record(meta)
+            batch.meta = checkpoint.without_snapshot(meta)
             self._delivered += 1
             yield batch
 
@@ -204,36 +199,34 @@ class Loader:
     def _readers(self) -> int:
         return max(self.num_workers, 1)
 
-    def _reset_bookkeeping(self, resume: dict[str, Any] | None) -> None:
-        if resume is None:
-            self._delivered = 0
-            # Per reader: the last full state seen, batches since it, and skips since it.
-            self._saved: list[dict[str, Any]] = [{"state": None, "since": 0, "skips": []} for _ in range(self._readers)]
-        else:
-            self._delivered = int(resume["delivered"])
-            self._saved = [dict(r, skips=list(r["skips"])) for r in resume["readers"]]
+    def _reset_bookkeeping(self, resume: Resume | None) -> None:
+        self._delivered = 0 if resume is None else resume.delivered
+        self._logs = [ReaderLog() for _ in range(self._readers)]
+        for log, saved in zip(self._logs, resume.readers if resume is not None else ()):
+            log.load_state_dict(saved)
 
     def state_dict(self) -> dict[str, Any]:
         """The stream's position as of the last batch handed out: small, plain (JSON-able), and
-        enough for :meth:`load_state_dict` to continue batch for batch as if never stopped."""
+        enough for :meth:`load_state_dict` to continue batch for batch as if never stopped
+        (the format is :mod:`mixer.checkpoint`'s)."""
         return {
-            "kind": state.KIND,
-            "version": state.STATE_VERSION,
-            "fingerprint": state.fingerprint(self.mixture),
+            "kind": checkpoint.KIND,
+            "version": checkpoint.STATE_VERSION,
+            "fingerprint": self.mixture.fingerprint,
             "rank": self.mixture.rank,
             "world_size": self.mixture.world_size,
             "num_workers": self._readers,
             "delivered": self._delivered,
-            "readers": copy.deepcopy(self._saved),
+            "readers": copy.deepcopy([log.state_dict() for log in self._logs]),
         }
 
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
-        """Continue from ``saved`` on the next iteration. Refused (``StateError``) for a state of another
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` on the next iteration. Refused (``StateError``) for a state of another
         mixture, version or topology (rank, world_size, num_workers)."""
-        state.check(saved, self.mixture, num_workers=self.num_workers)
+        checkpoint.check(state, self.mixture, num_workers=self.num_workers)
         if self.persistent_workers and self._started:
             raise StateError("load_state_dict must come before the first iteration when persistent_workers=True (the workers already run)")
-        self._resume = copy.deepcopy(saved)
+        self._resume = Resume(int(state["delivered"]), copy.deepcopy(state["readers"]))
         self._reset_bookkeeping(self._resume)
 
     def sync_report(self) -> dict[str, Any]:

@@ -9,21 +9,21 @@ from __future__ import annotations
 
 import logging
 import math
-import operator
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .batch import _DTYPES, Batch
+from .batch import Batch, BatchMeta
 from .batchers import Batcher, make_batcher
 from .budget import Field, Packed, TokenBudget
 from .collate import Layout, count_delivered, make_layout
-from .decode import Sample
 from .edges import bucket_edges
-from .errors import ConfigError
+from .checkpoint import (READER_KEYS, SNAPSHOT_KEYS, Rereads, Resume, expect_keys, fingerprint, group_locations, locate_pair,
+                         pair_lookup, with_skips)
+from .errors import ConfigError, StateError
 from .options import MixMode, Stop, Unit, check_options
 from .mixing import Cut, mix_batches, mix_samples
 from .schedule import Schedule, SourceInfo, Static, check_schedule
@@ -155,6 +155,7 @@ class Mixture(IterableDataset[Batch]):
             self.edges = [shared] * len(sources)
         else:
             self.edges = [bucket_edges(p.lengths, **self._edge_options()) for p in self.profiles]
+        self.fingerprint = fingerprint(self, fields)  # once: checked on every load_state_dict
 
     def _edge_options(self) -> dict[str, Any]:
         b = self.batching
@@ -185,15 +186,14 @@ class Mixture(IterableDataset[Batch]):
     def reader(self, world: World, *, pool: SlotPool | None = None) -> Reader:
         return Reader(self, world, pool=pool)
 
-    def stream(self, *, pool: SlotPool | None = None, resume: dict[str, Any] | None = None) -> Iterator[Batch]:
+    def batches(self, *, pool: SlotPool | None = None, resume: Resume | None = None) -> Iterator[Batch]:
         """This process's batches: as a DataLoader worker, or the main process when there are none.
         ``pool``: shared slots the loader mapped before forking its workers (see mixer.transport).
-        ``resume``: ``{"shift": s, "readers": [...]}`` from a loader state: DataLoader always starts
-        with worker 0, so worker ``w`` continues reader ``(w + s) % num_workers``, which keeps the
-        order of batches exactly that of the uninterrupted run."""
+        ``resume``: where the loader's readers continue; this worker continues the saved reader
+        :meth:`~mixer.checkpoint.Resume.reader_for` names."""
         worker, num_workers = worker_place()
         if resume is not None:
-            worker = (worker + resume["shift"]) % num_workers
+            worker = resume.reader_for(worker)
         world = World(rank=self.rank, world_size=self.world_size, worker=worker, num_workers=num_workers)
         if world.reader == 0:
             for s in self.listed:
@@ -205,16 +205,12 @@ class Mixture(IterableDataset[Batch]):
                     )
         in_worker = get_worker_info() is not None
         reader = self.reader(world, pool=pool if in_worker else None)
-        if resume is None:
-            return iter(reader)
-        saved = resume["readers"][worker]
-        if saved["state"] is not None:
-            reader.load_state_dict(saved["state"])
-        reader.add_skips(saved["skips"])
-        return reader.fast_forward(saved["since"])
+        if resume is not None:
+            reader.load_state_dict(dict(resume.readers[worker]))
+        return iter(reader)
 
     def __iter__(self) -> Iterator[Batch]:
-        return self.stream()
+        return self.batches()
 
 
 class Reader:
@@ -225,7 +221,7 @@ class Reader:
 
     A reader runs one of :mod:`mixer.mixing`'s loops over its streams and batchers and keeps the
     bookkeeping around it: the target shares and hold sizes as progress moves, the counters, each
-    batch's info and, every ``state_every`` batches, its state."""
+    batch's :class:`~mixer.BatchMeta` and, every ``state_every`` batches, a snapshot of its state."""
 
     def __init__(self, mixture: Mixture, world: World, *, pool: SlotPool | None = None) -> None:
         self.mixture = mixture
@@ -246,7 +242,7 @@ class Reader:
         # (mix="sample": one shared level 2, repeated per source); use sites name the item type.
         self.batchers: list[Batcher[Any]]
         if mixture.mix == "sample":
-            shared = make_batcher(mixture.edges[0], budget)
+            shared = make_batcher(mixture.edges[0], budget, locate=locate_pair)
             self.batchers = [shared] * n
         else:
             self.batchers = [make_batcher(e, budget) for e in mixture.edges]
@@ -257,6 +253,7 @@ class Reader:
         self._probs_key: tuple[int, int] | None = None
         self._probs_cache = np.zeros(n)
         self._holds = [0] * n
+        self._replay: int | None = None  # batches to re-run after a restore (None: not restored)
         self._resumed_counters: list[list[int]] | None = None
 
     @property
@@ -313,40 +310,20 @@ class Reader:
                 self.streams, self.batchers, self.selector, m.layout, probs=self._probs, holds=self._holds,
                 active=self.active, retire=self._retire, count_tokens=count_tokens,
             )
+        if self._replay is not None:
+            # Re-run the batches made after the restored snapshot (bookkeeping only: no collate).
+            for _, cut in zip(range(self._replay), cuts):
+                self._meta(cut)
+            self._replay = None
+            # Statistics count from the resume: the first batch tells the loader where counters stood.
+            self._resumed_counters = [c.as_list() for c in self.counters]
         for cut in cuts:
-            yield self._finish(self._emit(cut))
+            yield self._collate(cut, self._meta(cut))
 
-    def fast_forward(self, batches: int) -> Iterator[Batch]:
-        """The stream after producing and dropping ``batches`` batches (to reach the exact point of
-        a saved state from the snapshot before it)."""
-        pool, self.pool = self.pool, None
-        it = iter(self)
-        for _ in range(batches):
-            next(it)
-        self.pool = pool
-        # Statistics count from the resume: the first batch tells the loader where counters stood.
-        self._resumed_counters = [c.as_list() for c in self.counters]
-        return it
+    # ---- state (the format is mixer.checkpoint's) -------------------------------------------
 
-    def _finish(self, batch: Batch) -> Batch:
-        """Attach what the loader's bookkeeping needs: skip decisions always, the full state every
-        ``state_every`` batches (taken after the selector has counted the batch)."""
-        if self._resumed_counters is not None:
-            batch.info["resumed_counters"], self._resumed_counters = self._resumed_counters, None
-        skips = [[i, *sk] for i, st in enumerate(self.streams) for sk in st.new_skips]
-        if skips:
-            batch.info["skips"] = skips
-            for st in self.streams:
-                st.new_skips.clear()
-        if self.batches % self.mixture.state_every == 0:
-            batch.info["state"] = self.state_dict()
-        return batch
-
-    # ---- state ------------------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        shared = self.mixture.mix == "sample"
-        batchers = self.batchers[:1] if shared else self.batchers
+    def _snapshot(self) -> dict[str, Any]:
+        batchers = self.batchers[:1] if self.mixture.mix == "sample" else self.batchers
         return {
             "batches": self.batches,
             "tokens": self.tokens,
@@ -354,48 +331,48 @@ class Reader:
             "counters": [c.as_list() for c in self.counters],
             "selector": self.selector.state_dict(),
             "streams": [st.state_dict() for st in self.streams],
-            "bucketers": [
-                b.state_dict(_encode_pair if shared else _encode_sample)
-                for b in batchers
-            ],
+            "batchers": [b.state_dict() for b in batchers],
         }
 
+    def state_dict(self) -> dict[str, Any]:
+        """This reader's state now, as a loader state lists its readers (:mod:`mixer.checkpoint`)."""
+        return {"snapshot": self._snapshot(), "replay": 0, "skips": []}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a reader saved by :meth:`state_dict`, re-reading every buffered sample by seeking
-        to its (shard, byte offset)."""
+        """Continue where ``state`` says: restore its snapshot (each part restores itself; every
+        buffered sample is read again by location), take the later skip decisions again, and on
+        the next iteration re-run the ``replay`` batches made after the snapshot."""
+        expect_keys("reader", state, READER_KEYS)
+        snapshot = self._snapshot() if state["snapshot"] is None else state["snapshot"]
+        snapshot = expect_keys("reader snapshot", with_skips(snapshot, state["skips"]), SNAPSHOT_KEYS)
         shared = self.mixture.mix == "sample"
-        n = len(self.streams)
-        wanted: list[set[tuple[int, int]]] = [set() for _ in range(n)]
-        for i, st in enumerate(state["streams"]):
-            wanted[i].update((int(a), int(b)) for a, b in st["buffer"])
-        for i, bs in enumerate(state["bucketers"]):
-            for group in (*bs["ready"], *bs["buffers"]):
-                for item in group:
-                    if shared:
-                        wanted[item[0]].add((item[1], item[2]))
-                    else:
-                        wanted[i].add((item[0], item[1]))
-        samples = [reread(src, self.mixture.batching, sorted(w)) for src, w in zip(self.mixture.listed, wanted)]
-        for st, saved, found in zip(self.streams, state["streams"], samples):
-            st.load_state_dict(saved, found)
-        if shared:
-            pairs: Batcher[tuple[int, Sample]] = self.batchers[0]
-            pairs.load_state_dict(state["bucketers"][0], _pair_decoder(samples))
-        else:
-            for b, bs, found in zip(self.batchers, state["bucketers"], samples):
-                b.load_state_dict(bs, _sample_decoder(found))
-        self.selector.load_state_dict(state["selector"])
-        self.active = np.asarray(state["active"], dtype=bool)
-        for c, row in zip(self.counters, state["counters"]):
+        batchers = self.batchers[:1] if shared else self.batchers
+        if len(snapshot["streams"]) != len(self.streams) or len(snapshot["batchers"]) != len(batchers):
+            raise StateError(f"reader snapshot: {len(snapshot['streams'])} streams and {len(snapshot['batchers'])} batchers, this mixture {len(self.streams)} and {len(batchers)}")
+        parts: list[Rereads] = [*self.streams, *batchers]
+        for part, saved in zip(parts, (*snapshot["streams"], *snapshot["batchers"])):
+            part.load_state_dict(saved)
+        self.selector.load_state_dict(snapshot["selector"])
+        self.active = np.asarray(snapshot["active"], dtype=bool)
+        for c, row in zip(self.counters, snapshot["counters"]):
             for field, value in zip(Counters.FIELDS, row):
                 setattr(c, field, int(value))
-        self.batches = int(state["batches"])
-        self.tokens = int(state["tokens"])
+        self.batches = int(snapshot["batches"])
+        self.tokens = int(snapshot["tokens"])
         self._probs_key = None
-
-    def add_skips(self, skips: Sequence[Sequence[int]]) -> None:
-        for source, *decision in skips:
-            self.streams[int(source)].add_skips([decision])
+        if shared:
+            wanted = group_locations([st.locations() for st in self.streams], batchers[0].locations())
+        else:
+            wanted = group_locations([(*st.locations(), *b.locations()) for st, b in zip(self.streams, batchers)])
+        found = [reread(src, self.mixture.batching, w) for src, w in zip(self.mixture.listed, wanted)]
+        for st, f in zip(self.streams, found):
+            st.attach(f.__getitem__)
+        if shared:
+            batchers[0].attach(pair_lookup(found))
+        else:
+            for b, f in zip(batchers, found):
+                b.attach(f.__getitem__)
+        self._replay = int(state["replay"])
 
     def _retire(self, i: int) -> bool:
         """Source ``i`` has no more samples for this reader; returns whether the stream goes on."""
@@ -404,44 +381,35 @@ class Reader:
             log.warning("source %r has no data for reader %d; mixing the other sources only", self.mixture.names[i], self.world.reader)
         return self.mixture.stop != "first_exhausted" and bool(self.active.any())
 
-    def _emit(self, cut: Cut) -> Batch:
-        """Count the batch, attach the bookkeeping and collate it, into a shared slot when there is
-        a pool."""
-        samples, sources, delivered = cut
+    def _meta(self, cut: Cut) -> BatchMeta:
+        """Count the batch and describe it: skip decisions always, a snapshot every
+        ``state_every`` batches (taken after the selector has counted the batch)."""
+        _, sources, delivered = cut
         count_delivered(self.counters, sources, delivered)
         n_tokens = int(delivered.tokens.sum())
-        info = {
-            "step": self.step,
-            "worker": self.world.worker,
-            "tokens": n_tokens,
-            "counters": [c.as_list() for c in self.counters],
-            # The schedule's share at this step, with the same progress the selector used (for stats).
-            "target": self.mixture.target_at(self.step, float(self.tokens * self.world.readers)).tolist(),
-        }
+        step = self.step
+        # The schedule's share at this step, with the same progress the selector used (for stats).
+        target = self.mixture.target_at(step, float(self.tokens * self.world.readers)).tolist()
         self.batches += 1
         self.tokens += n_tokens
+        skips = [[i, *sk] for i, st in enumerate(self.streams) for sk in st.new_skips]
+        if skips:
+            for st in self.streams:
+                st.new_skips.clear()
+        resumed, self._resumed_counters = self._resumed_counters, None
+        return BatchMeta(
+            step=step, worker=self.world.worker, tokens=n_tokens, counters=[c.as_list() for c in self.counters],
+            target=target, snapshot=self._snapshot() if self.batches % self.mixture.state_every == 0 else None,
+            skips=skips or (), resumed_counters=resumed,
+        )
+
+    def _collate(self, cut: Cut, meta: BatchMeta) -> Batch:
+        """The batch, into a shared slot when there is a pool."""
+        samples, sources, _ = cut
         layout = self.mixture.layout
         if self.pool is None:
-            return layout.collate(samples, sources, info=info)
+            return layout.collate(samples, sources, meta=meta)
         writer = self.pool.writer(self.world.worker)
-        batch = layout.collate(samples, sources, info=info, out=writer.out)
+        batch = layout.collate(samples, sources, meta=meta, out=writer.out)
         batch.slot = writer.seal()
         return batch
-
-
-# Snapshots encode every buffered sample (often 10k+): a C-level getter, no Python frame per sample.
-_encode_sample = operator.attrgetter("shard", "offset")
-
-
-def _encode_pair(item: tuple[int, Sample]) -> tuple[int, int, int]:
-    return (item[0], item[1].shard, item[1].offset)
-
-
-def _sample_decoder(found: Mapping[tuple[int, int], Sample]) -> Callable[[Any], Sample]:
-    """The inverse of ``_encode_sample`` over the re-read samples of one source."""
-    return lambda x: found[(x[0], x[1])]
-
-
-def _pair_decoder(found: Sequence[Mapping[tuple[int, int], Sample]]) -> Callable[[Any], tuple[int, Sample]]:
-    """The inverse of ``_encode_pair`` over the re-read samples of every source."""
-    return lambda x: (int(x[0]), found[x[0]][(x[1], x[2])])

@@ -20,7 +20,7 @@ from .tario import read_samples
 _REREAD_GAP = 1 << 20
 
 
-def reread(listed: ListedSource, budget: TokenBudget | Packed, wanted: Sequence[tuple[int, int]]) -> dict[tuple[int, int], Sample]:
+def reread(listed: ListedSource, budget: TokenBudget | Packed, wanted: Sequence[tuple[int, int]]) -> dict[tuple[int, ...], Sample]:
     """Read the samples at (shard, byte offset) locations again, for a resumed stream: per shard, runs
     of nearby offsets are read through in one ranged read, far-apart ones each from their own offset,
     so the bytes read follow the buffered samples, not the distance between the oldest and newest."""
@@ -28,7 +28,7 @@ def reread(listed: ListedSource, budget: TokenBudget | Packed, wanted: Sequence[
     by_shard: dict[int, set[int]] = {}
     for shard, offset in wanted:
         by_shard.setdefault(int(shard), set()).add(int(offset))
-    out: dict[tuple[int, int], Sample] = {}
+    out: dict[tuple[int, ...], Sample] = {}
     scratch = Counters()
     for shard, offsets in sorted(by_shard.items()):
         url = listed.shards[shard]

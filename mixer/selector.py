@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from .checkpoint import expect_keys
 from .errors import ConfigError
 from .world import rng_for
 
@@ -46,6 +47,7 @@ class Deficit:
         return {"target": self.target.tolist(), "delivered": self.delivered.tolist()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        expect_keys("deficit selector", state, ("target", "delivered"))
         self.target = np.asarray(state["target"], dtype=np.float64)
         self.delivered = np.asarray(state["delivered"], dtype=np.float64)
 
@@ -84,6 +86,7 @@ class RandomPick:
         return {"rng": self.rng.bit_generator.state, "amount": self.amount.tolist(), "picks": self.picks.tolist()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        expect_keys("random selector", state, ("rng", "amount", "picks"))
         self.rng.bit_generator.state = state["rng"]
         self.amount = np.asarray(state["amount"], dtype=np.float64)
         self.picks = np.asarray(state["picks"], dtype=np.float64)
@@ -111,6 +114,7 @@ class RoundRobin:
         return {"next": self.next}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        expect_keys("round-robin selector", state, ("next",))
         self.next = int(state["next"])
 
 

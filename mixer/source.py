@@ -13,6 +13,7 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Any, Literal
 
 from . import _check, storage
+from .checkpoint import qualname
 from .errors import ConfigError
 
 OnError = Literal["raise", "skip"]
@@ -89,6 +90,14 @@ class Source:
                 raise ConfigError(f"{_check.at(f'{w}.urls', i)}: {exc}") from None
 
 
+    def describe(self) -> dict[str, Any]:
+        """What decides this source's samples (for the mixture's fingerprint); not how they are
+        fetched (``storage_options``, ``io_options``, ``allow_pipe``)."""
+        length = self.length if isinstance(self.length, str) else qualname(self.length)
+        return {"name": self.name, "weight": self.weight, "size": self.size, "decode": qualname(self.decode),
+                "length": length, "on_error": self.on_error, "group": self.group}
+
+
 @dataclass(frozen=True)
 class ListedSource:
     """A source with its shards listed (sorted; byte sizes where the listing gave them), as the
@@ -101,6 +110,9 @@ class ListedSource:
     @property
     def name(self) -> str:
         return self.source.name
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.source.describe(), "shards": list(self.shards)}
 
 
 def _set(obj: Any, name: str, value: Any) -> None:

@@ -1,6 +1,6 @@
 """Run statistics, built in the main process from what the batches carry (no extra IPC).
 
-Every batch's ``info`` holds its reader's cumulative per-source :class:`~mixer.stream.Counters`, the
+Every batch's :class:`~mixer.BatchMeta` holds its reader's cumulative per-source :class:`~mixer.stream.Counters`, the
 global ``step`` and the schedule's ``target`` share at that step, as computed in the worker. The main
 process keeps the last counters of each worker and, per batch handed out, one snapshot of their sum
 in a ring buffer; a window's counters are then the difference of two snapshots, so the per-batch
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
     from numpy.typing import ArrayLike
 
-    from .batch import Batch
+    from .batch import Batch, BatchMeta
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ STARVED_BELOW = 0.5
 
 
 class Stats:
-    """Per-source counters, cumulative and over the last ``window`` batches, fed one batch ``info``
+    """Per-source counters, cumulative and over the last ``window`` batches, fed one batch's metadata
     at a time by :class:`~mixer.Loader` (see :meth:`as_dict` for what comes out). Cumulative means
     since the loader's pass began, and after ``load_state_dict`` since the resume (the readers' raw
     counters, saved run included, are :meth:`mixer.Loader.counters`).
@@ -93,33 +93,33 @@ class Stats:
         self.started = time.perf_counter()
         self._ring_time[0] = self.started
 
-    def update(self, info: dict[str, Any]) -> None:
-        """Account one batch handed out, from its ``info``.
+    def update(self, meta: BatchMeta) -> None:
+        """Account one batch handed out, from its metadata.
 
         Everything counts from the start of this pass. After a resume the readers' counters include
         the saved run's: a resumed reader's first batch carries its counters as they stood at the
         resume point (``resumed_counters``), which become its baseline."""
-        rows = np.asarray(info["counters"], dtype=np.int64)
-        worker = int(info.get("worker", 0))
+        rows = np.asarray(meta.counters, dtype=np.int64)
+        worker = meta.worker
         if self.resumed:
             base = self._base[worker]
             if base is None:
-                base = self._base[worker] = np.asarray(info.get("resumed_counters", np.zeros_like(rows)), dtype=np.int64)
+                resumed = meta.resumed_counters
+                base = self._base[worker] = np.asarray(resumed, dtype=np.int64) if resumed is not None else np.zeros_like(rows)
             rows = rows - base
         # A reader's counters are cumulative and already include this batch: the difference is it.
         delta = rows - self._last[worker]
         self._sum += delta
         self._last[worker] = rows
         if self.unit == "tokens":
-            size = int(info["tokens"])
+            size = meta.tokens
         else:
             size = int(delta[:, _F["samples"]].sum())
             self.largest = max(self.largest, size)
-        target = info.get("target")
-        if target is not None:
-            self.target_now = np.asarray(target, dtype=np.float64)
+        if meta.target:
+            self.target_now = np.asarray(meta.target, dtype=np.float64)
             self._target += self.target_now * size
-        self.step = int(info.get("step", self.batches))
+        self.step = meta.step
         self.batches += 1
         slot = self.batches % (self.window + 1)
         snap = self._ring_counters[slot]
@@ -348,8 +348,8 @@ class History:
         src = batch.source.numpy().astype(np.int64, copy=False)
         weights = batch.lengths.numpy() if self.unit == "tokens" else None
         self.tokens.append(np.bincount(src, weights=weights, minlength=n).astype(np.float64))
-        self.steps.append(int(batch.info["step"]))
-        self.targets.append(batch.info["target"])
+        self.steps.append(batch.meta.step)
+        self.targets.append(batch.meta.target)
 
     def realized(self, width: int) -> np.ndarray:
         """Realized share (in the unit) per source over a centred window of ``width`` batches, ``[batches, sources]``."""

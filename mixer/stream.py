@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import logging
-import operator
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ import numpy as np
 from . import storage
 from ._warn import warn
 from .budget import Packed, TokenBudget
+from .checkpoint import expect_keys, locate_sample
 from .storage import codec_of
 from .decode import Sample, default_tokens
 from .errors import SampleError, ShardError
@@ -152,6 +152,7 @@ class SourceStream:
         # then, and counts the same.
         self.skips: dict[tuple[int, int], tuple[int, ...]] = {}
         self.new_skips: list[tuple[int, ...]] = []
+        self._restoring: list[tuple[int, int]] = []  # buffer locations a restore waits for
         self._plans: dict[int, list[ShardSlice]] = {}
         self._samples: Iterator[dict[str, Any]] | None = None
         self._handle: Any = None
@@ -339,12 +340,15 @@ class SourceStream:
             "exhausted": self.exhausted,
             "buffer_size": self.buffer_size,
             "rng": self.rng.state_dict(),
-            "buffer": locations(self.buffer),
+            "buffer": list(map(locate_sample, self.buffer)),
             "skips": [[e, p, *d] for (e, p), d in sorted(self.skips.items())],
         }
 
-    def load_state_dict(self, state: dict[str, Any], samples: Mapping[tuple[int, int], Sample]) -> None:
-        """Restore from :meth:`state_dict`; ``samples`` maps (shard, offset) to the re-read samples."""
+    STATE_KEYS = ("epoch", "slice_pos", "next_index", "next_offset", "got_in_epoch", "exhausted", "buffer_size", "rng", "buffer", "skips")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict`; the buffer is back once :meth:`attach` got its samples."""
+        expect_keys(f"stream {self.source.name!r}", state, self.STATE_KEYS)
         self._close()
         self.epoch = int(state["epoch"])
         self.slice_pos = int(state["slice_pos"])
@@ -354,13 +358,14 @@ class SourceStream:
         self.exhausted = bool(state["exhausted"])
         self.buffer_size = int(state["buffer_size"])
         self.rng.load_state_dict(state["rng"])
-        self.buffer = [samples[(shard, offset)] for shard, offset in state["buffer"]]
+        self._restoring = [(int(a), int(b)) for a, b in state["buffer"]]
         self.skips = {(int(e), int(p)): tuple(map(int, d)) for e, p, *d in state["skips"]}
 
-    def add_skips(self, skips: Sequence[Sequence[int]]) -> None:
-        """Skip decisions taken after the state was saved, to be taken again at the same points."""
-        for e, p, *decision in skips:
-            self.skips[(int(e), int(p))] = tuple(map(int, decision))
+    def locations(self) -> list[tuple[int, int]]:
+        return self._restoring
+
+    def attach(self, lookup: Callable[[tuple[int, ...]], Sample]) -> None:
+        self.buffer, self._restoring = [lookup(loc) for loc in self._restoring], []
 
 
 class _SkipAgain(Exception):
@@ -443,11 +448,3 @@ def _skip_or_raise(source: Source, counters: Counters, raw: dict[str, Any], shar
     counters.skipped_samples += 1
     if warn_once is not None:
         warn_once(shard, f"source {source.name!r}: skipping bad sample(s) in shard {storage.redact(raw.get('__url__', '?'))}: {exc}")
-
-
-_where = operator.attrgetter("shard", "offset")
-
-
-def locations(samples: Sequence[Sample]) -> list[tuple[int, int]]:
-    """(shard, byte offset) of each sample: where a resumed stream finds it again."""
-    return list(map(_where, samples))

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from .checkpoint import expect_keys
 from .errors import ConfigError, StateError
 
 
@@ -112,11 +113,16 @@ class Draws:
         return x
 
     def state_dict(self) -> dict[str, Any]:
-        return {"block_start": self._start, "pos": self._pos}
+        # PCG64's (state, increment): doubles never leave a buffered uint32 behind, so the rest of
+        # numpy's state dict is constant.
+        pcg = self._start["state"]
+        return {"block_start": [pcg["state"], pcg["inc"]], "pos": self._pos}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if set(state) != {"block_start", "pos"} or not 0 <= int(state["pos"]) <= self.BLOCK:
-            raise StateError(f"not a Draws state: {state!r}")
-        self._gen.bit_generator.state = state["block_start"]
+        expect_keys("draws", state, ("block_start", "pos"))
+        if not 0 <= int(state["pos"]) <= self.BLOCK:
+            raise StateError(f"draws state: 'pos' must be in [0, {self.BLOCK}] (got {state['pos']!r})")
+        start, inc = (int(x) for x in state["block_start"])
+        self._gen.bit_generator.state = {"bit_generator": "PCG64", "state": {"state": start, "inc": inc}, "has_uint32": 0, "uinteger": 0}
         self._refill()
         self._pos = int(state["pos"])

@@ -74,7 +74,7 @@ def view(batch: mixer.Batch) -> dict[str, Any]:
     if batch.filler:
         return {"filler": True, "rows": len(batch) > 0 and batch.num_tokens > 0}
     digest = hashlib.blake2b(batch.buffer.numpy().tobytes(), digest_size=8).hexdigest()
-    return {"filler": False, "keys": list(batch.keys), "source": batch.source.tolist(), "step": batch.info["step"], "digest": digest}
+    return {"filler": False, "keys": list(batch.keys), "source": batch.source.tolist(), "step": batch.meta.step, "digest": digest}
 
 
 def run_case(case: dict[str, Any], out: Path, phase: str, rank: int) -> dict[str, Any]:

@@ -72,4 +72,4 @@ def _equal(a: Any, b: Any) -> bool:
 
 def batch_view(batch: Any) -> tuple[Any, ...]:
     """What must be identical: keys, sources and every tensor."""
-    return (tuple(batch.keys), batch.source.clone(), batch.lengths.clone(), batch.tokens.clone(), batch.info["step"])
+    return (tuple(batch.keys), batch.source.clone(), batch.lengths.clone(), batch.tokens.clone(), batch.meta.step)

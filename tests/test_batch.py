@@ -5,14 +5,14 @@ import pickle
 import numpy as np
 import torch
 
-from mixer.batch import Batch
+from mixer.batch import Batch, BatchMeta
 from mixer.collate import collate
 
 
 def make(pad_id=0, dtype="int32"):
     toks = [np.array([5, 6, 7], dtype=np.int32), np.array([8], dtype=np.int64), np.array([9, 10], dtype=np.uint16)]
     lengths = np.array([3, 1, 2])
-    return collate(toks, lengths, np.array([2, 0, 1]), ["a", "b", "c"], pad_id=pad_id, dtype=dtype, info={"step": 4})
+    return collate(toks, lengths, np.array([2, 0, 1]), ["a", "b", "c"], pad_id=pad_id, dtype=dtype, meta=BatchMeta(step=4))
 
 
 def test_collate_pads_into_one_buffer():
@@ -36,7 +36,7 @@ def test_pickle_round_trip_rebuilds_views():
     b = make()
     c = pickle.loads(pickle.dumps(b))
     assert isinstance(c, Batch)
-    assert torch.equal(c.tokens, b.tokens) and torch.equal(c.lengths, b.lengths) and c.info == {"step": 4}
+    assert torch.equal(c.tokens, b.tokens) and torch.equal(c.lengths, b.lengths) and c.meta == BatchMeta(step=4)
 
 
 def test_to_and_pin_memory_keep_views_consistent():

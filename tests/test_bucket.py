@@ -6,6 +6,7 @@ import pytest
 from mixer import ConfigError, TokenBudget
 from mixer.batchers import Bucketer
 from mixer.edges import bucket_edges
+from resume_oracle import assert_resumes_exactly
 
 
 def padding_efficiency(lengths, budget, edges):
@@ -127,12 +128,44 @@ def test_release_caps_what_the_buckets_hold_with_the_best_batch_they_can_make():
 
 
 def test_release_takes_the_oldest_of_a_lower_bucket_and_restores_held():
-    b = Bucketer([10, 20], TokenBudget(max_tokens=80, max_wait=100))  # capacities 8, 4
+    own = lambda x: (x,)  # noqa: E731  an item is its own location in the state
+    b = Bucketer([10, 20], TokenBudget(max_tokens=80, max_wait=100), locate=own)  # capacities 8, 4
     for n in (1, 2, 3, 11, 12, 13):
         b.add(n, n)
     # b0 alone: 30 -> 11.25; b1 with room 4: 11, 12, 13 and the oldest of b0 (1): 70 -> 61.25
     assert b.release(80) and b.ready.popleft() == [11, 12, 13, 1]
     assert b.buffers == [[2, 3], []] and b.held == 20
-    restored = Bucketer([10, 20], TokenBudget(max_tokens=80, max_wait=100))
-    restored.load_state_dict(b.state_dict(lambda x: x), lambda x: x)
+    restored = Bucketer([10, 20], TokenBudget(max_tokens=80, max_wait=100), locate=own)
+    restored.load_state_dict(b.state_dict())
+    assert sorted(restored.locations()) == [(2,), (3,)]
+    restored.attach(lambda loc: loc[0])
     assert restored.held == 20 and restored.buffers == b.buffers
+
+
+def test_bucketer_state_round_trips_through_locations():
+    """The resume oracle on a bucketer alone: its state lists items by location, and a restored
+    bucketer (load_state_dict, then attach) cuts the same batches."""
+    budget = TokenBudget(max_tokens=120, max_wait=3)
+    items = [(f"x{i}", 1 + (13 * i) % 40) for i in range(50)]
+
+    class Fed:
+        def __init__(self):
+            self.b = Bucketer([10, 20, 40], budget, locate=lambda item: (int(item[1:]),))  # "x7" lives at (7,)
+            self.i = 0
+
+        def __iter__(self):
+            while True:
+                while not (self.b.ready or self.b.release(200)):
+                    self.b.add(*items[self.i % len(items)])
+                    self.i += 1
+                yield self.b.ready.popleft()
+
+        def state_dict(self):
+            return {"b": self.b.state_dict(), "i": self.i}
+
+        def load_state_dict(self, state):
+            self.b.load_state_dict(state["b"])
+            self.b.attach(lambda loc: f"x{loc[0]}")
+            self.i = state["i"]
+
+    assert_resumes_exactly(Fed, cuts=[1, 2, 5, 9, 17], window=8)

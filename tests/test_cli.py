@@ -95,7 +95,7 @@ def test_run_prints_table_and_writes_report_and_plot(three_sources, tmp_path, ca
         src, lengths = batch.source.numpy(), batch.lengths.numpy()
         tokens += np.bincount(src, weights=lengths, minlength=3)
         samples += np.bincount(src, minlength=3)
-        target += mix.target_at(batch.info["step"], 0.0) * (lengths.sum() if unit == "tokens" else len(lengths))
+        target += mix.target_at(batch.meta.step, 0.0) * (lengths.sum() if unit == "tokens" else len(lengths))
         if k == 60:
             break
     counted = tokens if unit == "tokens" else samples

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import mixer
-from mixer.batch import Batch
+from mixer.batch import Batch, BatchMeta
 from mixer.collate import collate
 
 CUDA = torch.cuda.is_available()
@@ -30,7 +30,7 @@ def make_batch(k: int, *, rows: int = 4, seq_len: int = 64) -> Batch:
     """Batch `k`: every row full, tokens k * 1_000_000 + position, so any mix-up shows."""
     toks = [np.arange(seq_len, dtype=np.int64) + k * 1_000_000 + r * seq_len for r in range(rows)]
     lengths = np.full(rows, seq_len)
-    return collate(toks, lengths, np.full(rows, k % 3), [f"b{k}-{r}" for r in range(rows)], info={"k": k})
+    return collate(toks, lengths, np.full(rows, k % 3), [f"b{k}-{r}" for r in range(rows)], meta=BatchMeta(step=k))
 
 
 def expected_tokens(k: int, *, rows: int = 4, seq_len: int = 64) -> torch.Tensor:
@@ -87,7 +87,7 @@ def test_other_devices_copy_synchronously_and_keep_the_structure():
     feed = mixer.to_device(items, "meta")
     batch, tup, pair = list(feed)
     assert isinstance(batch, Batch) and batch.buffer.is_meta
-    assert batch.tokens.shape == (4, 64) and batch.keys == items[0].keys and batch.info == {"k": 0}
+    assert batch.tokens.shape == (4, 64) and batch.keys == items[0].keys and batch.meta == BatchMeta(step=0)
     assert tup[0].is_meta and tup[1] == "label" and tup[2]["x"].is_meta and tup[2]["x"].shape == (2, 2)
     assert isinstance(pair, Pair) and pair.tokens.is_meta and pair.lengths[0].is_meta and pair.lengths[1] == 7
     assert feed.copies == 3
@@ -147,13 +147,13 @@ class RecordingOps:
         return self.pinned
 
     def pin(self, item):
-        self.log.append(("pin", item.info["k"]))
+        self.log.append(("pin", item.meta.step))
         return item
 
     def move(self, item):
         assert self.in_side, "copies must be queued on the side stream"
         moved = item._with_buffer(item.buffer.clone())
-        self.log.append(("copy", item.info["k"], id(moved.buffer)))
+        self.log.append(("copy", item.meta.step, id(moved.buffer)))
         return moved, [moved.buffer]
 
     def current_stream(self):
@@ -180,7 +180,7 @@ def drive(n: int, prefetch: int, ops: RecordingOps, take: int | None = None) -> 
     gen = feed._side_stream_feed(ops)
     got = []
     for batch in gen:
-        ops.log.append(("handed", batch.info["k"]))
+        ops.log.append(("handed", batch.meta.step))
         got.append(batch)
         if take is not None and len(got) == take:
             gen.close()
@@ -193,7 +193,7 @@ def drive(n: int, prefetch: int, ops: RecordingOps, take: int | None = None) -> 
 def test_stream_protocol(prefetch, n):
     ops = RecordingOps()
     got, _ = drive(n, prefetch, ops)
-    assert [b.info["k"] for b in got] == list(range(n))
+    assert [b.meta.step for b in got] == list(range(n))
     for b, k in zip(got, range(n)):
         assert torch.equal(b.tokens, expected_tokens(k))
     log = ops.log
@@ -261,11 +261,11 @@ def test_cuda_values_and_order_match_a_synchronous_copy():
     host = [make_batch(k).pin_memory() for k in range(12)]
     feed = mixer.to_device(host, "cuda", prefetch=2, timing=True)
     got = list(feed)
-    assert [b.info["k"] for b in got] == list(range(12))
+    assert [b.meta.step for b in got] == list(range(12))
     for b, h in zip(got, host):
         assert b.buffer.is_cuda and b.tokens.is_cuda and b.keys == h.keys
         assert torch.equal(b.buffer, h.to("cuda").buffer)  # the plain synchronous copy
-        assert torch.equal(b.tokens.cpu(), expected_tokens(b.info["k"]))
+        assert torch.equal(b.tokens.cpu(), expected_tokens(b.meta.step))
     assert feed.copies == 12 and feed.bytes_copied == sum(h.buffer.numel() * 4 for h in host)
     assert feed.copy_seconds > 0
 

@@ -28,5 +28,5 @@ def test_draws_are_the_pcg64_stream_of_the_seed():
 
 
 def test_a_foreign_state_is_refused():
-    with pytest.raises(StateError, match="not a Draws state"):
+    with pytest.raises(StateError, match="draws state: missing key 'block_start'"):
         Draws(1).load_state_dict({"pos": 3})

@@ -87,7 +87,7 @@ def test_duration_filters_are_counted_as_dropped(corpora):
 
 
 def field_view(b):
-    return (tuple(b.keys), b["audio"].clone(), b["text"].clone(), b["audio_lengths"].clone(), b["text_lengths"].clone(), b.source.clone(), b.info["step"])
+    return (tuple(b.keys), b["audio"].clone(), b["text"].clone(), b["audio_lengths"].clone(), b["text_lengths"].clone(), b.source.clone(), b.meta.step)
 
 
 @pytest.mark.parametrize("num_workers, mix, cuts", [(0, "batch", [1, 2, 5, 7]), (2, "batch", [2, 7]), (2, "sample", [3, 5])])

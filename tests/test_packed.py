@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import mixer
+from mixer.batch import BatchMeta
 from mixer.decode import Sample
 from mixer.batchers import PackedGroup, Packer
 from mixer.collate import PackedLayout
@@ -82,13 +83,13 @@ def test_flat_packing_has_one_row_and_no_padding():
     assert [placements(g) for g in p.drain()] == [[("a", 0, 0, 0, 4), ("b", 0, 4, 0, 5)], [("c", 0, 0, 0, 2)]]
 
 
-def test_packer_state_round_trips_through_encode_decode():
+def test_packer_state_round_trips_through_locations():
     cfg = mixer.Packed(max_tokens=12, seq_len=4, split_documents=True, open_batches=2)
     items = [(f"x{i}", 1 + (7 * i) % 9) for i in range(40)]
 
     class Fed:
         def __init__(self):
-            self.p = Packer(cfg)
+            self.p = Packer(cfg, locate=lambda x: (x,))  # an item is its own location
             self.i = 0
 
         def __iter__(self):
@@ -99,10 +100,11 @@ def test_packer_state_round_trips_through_encode_decode():
                 yield placements(self.p.ready.popleft())
 
         def state_dict(self):
-            return {"p": self.p.state_dict(lambda x: [x]), "i": self.i}
+            return {"p": self.p.state_dict(), "i": self.i}
 
         def load_state_dict(self, state):
-            self.p.load_state_dict(state["p"], lambda enc: enc[0])
+            self.p.load_state_dict(state["p"])
+            self.p.attach(lambda loc: loc[0])
             self.i = state["i"]
 
     assert_resumes_exactly(Fed, cuts=[1, 2, 5, 9], window=6)
@@ -114,7 +116,7 @@ def test_collate_geometry_by_hand():
     # rows of 4: [a a a b] [b b b b] [c c . .]   (b split into 1 + 4 + ... here: 1 + 4, and c whole)
     group = PackedGroup([s["a"], s["b"], s["b"], s["c"]], rows=[0, 0, 1, 2], cols=[0, 3, 0, 0], starts=[0, 0, 1, 0], counts=[3, 1, 4, 2], row_len=4, flat=False)
     batch = PackedLayout(mixer.Packed(max_tokens=12, seq_len=4, split_documents=True), dtype="int32", pad_id=-1).collate(
-        group, np.array([1, 0, 0, 1]), info={"step": 0}
+        group, np.array([1, 0, 0, 1]), meta=BatchMeta(step=0)
     )
     a, b, c = toks["a"], toks["b"], toks["c"]
     assert batch.rows.tolist() == [[*a[:3], b[0]], b[1:5].tolist(), [*c[:2], -1, -1]]
@@ -256,7 +258,7 @@ def test_token_shares_per_source_as_in_the_padded_layout(shards, mix):
 
 
 def packed_view(batch):
-    return (tuple(batch.keys), batch.tokens.clone(), batch.cu_seqlens.clone(), batch.position_ids.clone(), batch.source.clone(), batch.offsets.clone(), batch.info["step"])
+    return (tuple(batch.keys), batch.tokens.clone(), batch.cu_seqlens.clone(), batch.position_ids.clone(), batch.source.clone(), batch.offsets.clone(), batch.meta.step)
 
 
 SPLIT = mixer.Packed(max_tokens=2 * SEQ, seq_len=SEQ, split_documents=True, open_batches=2)
@@ -297,7 +299,7 @@ def test_pinned_and_cuda_paths():
     for x in s:
         p.add(x, x.length)
     group = next(p.drain())
-    b = PackedLayout(packed, dtype="int32", pad_id=0).collate(group, np.zeros(len(group), dtype=np.int64), info={})
+    b = PackedLayout(packed, dtype="int32", pad_id=0).collate(group, np.zeros(len(group), dtype=np.int64), meta=BatchMeta())
     pinned = b.pin_memory()
     assert pinned.is_pinned() and pinned.cu_seqlens.is_pinned() and torch.equal(pinned.tokens, b.tokens)
     on = pinned.to("cuda", non_blocking=True)

@@ -12,6 +12,7 @@ import mixer
 
 PUBLIC = [
     "Batch",
+    "BatchMeta",
     "ConfigError",
     "Curriculum",
     "Field",

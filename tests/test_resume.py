@@ -49,7 +49,7 @@ def test_fifty_random_cut_points_with_the_uninterrupted_run_as_oracle(shards):
     mix = mixture(shards)
     reference = [batch_view(b) for b in take(mixer.make_loader(mix), 260)]
     # Cuts right after 'tiny' restarted an epoch: find them from the counters the batches carry.
-    epochs = [b.info["counters"][2][mixer.stream.Counters.FIELDS.index("epochs")] for b in take(mixer.make_loader(mix), 240)]
+    epochs = [b.meta.counters[2][mixer.stream.Counters.FIELDS.index("epochs")] for b in take(mixer.make_loader(mix), 240)]
     after_restart = [i + 1 for i in range(1, len(epochs)) if epochs[i] != epochs[i - 1]][:8]
     assert after_restart, "the fixture should make 'tiny' restart its epoch"
     rng = random.Random(0)
@@ -138,8 +138,8 @@ def test_state_is_plain_small_and_torch_saveable(shards, tmp_path):
     text = json.dumps(state)
     # Issue 6's target: under 1 MiB per worker with default buffers; here each reader holds a full
     # shuffle buffer and bucket buffers after 40 batches.
-    per_reader = [mixer.state.size_bytes(r) for r in state["readers"]]
-    assert len(per_reader) == 2 and all(r["state"] is not None for r in state["readers"])
+    per_reader = [mixer.checkpoint.size_bytes(r) for r in state["readers"]]
+    assert len(per_reader) == 2 and all(r["snapshot"] is not None for r in state["readers"])
     assert max(per_reader) < 1 << 20, per_reader
     assert min(per_reader) > 10_000, per_reader  # the buffered locations really are in it
     torch.save({"data": state}, tmp_path / "ckpt.pt")
@@ -167,6 +167,71 @@ def test_state_of_another_topology_or_version_is_refused(shards):
         mixer.make_loader(mix, num_workers=2).load_state_dict(dict(state, version=999))
     with pytest.raises(mixer.StateError, match="not a mixer loader state"):
         mixer.make_loader(mix, num_workers=2).load_state_dict({"step": 3})
+    # A state of the previous format says what it is and what this mixer reads.
+    old = {**state, "version": 2, "readers": [{"state": None, "since": 0, "skips": []}] * 2}
+    with pytest.raises(mixer.StateError, match=r"version 2 \(mixer before the checkpoint module.*reads state version 3"):
+        mixer.make_loader(mix, num_workers=2).load_state_dict(old)
+
+
+def test_the_fingerprint_is_computed_once_per_mixture(shards, monkeypatch):
+    mix = mixture(shards)
+    loader = mixer.make_loader(mix)
+    take(loader, 3)
+
+    def boom(*args, **kwargs):
+        raise AssertionError("the fingerprint is computed when the mixture is built, not per state")
+
+    monkeypatch.setattr(mixer.checkpoint, "fingerprint", boom)
+    state = loader.state_dict()
+    assert state["fingerprint"] == mix.fingerprint and len(mix.fingerprint) == 32
+    mixer.make_loader(mix).load_state_dict(state)
+
+
+def test_every_part_refuses_unknown_and_missing_keys(shards):
+    """Each part restores only itself, and a key it does not know (or lacks) is a StateError that
+    names the part and the key."""
+    for mix_mode, batching in (("batch", mixer.TokenBudget(max_tokens=2048)), ("sample", mixer.Packed(max_tokens=4096, seq_len=2048))):
+        mix = mixture(shards, mix=mix_mode, batching=batching)
+        loader = mixer.make_loader(mix)
+        take(loader, 8)  # state_every=8: reader 0 holds a snapshot
+        state = json.loads(json.dumps(loader.state_dict()))
+        snapshot = state["readers"][0]["snapshot"]
+        batcher = "bucketer" if mix_mode == "batch" else "packer"
+        parts = {
+            "loader reader 0": lambda s: s["readers"][0],
+            "reader snapshot": lambda s: s["readers"][0]["snapshot"],
+            "stream 'web'": lambda s: s["readers"][0]["snapshot"]["streams"][0],
+            "draws": lambda s: s["readers"][0]["snapshot"]["streams"][1]["rng"],
+            batcher: lambda s: s["readers"][0]["snapshot"]["batchers"][0],
+            "deficit selector": lambda s: s["readers"][0]["snapshot"]["selector"],
+        }
+        assert snapshot is not None
+        for part, find in parts.items():
+            for change, message in (("add", "unknown key 'bogus'"), ("drop", "missing key")):
+                broken = json.loads(json.dumps(state))
+                piece = find(broken)
+                if change == "add":
+                    piece["bogus"] = 1
+                else:
+                    piece.pop(sorted(piece)[0])
+                resumed = mixer.make_loader(mix)
+                with pytest.raises(mixer.StateError, match=f"{part} state: {message}"):
+                    resumed.load_state_dict(broken)
+                    take(resumed, 1)  # readers restore themselves when the pass starts
+
+
+@pytest.mark.parametrize("mix_mode", ["batch", "sample"])
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_a_reader_resumes_exactly_from_its_own_state(shards, mix_mode, packed):
+    """The Reader is a Stateful part like the others: its state_dict() at any batch (a snapshot of
+    every part, nothing to replay) resumes it exactly, through the same oracle."""
+    from mixer.world import World
+
+    batching = mixer.Packed(max_tokens=4096, seq_len=1024, split_documents=True) if packed else mixer.TokenBudget(max_tokens=2048)
+    mix = mixture(shards, mix=mix_mode, batching=batching, stop="all_exhausted")
+    world = World(rank=0, world_size=1, worker=0, num_workers=1)
+    view = (lambda b: (tuple(b.keys), b.source.clone(), b.tokens.clone(), b.meta.step)) if packed else batch_view
+    assert_resumes_exactly(lambda: mix.reader(world), cuts=[1, 5, 8, 13, 29], window=10, view=view)
 
 
 # ---- the same oracle on the smaller stateful parts ---------------------------------------------

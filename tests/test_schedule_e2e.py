@@ -40,10 +40,10 @@ def test_progress_is_global_and_consistent(three_sources, num_workers):
     mix = mixer.Mixture(sources(three_sources), batching=budget(), schedule=mixer.Floored(CURRICULUM, 0.05), seed=2)
     steps = []
     for batch in mixer.make_loader(mix, num_workers=num_workers):
-        step = batch.info["step"]
+        step = batch.meta.step
         steps.append(step)
-        assert batch.info["worker"] == (step % num_workers if num_workers else 0)
-        assert batch.info["target"] == mix.target_at(step, 0.0).tolist(), step
+        assert batch.meta.worker == (step % num_workers if num_workers else 0)
+        assert batch.meta.target == mix.target_at(step, 0.0).tolist(), step
         if len(steps) == 360:  # across the first boundary (300) and into the ramp
             break
     assert steps == list(range(360))
@@ -67,13 +67,13 @@ def test_tokens_seen_are_estimated_as_documented(three_sources, num_workers):
     mine = np.zeros(readers)
     delivered = 0
     for batch in mixer.make_loader(mix, num_workers=num_workers):
-        info = batch.info
-        estimate = mine[info["worker"]] * readers
-        assert info["target"] == mix.target_at(info["step"], float(estimate)).tolist()
-        assert abs(estimate - delivered) <= readers * mix.batching.max_tokens * (1 + np.sqrt(info["step"] / readers))
-        mine[info["worker"]] += info["tokens"]
+        meta = batch.meta
+        estimate = mine[meta.worker] * readers
+        assert meta.target == mix.target_at(meta.step, float(estimate)).tolist()
+        assert abs(estimate - delivered) <= readers * mix.batching.max_tokens * (1 + np.sqrt(meta.step / readers))
+        mine[meta.worker] += meta.tokens
         delivered += int(batch.lengths.sum())
-        if info["step"] == 300:
+        if meta.step == 300:
             break
 
 
@@ -83,7 +83,7 @@ def test_realized_share_tracks_a_curriculum_with_ramps_within_two_points(three_s
     loader = mixer.make_loader(mix, num_workers=num_workers)
     tokens = np.zeros((WINDOWS[-1][1], len(NAMES)))
     for batch in loader:
-        step = batch.info["step"]
+        step = batch.meta.step
         tokens[step] = np.bincount(batch.source.numpy(), weights=batch.lengths.numpy(), minlength=len(NAMES))
         if step == WINDOWS[-1][1] - 1:
             break

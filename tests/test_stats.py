@@ -1,7 +1,7 @@
 """Run statistics: counters carried by the batches, the sliding window, starvation warnings, reports and plots.
 
 Every expectation is counted independently from the batches the test received (their tensors), or
-computed from the schedule directly; the statistics themselves come only from ``batch.info``.
+computed from the schedule directly; the statistics themselves come only from ``batch.meta``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import mixer
+from mixer.batch import BatchMeta
 from mixer.stream import Counters
 from mixer.stats import History, Stats, format_line, format_table, plot_run, plot_schedule, report
 from shardutil import write_token_shards
@@ -53,8 +54,8 @@ class Tally:
         self.rows.append(np.stack([count, tokens, count * batch.seq_len, (count > 0).astype(np.int64)], axis=1))
         # A step-based schedule does not depend on tokens: the main process gets the exact value.
         size = lengths.sum() if self.mix.unit == "tokens" else len(lengths)
-        self.target.append(self.mix.target_at(batch.info["step"], 0.0) * size)
-        self.steps.append(batch.info["step"])
+        self.target.append(self.mix.target_at(batch.meta.step, 0.0) * size)
+        self.steps.append(batch.meta.step)
 
     def expect(self, stats, last):
         """Check ``stats`` (as of now) against the last ``last`` batches (all when None)."""
@@ -87,10 +88,10 @@ def test_counters_equal_what_the_batches_hold_and_the_window_moves(three_sources
     window = 7
     loader = mixer.make_loader(mix, num_workers=num_workers, stats_window=window)
     tally = Tally(mix)
-    last_info = {}
+    last_meta = {}
     for batch in loader:
         tally.add(batch)
-        last_info[batch.info["worker"]] = batch.info
+        last_meta[batch.meta.worker] = batch.meta
         k = len(tally.rows)
         stats = loader.stats()
         tally.expect(stats, None)
@@ -106,7 +107,7 @@ def test_counters_equal_what_the_batches_hold_and_the_window_moves(three_sources
     np.testing.assert_allclose([s["target_now"] for s in stats["sources"].values()], mix.target_at(44, 0.0), atol=1e-12)
     # The counters the batches cannot show (what was read, opened, skipped...) are the workers' own:
     # sums over workers of the last counters each sent; epochs: completed by every worker.
-    per_worker = np.array([info["counters"] for info in last_info.values()])
+    per_worker = np.array([meta.counters for meta in last_meta.values()])
     assert len(per_worker) == max(num_workers, 1)
     for i, name in enumerate(mix.names):
         got = stats["sources"][name]["total"]
@@ -424,9 +425,9 @@ def test_stats_per_batch_cost_is_small():
     names = [f"s{i}" for i in range(8)]
     stats = Stats(names, window=1000, num_workers=4, max_tokens=4096)
     rows = [[1] * len(Counters.FIELDS) for _ in names]
-    infos = [{"step": k, "worker": k % 4, "tokens": 100, "counters": rows, "target": [1 / 8] * 8} for k in range(3000)]
+    metas = [BatchMeta(step=k, worker=k % 4, tokens=100, counters=rows, target=[1 / 8] * 8) for k in range(3000)]
     start = time.perf_counter()
-    for info in infos:
-        stats.update(info)
-    per_batch = (time.perf_counter() - start) / len(infos)
+    for meta in metas:
+        stats.update(meta)
+    per_batch = (time.perf_counter() - start) / len(metas)
     assert per_batch < 200e-6, per_batch

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import mixer
+from mixer.batch import BatchMeta
 from mixer.collate import collate
 from mixer.errors import MixerError
 from mixer.transport import SlotPool
@@ -15,7 +16,7 @@ from mixer.transport import SlotPool
 def batch_in_slot(pool, worker=0):
     """A batch collated as a worker's reader does it: into a slot when one is free, then sealed."""
     writer = pool.writer(worker)
-    b = collate([np.array([1, 2, 3]), np.array([4])], np.array([3, 1]), np.array([0, 1]), ["a", "b"], out=writer.out, info={"step": 0})
+    b = collate([np.array([1, 2, 3]), np.array([4])], np.array([3, 1]), np.array([0, 1]), ["a", "b"], out=writer.out, meta=BatchMeta(step=0))
     b.slot = writer.seal()
     return b
 

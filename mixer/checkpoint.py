@@ -1,0 +1,245 @@
+"""The whole resume state format: what a loader state holds, how each part checks its own piece, the
+mixture's composed fingerprint, reader snapshots, worker rotation and sample locations.
+
+A loader state (version :data:`STATE_VERSION`) is plain JSON::
+
+    {"kind": "mixer.Loader", "version": 3, "fingerprint": "<32 hex>", "rank": r, "world_size": n,
+     "num_workers": w, "delivered": batches handed out,
+     "readers": [{"snapshot": <reader snapshot> | None, "replay": k, "skips": [[source, epoch, slice, ...]]}]}
+
+Per reader: the last *snapshot* a batch carried (taken every ``state_every`` batches), how many batches
+the reader made after it (``replay``: re-run in-process on resume) and the ``skips`` (shards given
+up under ``on_error="skip"``) it took since. A reader snapshot is::
+
+    {"batches", "tokens", "active", "counters", "selector", "streams": [SourceStream state],
+     "batchers": [Bucketer or Packer state (one, shared, in mix="sample")]}
+
+The state never holds configuration: the mixture appears as its :func:`fingerprint`, composed of
+what each configuration class says decides the stream (their ``describe()``), and a state of
+another mixture, version or topology is refused with a :class:`~mixer.StateError`.
+
+Buffered samples are stored by *location* and read again on restore: ``(shard, byte offset)`` in a
+stream or a per-source batcher, ``(source, shard, offset)`` in the shared batcher of
+``mix="sample"``. Each stateful part (:class:`Stateful`) restores only itself and refuses a state
+with unknown or missing keys (:func:`expect_keys`); parts that hold samples (:class:`Rereads`) list
+their locations after ``load_state_dict`` and take the re-read samples with ``attach``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import operator
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .errors import StateError
+
+if TYPE_CHECKING:
+    from .batch import BatchMeta
+    from .budget import Field
+    from .mixture import Mixture
+
+STATE_VERSION = 3  # 3: one checkpoint module; readers {"snapshot", "replay", "skips"}; "batchers"
+KIND = "mixer.Loader"
+_HISTORY = {
+    1: "mixer before the PCG64 shuffle buffers (random.Random state)",
+    2: "mixer before the checkpoint module (readers {'state', 'since', 'skips'})",
+}
+
+Location = tuple[int, ...]  # (shard, offset), or (source, shard, offset) in a shared batcher
+LOADER_KEYS = ("kind", "version", "fingerprint", "rank", "world_size", "num_workers", "delivered", "readers")
+READER_KEYS = ("snapshot", "replay", "skips")
+SNAPSHOT_KEYS = ("batches", "tokens", "active", "counters", "selector", "streams", "batchers")
+
+
+class Stateful(Protocol):
+    """A part with checkpointed state: ``state_dict()`` is small and JSON-able; ``load_state_dict``
+    restores this part only, and raises :class:`~mixer.StateError` naming the part and the key for
+    a state with unknown or missing keys."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Rereads(Stateful, Protocol):
+    """A stateful part that holds samples: its state lists them by location. After
+    ``load_state_dict``, ``locations()`` are the samples to read again and ``attach(lookup)`` puts
+    them back (``lookup(location)`` is the item); the part is usable again only then."""
+
+    def locations(self) -> Iterable[Location]: ...
+
+    def attach(self, lookup: Callable[[Location], Any]) -> None: ...
+
+
+def expect_keys(part: str, state: Any, keys: Collection[str]) -> dict[str, Any]:
+    """``state`` if it is a dict with exactly ``keys``, else a StateError naming ``part`` and the key."""
+    if not isinstance(state, dict):
+        raise StateError(f"{part} state: expected a dict with keys {sorted(keys)} (got {type(state).__name__})")
+    unknown = sorted(k for k in state if k not in keys)
+    if unknown:
+        raise StateError(f"{part} state: unknown key {unknown[0]!r} (expected {sorted(keys)})")
+    missing = [k for k in keys if k not in state]
+    if missing:
+        raise StateError(f"{part} state: missing key {missing[0]!r} (expected {sorted(keys)})")
+    return state
+
+
+# ---- the fingerprint --------------------------------------------------------------------------
+
+
+def fingerprint(mixture: Mixture, fields: Mapping[str, Field] | None) -> str:
+    """A digest of everything that decides the stream's content and order, composed of each
+    configuration's own ``describe()``. Computed once per mixture (``Mixture.fingerprint``)."""
+    described = {
+        "sources": [listed.describe() for listed in mixture.listed],
+        "sizes": [round(float(x), 6) for x in mixture.info.sizes],
+        "edges": mixture.edges,
+        "batching": mixture.batching.describe(),
+        "fields": None if fields is None else {name: f.describe() for name, f in fields.items()},
+        "schedule": repr(mixture.schedule),
+        **{k: getattr(mixture, k) for k in ("selector", "unit", "mix", "stop", "seed", "shuffle_buffer", "pad_id", "dtype", "state_every")},
+    }
+    text = json.dumps(described, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def qualname(fn: Any) -> str | None:
+    """How a callable appears in a fingerprint (its module and qualified name)."""
+    if fn is None:
+        return None
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+# ---- the loader state -------------------------------------------------------------------------
+
+
+def check(state: Any, mixture: Mixture, *, num_workers: int) -> dict[str, Any]:
+    """Validate a loader state against this mixture and topology; returns it."""
+    if not isinstance(state, dict) or state.get("kind") != KIND:
+        got = f"a dict with keys {sorted(map(str, state))}" if isinstance(state, dict) else f"a {type(state).__name__}"
+        raise StateError(f"not a mixer loader state: got {got}; expected a dict with kind={KIND!r} (Loader.state_dict())")
+    version = state.get("version")
+    if version != STATE_VERSION:
+        what = _HISTORY.get(version, "not a version this mixer knows") if isinstance(version, int) else "no valid version"
+        raise StateError(
+            f"loader state version {version!r} ({what}) cannot be loaded: this mixer reads state version {STATE_VERSION} "
+            "only; resume with the mixer that saved it, or start the data stream afresh"
+        )
+    expect_keys("loader", state, LOADER_KEYS)
+    if state["fingerprint"] != mixture.fingerprint:
+        raise StateError(
+            "loader state was saved from a different mixture (sources, shards, weights, seed, batching, schedule or "
+            "other options differ); resume with the same configuration"
+        )
+    readers = max(num_workers, 1)
+    saved = (state["rank"], state["world_size"], state["num_workers"])
+    if saved != (mixture.rank, mixture.world_size, readers):
+        raise StateError(
+            f"loader state was saved with rank {saved[0]} of {saved[1]} and {saved[2]} reader(s) per rank; this loader "
+            f"is rank {mixture.rank} of {mixture.world_size} with {readers}: resuming with a different num_workers or "
+            "world_size is not supported (it would repeat or lose samples of the current source-epochs)"
+        )
+    if not isinstance(state["readers"], list) or len(state["readers"]) != readers:
+        raise StateError(f"loader state: 'readers' must list {readers} reader state(s)")
+    for i, r in enumerate(state["readers"]):
+        expect_keys(f"loader reader {i}", r, READER_KEYS)
+    return state
+
+
+def size_bytes(state: dict[str, Any]) -> int:
+    """The state's size as compact JSON."""
+    return len(json.dumps(state, separators=(",", ":")))
+
+
+@dataclass
+class ReaderLog:
+    """What the loader keeps per reader, from the metadata of the batches it hands out: the reader's
+    state as of its last batch handed out (see the module docstring)."""
+
+    snapshot: dict[str, Any] | None = None
+    replay: int = 0
+    skips: list[list[int]] = field(default_factory=list)
+
+    def record(self, meta: BatchMeta) -> None:
+        if meta.snapshot is not None:
+            # Taken after this batch: its skips are inside it.
+            self.snapshot, self.replay, self.skips = meta.snapshot, 0, []
+        else:
+            self.replay += 1
+            self.skips.extend(list(s) for s in meta.skips)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"snapshot": self.snapshot, "replay": self.replay, "skips": [list(s) for s in self.skips]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        expect_keys("loader reader", state, READER_KEYS)
+        self.snapshot, self.replay, self.skips = state["snapshot"], int(state["replay"]), [list(s) for s in state["skips"]]
+
+
+def without_snapshot(meta: BatchMeta) -> BatchMeta:
+    """The metadata handed to the training loop: the snapshot stays with the loader."""
+    return replace(meta, snapshot=None) if meta.snapshot is not None else meta
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where the readers of a loader continue, from its state: ``delivered`` batches handed out and
+    one reader state each."""
+
+    delivered: int
+    readers: Sequence[dict[str, Any]]
+
+    def reader_for(self, worker: int) -> int:
+        """The saved reader that DataLoader worker ``worker`` continues. DataLoader always starts
+        with worker 0, and the next batch of the uninterrupted run was reader ``delivered % n``'s,
+        so worker ``w`` continues reader ``(w + delivered) % n``: the order of batches is then
+        exactly that of the uninterrupted run."""
+        n = len(self.readers)
+        return (worker + self.delivered) % n
+
+
+# ---- reader snapshots -------------------------------------------------------------------------
+
+
+def with_skips(snapshot: dict[str, Any], skips: Iterable[Sequence[int]]) -> dict[str, Any]:
+    """A reader snapshot whose streams also hold the skip decisions ``[source, epoch, slice, ...]``
+    taken after it (later decisions win, as when they were taken)."""
+    skips = list(skips)
+    if not skips:
+        return snapshot
+    expect_keys("reader snapshot", snapshot, SNAPSHOT_KEYS)
+    streams = [dict(s, skips=list(s["skips"])) for s in snapshot["streams"]]
+    for source, *decision in skips:
+        if not 0 <= int(source) < len(streams):
+            raise StateError(f"loader reader state: a skip names source {source}, the snapshot has {len(streams)}")
+        streams[int(source)]["skips"].append(decision)
+    return dict(snapshot, streams=streams)
+
+
+def group_locations(per_source: Sequence[Iterable[Location]], shared: Iterable[Location] = ()) -> list[list[tuple[int, int]]]:
+    """The (shard, offset) locations to read again per source, sorted: ``per_source[i]`` holds
+    source ``i``'s, ``shared`` holds ``(source, shard, offset)``."""
+    wanted: list[set[tuple[int, int]]] = [set() for _ in per_source]
+    for i, locs in enumerate(per_source):
+        wanted[i].update((int(a), int(b)) for a, b in locs)
+    for source, shard, offset in shared:
+        wanted[int(source)].add((int(shard), int(offset)))
+    return [sorted(w) for w in wanted]
+
+
+def pair_lookup(found: Sequence[Mapping[Location, Any]]) -> Callable[[Location], tuple[int, Any]]:
+    """``(source, shard, offset)`` → ``(source, sample)`` over the re-read samples of every source."""
+    return lambda loc: (loc[0], found[loc[0]][(loc[1], loc[2])])
+
+
+
+# Snapshots list every buffered sample (often 10k+): a C-level getter, no Python frame per sample.
+locate_sample: Callable[[Any], Location] = operator.attrgetter("shard", "offset")
+
+
+def locate_pair(item: tuple[int, Any]) -> Location:
+    """Where a ``(source, sample)`` item of a shared batcher lives: ``(source, shard, offset)``."""
+    return (item[0], item[1].shard, item[1].offset)

@@ -12,7 +12,7 @@ from ..errors import ConfigError, MixerError, ShardError
 from .backends import PUMPED, PipeStream, remote_for
 from .compressed import DecompressingStream, codec_of
 from .filesystems import filesystem
-from .options import DEFAULT_BLOCK_SIZE, IOOptions
+from .options import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_CONNECTIONS, IOOptions
 from .remote import RemoteStream
 from .urls import check_url, is_local, local_path, redact, scheme_of
 
@@ -28,6 +28,7 @@ def open_shard(
     retries: int = 5,
     backoff: float = 0.5,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
     allow_pipe: bool = False,
 ) -> BinaryIO:
     """A readable binary stream of the shard at ``url``, positioned at ``start_offset``.
@@ -50,6 +51,7 @@ def open_shard(
         retries=retries,
         backoff=backoff,
         block_size=block_size,
+        max_connections=max_connections,
         allow_pipe=allow_pipe,
     )
     if isinstance(stream, RemoteStream):
@@ -76,6 +78,7 @@ def _new_stream(
     retries: int,
     backoff: float,
     block_size: int,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
     allow_pipe: bool,
 ) -> BinaryIO:
     """`open_shard` up to, not including, the first request of a remote shard (local files and pipes
@@ -95,7 +98,8 @@ def _new_stream(
     if is_local(scheme):
         return _open_local(local_path(url), start_offset)
     assert scheme is not None
-    remote = remote_for(scheme, filesystem(scheme, storage_options, timeout), url, timeout, block_size)
+    fs = filesystem(scheme, storage_options, timeout, max_connections)
+    remote = remote_for(scheme, fs, url, timeout, block_size, max_connections)
     stream = RemoteStream(
         url, remote, start_offset=start_offset, retries=retries, backoff=backoff, block_size=block_size
     )

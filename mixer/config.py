@@ -23,7 +23,7 @@ commands). Beyond the obvious ones:
   import path or the name of a field.
 * ``schedule``: see :mod:`mixer.schedule_config`.
 * ``sources[i].io_options``: :class:`mixer.IOOptions` keys (``timeout``, ``retries``, ``backoff``,
-  ``block_size``, ``read_ahead``) for remote shards.
+  ``block_size``, ``read_ahead``, ``max_connections``) for remote shards.
 """
 
 from __future__ import annotations

@@ -36,7 +36,9 @@ def open_shard(
     Local paths and ``file://`` give a plain buffered file (with ``retries = 0``). Remote URLs give a
     `RemoteStream`: resumable, with a timeout on every open and read, and retries of transient faults
     from the exact byte where the stream broke (see there). The stream is opened eagerly, so a missing
-    or forbidden shard raises `ShardError` here. ``pipe:`` commands need ``allow_pipe=True``.
+    or forbidden shard raises `ShardError` here. ``pipe:`` commands need ``allow_pipe=True``. A remote
+    stream holds one of the process's ``max_connections`` while its response is open, and gives it
+    up to another stream whose reader waits while nobody reads it (`mixer.storage.pool`).
 
     A compressed shard (``.tar.gz``, ``.tgz``, ``.tar.xz``) gives a `mixer.storage.compressed.DecompressingStream`:
     ``start_offset`` is then an offset into the uncompressed tar, reached by reading the shard from its
@@ -118,7 +120,9 @@ class ReadAhead:
     when it starts at that offset; then it begins the first ``read_ahead`` of ``upcoming`` (the URLs
     that follow, consumed lazily) and drops begun downloads no longer among them. Memory stays
     bounded: a shard begun ahead holds at most about 3 x ``block_size`` bytes until it is opened
-    (its response then waits, flow-controlled). Local files and pipes are opened on demand. A
+    (its response then waits, flow-controlled). Connections are bounded too: a shard begun ahead
+    waits its turn for one of the process's ``max_connections`` (`mixer.storage.pool`), behind
+    every stream whose reader waits. Local files and pipes are opened on demand. A
     `ShardError` from a remote open carries ``retries``, the retries made before it gave up.
     Not thread-safe; ``close()`` drops every download begun ahead (the streams handed out are the
     caller's to close).

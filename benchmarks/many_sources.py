@@ -15,6 +15,11 @@ measured on this machine:
   sends): bytes sent / bytes delivered (tar bytes of the delivered samples) in the steady state
   (from batch ``BATCHES // 4`` on), and the GETs made; the most concurrent connections seen.
 
+Read the figures with the mixing in mind: a ``TokenBudget(65536)`` batch comes from one source
+(``mix="source"``), so ``BATCHES`` batches over 2 workers touch at most ``BATCHES / 2`` sources per
+worker (~100 of 1,000 at the full size: ``--batches`` runs longer), and the buffered counts and
+state size are those of each reader's last saved state (every ``state_every`` = 64 of its batches).
+
 Nothing is judged here yet (the targets of issue 14 are shown as checks with their target and
 PASS/MISS): the first run is the "before" column.
 """

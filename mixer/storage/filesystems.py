@@ -11,6 +11,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from . import logsafe
+from .options import DEFAULT_MAX_CONNECTIONS
 from .urls import EXTRAS, require_backend
 
 __all__ = ["close_filesystems", "filesystem"]
@@ -23,7 +24,10 @@ _fs_cache: dict[tuple[int, str, str], Any] = {}
 
 
 def filesystem(
-    scheme: str, storage_options: dict[str, Any] | None, timeout: float, max_connections: int = AIOHTTP_LIMIT
+    scheme: str,
+    storage_options: dict[str, Any] | None,
+    timeout: float,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
 ) -> Any:
     """A private (not fsspec-instance-cached) filesystem per (process, protocol, options, timeout).
 

@@ -113,6 +113,26 @@ def test_streams_beyond_the_pool_take_turns(server: FaultyHTTPServer, files: dic
     _wait_closed(server)
 
 
+def test_an_idle_stream_lets_its_connection_go(server: FaultyHTTPServer, files: dict[str, bytes]) -> None:
+    # A stream read a little, then left alone (its source not picked) for longer than its timeout:
+    # its connection is closed meanwhile, and reading on resumes at the next byte, exactly.
+    _wait_closed(server)
+    server.clear()
+    name = sorted(files)[0]
+    stream = mio.open_shard(server.url(name), timeout=0.3, block_size=4096)
+    try:
+        head = stream.read(1000)
+        assert server.open_connections == 1
+        _wait_closed(server, 3.0)  # idle for the timeout: the connection is gone, the stream is not
+        rest = stream.read()
+    finally:
+        stream.close()
+    assert head + rest == files[name]
+    assert stream.retries == 0
+    starts = [r.start for r in server.requests(name)]
+    assert starts[0] is None and len(starts) == 2 and starts[1] is not None and starts[1] >= 1000, starts
+
+
 @pytest.mark.slow
 def test_a_wedged_pool_is_a_clear_error(server: FaultyHTTPServer, files: dict[str, bytes]) -> None:
     # The only connection is held by a read whose reader waits on it while the server says nothing

@@ -51,7 +51,9 @@ class _Pump:
     bounded too, but not while the pump waits for a connection (that is queueing, not a fault).
 
     When the pool asks it to give way (another stream's reader is blocked and every connection is
-    held), the pump closes its response after the read in flight, keeps what it queued, and once
+    held), or its queue has stayed full for ``timeout`` seconds (its reader is busy elsewhere, and a
+    server would drop so idle a response anyway), the pump closes its response after the read in
+    flight, keeps what it queued, and once
     the consumer has taken enough to make room, waits for a connection again and re-opens at the
     next byte it has not received (``opener(pos)``: a ranged GET pinned to the ETag); an error of that
     re-open reaches the consumer after the bytes before it, like any other.
@@ -249,8 +251,12 @@ class _Pump:
                 return False
             if full:
                 self.idle = True
-                await self._space.wait()
-                self.idle = False
+                try:
+                    await asyncio.wait_for(self._space.wait(), self._timeout)
+                except asyncio.TimeoutError:
+                    return False  # unread for `timeout` s: the connection goes back (servers drop such ones too)
+                finally:
+                    self.idle = False
                 continue
             chunk = await read(self._block)
             with self._cond:

@@ -36,7 +36,8 @@ class IOOptions:
     value share one pool; see `mixer.storage.pool`). Beyond it streams queue for a connection (not
     a timeout: a read fails only when no connection of the pool made progress for ``timeout`` + 5
     seconds), read-ahead waits its turn, and a stream whose reader is busy with other sources gives
-    its connection to one whose reader waits, resuming later with a ranged GET at its next byte.
+    its connection to one whose reader waits (and lets it go after ``timeout`` seconds unread),
+    resuming later with a ranged GET at its next byte.
     """
 
     timeout: float = 60.0

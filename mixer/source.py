@@ -81,8 +81,8 @@ class Source:
         _check.boolean(self.allow_pipe, f"{w}.allow_pipe")
         try:
             _set(self, "io_options", storage.IOOptions.of(self.io_options))
-        except ConfigError as exc:  # IOOptions says "io_options: <rule>"
-            raise ConfigError(f"{w}.io_options: {str(exc).removeprefix('io_options: ')}") from None
+        except ConfigError as exc:  # IOOptions says "io_options: <rule>" or "io_options.<key>: <rule>"
+            raise ConfigError(f"{w}.{exc}") from None
         for i, url in enumerate(urls):
             try:
                 storage.check_url(url, allow_pipe=self.allow_pipe)

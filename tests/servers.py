@@ -13,6 +13,7 @@ import html
 import logging
 import os
 import posixpath
+import select
 import socket
 import struct
 import threading
@@ -76,14 +77,21 @@ class FaultyHTTPServer:
     ranged resumes happened, and from which byte.
     """
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, count_connections: bool = False) -> None:
         self.root = Path(root).resolve()
+        # With count_connections a connection counts from accept until the client closes it (the
+        # handler waits for the client's FIN after answering): ``peak_connections`` is then the most
+        # connections the clients held open at once, whatever the kernel buffered for them.
+        self.count_connections = count_connections
+        self.open_connections = 0
+        self.peak_connections = 0
         self._lock = threading.Lock()
         self._faults: dict[str, list[Fault]] = {}
         self._versions: dict[str, bytes] = {}
         self._log: list[Request] = []
         self._stop = threading.Event()
         self._conns: set[socket.socket] = set()
+        self._counted: set[socket.socket] = set()
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self.delay = 0.0  # seconds every GET waits before it is answered (an object store's time to first byte)
@@ -100,7 +108,7 @@ class FaultyHTTPServer:
 
     def start(self) -> None:
         handler = type("Handler", (_Handler,), {"owner": self})
-        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        server = _Server(("127.0.0.1", 0), handler)
         server.daemon_threads = False  # server_close() joins every handler thread
         self._server = server
         self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, name="faulty-http")
@@ -192,6 +200,22 @@ class FaultyHTTPServer:
             self._log.append(request)
 
 
+def _client_closed(conn: socket.socket) -> bool:
+    """Whether the client has closed this connection (a FIN or an RST arrived), without reading."""
+    try:
+        if not select.select([conn], [], [], 0)[0]:
+            return False
+        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except (OSError, ValueError):
+        return True
+
+
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 1024  # hundreds of clients may connect at once: none waits for a SYN retry
+
+
 def _norm(path: str) -> str:
     return posixpath.normpath("/" + urllib.parse.unquote(path.split("?", 1)[0].split("#", 1)[0])).lstrip("/")
 
@@ -226,14 +250,35 @@ class _Handler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
-        with self.owner._lock:
-            self.owner._conns.add(self.connection)
+        owner = self.owner
+        with owner._lock:
+            owner._conns.add(self.connection)
+            # Clients that closed a connection before opening this one: count them closed first
+            # (their handler threads may not have noticed yet).
+            owner._counted = {c for c in owner._counted if not _client_closed(c)}
+            owner._counted.add(self.connection)
+            owner.open_connections = len(owner._counted)
+            owner.peak_connections = max(owner.peak_connections, owner.open_connections)
 
     def finish(self) -> None:
         with contextlib.suppress(OSError):
             super().finish()
-        with self.owner._lock:
-            self.owner._conns.discard(self.connection)
+        owner = self.owner
+        conn = self.connection
+        if owner.count_connections:  # until the client closes its end
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_WR)  # the server's end is closed, as without counting
+                conn.settimeout(0.1)
+                while not owner._stop.is_set():
+                    try:
+                        if not conn.recv(65536):
+                            break
+                    except socket.timeout:
+                        continue
+        with owner._lock:
+            owner._conns.discard(conn)
+            owner._counted.discard(conn)
+            owner.open_connections = len(owner._counted)
 
     def log_message(self, format: str, *args: Any) -> None:  # quiet
         pass

@@ -59,3 +59,25 @@ def test_npy_frombuffer_decodes_like_np_load() -> None:
             np.lib.format.write_array(buf, arr, version=version)
             got = npy_frombuffer(buf.getvalue())
             assert got.dtype == arr.dtype and np.array_equal(got, arr)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _mixture_importable(), reason="mixer.Mixture is not importable yet")
+def test_many_sources_runs_at_tiny_sizes(tmp_path: Path) -> None:
+    # `python -m benchmarks.many_sources --quick` at tiny sizes, local and loopback HTTP; no figure is judged
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.many_sources", "--quick", "--sources", "2,5", "--batches", "6", "--http-sources", "4",
+         "--bench-dir", str(tmp_path)],  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.stdout.startswith("| sources | via | RSS per worker |"), proc.stdout[:500]
+    result = json.loads((tmp_path / "many_sources.quick.json").read_text())
+    rows = {(r["sources"], r["transport"]): r for r in result["rows"]}
+    assert set(rows) == {(2, "local"), (5, "local"), (4, "http")}
+    assert all(r["status"] == "ok" and r["batches"] == 6 for r in rows.values())
+    assert all(len(r["worker_rss_mb_all"]) == 2 and len(r["worker_fds"]) == 2 for r in rows.values())  # both workers seen
+    assert rows[(4, "http")]["steady_gets"] >= 0 and rows[(4, "http")]["peak_connections"] >= 1

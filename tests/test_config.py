@@ -372,7 +372,7 @@ ERRORS = [
     (_set("sources[0].allow_pipe", True), "sources[0].allow_pipe: not a config key: 'pipe:' URLs run shell commands, so only code can allow them "
      "(build_mixture(spec, allow_pipe=True) or load_config(path, allow_pipe=True)), never a config file alone"),
     (_set("sources[0].io_options", {"timout": 1}), "sources[0].io_options: unknown key 'timout'; did you mean 'timeout'?"),
-    (_set("sources[0].io_options", {"retries": -1}), "sources[0].io_options: retries must be an integer >= 0 (got -1)"),
+    (_set("sources[0].io_options", {"retries": -1}), "sources[0].io_options.retries: must be >= 0, got -1"),
     (lambda c: [s.update(weight=0) for s in c["sources"]], "sources: every weight is 0; at least one must be > 0"),
     # batching
     (_set("batching", 4096), "batching: must be a mapping, got 4096"),

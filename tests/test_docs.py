@@ -30,8 +30,9 @@ def test_readme_states_the_io_options_defaults():
     assert f"`backoff` {d.backoff:g} s" in readme
     assert d.block_size == 1 << 20 and "`block_size` 1 MiB (`1 << 20`" in readme
     assert f"`read_ahead` {d.read_ahead} shards" in readme
+    assert f"`max_connections` {d.max_connections} per process" in readme
     doc = " ".join((IOOptions.__doc__ or "").split())
-    for name, shown in (("timeout", f"{d.timeout:g}"), ("retries", d.retries), ("backoff", d.backoff), ("block_size", "1 MiB"), ("read_ahead", d.read_ahead)):
+    for name, shown in (("timeout", f"{d.timeout:g}"), ("retries", d.retries), ("backoff", d.backoff), ("block_size", "1 MiB"), ("read_ahead", d.read_ahead), ("max_connections", d.max_connections)):
         assert f"``{name}`` (default {shown})" in doc
 
 

@@ -415,9 +415,11 @@ def test_io_options_are_validated(http: FaultyHTTPServer) -> None:
     urls, _ = where(http, "http")
     for options, message in [
         ({"timout": 1}, "Source('x').io_options: unknown key 'timout'; did you mean 'timeout'?"),
-        ({"timeout": 0}, "Source('x').io_options: timeout must be a number > 0 (got 0)"),
-        ({"read_ahead": -1}, "Source('x').io_options: read_ahead must be an integer >= 0 (got -1)"),
-        ({"retries": True}, "Source('x').io_options: retries must be an integer >= 0 (got True)"),
+        ({"timeout": 0}, "Source('x').io_options.timeout: must be > 0, got 0"),
+        ({"read_ahead": -1}, "Source('x').io_options.read_ahead: must be >= 0, got -1"),
+        ({"retries": True}, "Source('x').io_options.retries: must be an integer, got True"),
+        ({"max_connections": 0}, "Source('x').io_options.max_connections: must be >= 1, got 0"),
+        ({"max_connections": 2.5}, "Source('x').io_options.max_connections: must be an integer, got 2.5"),
     ]:
         with pytest.raises(ConfigError) as info:
             mixer.Source("x", urls, io_options=options)

@@ -10,6 +10,7 @@ One concern per module, from the bottom up:
 * `listing`: `expand_urls`, the shards of a pattern, folder or prefix.
 * `streams`, `remote`, `pump`, `backends`: `RemoteStream`, which resumes at the byte after a fault;
   the async pump that reads a response ahead; HTTP, S3, other fsspec protocols and ``pipe:``.
+* `pool`: `ConnectionPool`, at most ``max_connections`` open responses per process for all sources.
 * `compressed`: ``.tar.gz`` / ``.tgz`` / ``.tar.xz`` shards, decompressed as they stream.
 * `shard`: `open_shard` and `ReadAhead`, what the readers call.
 * `logsafe`: secrets out of the DEBUG logs of the libraries underneath.

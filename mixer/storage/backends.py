@@ -32,12 +32,13 @@ PUMPED = {"http", "https", "s3", "s3a"}
 """The schemes whose responses are read ahead by the pump (`PumpRemote`), so can be begun early."""
 
 
-def remote_for(scheme: str, fs: Any, url: str, timeout: float, block_size: int) -> Remote:
-    """The `Remote` that fetches ``url`` (of ``scheme``) through the filesystem ``fs``."""
+def remote_for(scheme: str, fs: Any, url: str, timeout: float, block_size: int, max_connections: int) -> Remote:
+    """The `Remote` that fetches ``url`` (of ``scheme``) through the filesystem ``fs``; HTTP and S3 hold
+    at most ``max_connections`` responses open per process (`mixer.storage.pool`)."""
     if scheme in ("http", "https"):
-        return _HTTPRemote(fs, url, timeout, block_size)
+        return _HTTPRemote(fs, url, timeout, block_size, max_connections)
     if scheme in ("s3", "s3a"):
-        return _S3Remote(fs, url, timeout, block_size)
+        return _S3Remote(fs, url, timeout, block_size, max_connections)
     return _FsspecRemote(fs, url, timeout)
 
 
@@ -69,8 +70,8 @@ class _HTTPRemote(PumpRemote):
     """GET with ``Range: bytes=pos-`` (``pos-end`` with an end byte) through the aiohttp session of fsspec's HTTP filesystem (so its
     ``storage_options``, e.g. ``headers`` or ``client_kwargs``, apply), with the status checked here."""
 
-    def __init__(self, fs: Any, url: str, timeout: float, block_size: int) -> None:
-        super().__init__(fs, url, timeout, block_size)
+    def __init__(self, fs: Any, url: str, timeout: float, block_size: int, max_connections: int) -> None:
+        super().__init__(fs, url, timeout, block_size, max_connections)
         self._warned_no_range = False
 
     async def _aopen(self, pos: int) -> tuple[AsyncRead, Callable[[bool], None]]:
@@ -141,8 +142,8 @@ class _S3Remote(PumpRemote):
     """GetObject with ``Range=bytes=pos-`` on s3fs's aiobotocore client (credentials, endpoint, region,
     requester-pays as s3fs resolves them: env vars, profiles, ``AWS_ENDPOINT_URL``, storage_options)."""
 
-    def __init__(self, fs: Any, url: str, timeout: float, block_size: int) -> None:
-        super().__init__(fs, url, timeout, block_size)
+    def __init__(self, fs: Any, url: str, timeout: float, block_size: int, max_connections: int) -> None:
+        super().__init__(fs, url, timeout, block_size, max_connections)
         self.bucket, self.key, self.version = fs.split_path(url)
         if not self.key:
             raise ConfigError(f"{redact(url)}: an s3:// shard URL needs a key after the bucket")

@@ -1,19 +1,23 @@
-"""`IOOptions`: how a source reads its remote shards (timeouts, retries, backoff, block size, read-ahead)."""
+"""`IOOptions`: how a source reads its remote shards (timeouts, retries, backoff, block size, read-ahead,
+connections)."""
 
 from __future__ import annotations
 
 import difflib
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .. import _check
 from ..errors import ConfigError
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "IO_OPTIONS", "IOOptions"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_MAX_CONNECTIONS", "IO_OPTIONS", "IOOptions"]
 
 DEFAULT_BLOCK_SIZE = 1 << 20
 """Bytes asked of the network per read call; also the read-ahead an open HTTP stream buffers."""
+
+DEFAULT_MAX_CONNECTIONS = 64
+"""Remote responses one process (a DataLoader worker, or the main process) keeps open at once."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,7 +31,13 @@ class IOOptions:
     at most 30 s). ``block_size`` (default 1 MiB): bytes asked of the network per read; each open
     stream buffers up to about 3 x ``block_size``. ``read_ahead`` (default 2): how many of the
     reader's next shards start downloading while it reads the current one (see `ReadAhead`); 0
-    turns read-ahead off.
+    turns read-ahead off. ``max_connections`` (default 64): remote responses (HTTP or S3
+    connections) open at once in one process, all sources together (sources that give the same
+    value share one pool; see `mixer.storage.pool`). Beyond it streams queue for a connection (not
+    a timeout: a read fails only when no connection of the pool made progress for ``timeout`` + 5
+    seconds), read-ahead waits its turn, and a stream whose reader is busy with other sources gives
+    its connection to one whose reader waits (and lets it go after ``timeout`` seconds unread),
+    resuming later with a ranged GET at its next byte.
     """
 
     timeout: float = 60.0
@@ -35,21 +45,22 @@ class IOOptions:
     backoff: float = 0.5
     block_size: int = DEFAULT_BLOCK_SIZE
     read_ahead: int = 2
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
 
     def __post_init__(self) -> None:
-        for name, lo, strict, integer in (
-            ("timeout", 0.0, True, False),
-            ("retries", 0, False, True),
-            ("backoff", 0.0, False, False),
-            ("block_size", 1, False, True),
-            ("read_ahead", 0, False, True),
+        # Messages read "io_options.<key>: <rule>, got <value>"; a Source puts its name in front.
+        for name, lo, strict, integer, hi in (
+            ("timeout", 0.0, True, False, None),
+            ("retries", 0, False, True, None),
+            ("backoff", 0.0, False, False, None),
+            ("block_size", 1, False, True, None),
+            ("read_ahead", 0, False, True, None),
+            ("max_connections", 1, False, True, 4096),
         ):
-            value = getattr(self, name)
-            kind = int if integer else (int, float)
-            ok = isinstance(value, kind) and not isinstance(value, bool) and math.isfinite(value)
-            if not ok or value < lo or (strict and value == lo):
-                what = "an integer" if integer else "a number"
-                raise ConfigError(f"io_options: {name} must be {what} {'>' if strict else '>='} {lo:g} (got {value!r})")
+            value = _check.number(
+                getattr(self, name), f"io_options.{name}", minimum=lo, strict=strict, integer=integer, maximum=hi
+            )
+            object.__setattr__(self, name, value)
 
     @classmethod
     def of(cls, value: IOOptions | Mapping[str, Any] | None) -> IOOptions:
@@ -70,7 +81,13 @@ class IOOptions:
 
     def open_kwargs(self) -> dict[str, Any]:
         """The keywords of `open_shard` these options set."""
-        return {"timeout": self.timeout, "retries": self.retries, "backoff": self.backoff, "block_size": self.block_size}
+        return {
+            "timeout": self.timeout,
+            "retries": self.retries,
+            "backoff": self.backoff,
+            "block_size": self.block_size,
+            "max_connections": self.max_connections,
+        }
 
 
-IO_OPTIONS = ("timeout", "retries", "backoff", "block_size", "read_ahead")
+IO_OPTIONS = ("timeout", "retries", "backoff", "block_size", "read_ahead", "max_connections")

@@ -12,7 +12,7 @@ from ..errors import ConfigError, MixerError, ShardError
 from .backends import PUMPED, PipeStream, remote_for
 from .compressed import DecompressingStream, codec_of
 from .filesystems import filesystem
-from .options import DEFAULT_BLOCK_SIZE, IOOptions
+from .options import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_CONNECTIONS, IOOptions
 from .remote import RemoteStream
 from .streams import ForwardStream
 from .urls import check_url, is_local, local_path, redact, scheme_of
@@ -29,6 +29,7 @@ def open_shard(
     retries: int = 5,
     backoff: float = 0.5,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
     allow_pipe: bool = False,
     end_offset: int | None = None,
 ) -> BinaryIO:
@@ -37,7 +38,9 @@ def open_shard(
     Local paths and ``file://`` give a plain buffered file (with ``retries = 0``). Remote URLs give a
     `RemoteStream`: resumable, with a timeout on every open and read, and retries of transient faults
     from the exact byte where the stream broke (see there). The stream is opened eagerly, so a missing
-    or forbidden shard raises `ShardError` here. ``pipe:`` commands need ``allow_pipe=True``.
+    or forbidden shard raises `ShardError` here. ``pipe:`` commands need ``allow_pipe=True``. A remote
+    stream holds one of the process's ``max_connections`` while its response is open, and gives it
+    up to another stream whose reader waits while nobody reads it (`mixer.storage.pool`).
 
     A compressed shard (``.tar.gz``, ``.tgz``, ``.tar.xz``) gives a `mixer.storage.compressed.DecompressingStream`:
     ``start_offset`` is then an offset into the uncompressed tar, reached by reading the shard from its
@@ -61,6 +64,7 @@ def open_shard(
         retries=retries,
         backoff=backoff,
         block_size=block_size,
+        max_connections=max_connections,
         allow_pipe=allow_pipe,
         end_offset=end_offset,
     )
@@ -88,6 +92,7 @@ def _new_stream(
     retries: int,
     backoff: float,
     block_size: int,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
     allow_pipe: bool,
     end_offset: int | None = None,
 ) -> BinaryIO:
@@ -109,7 +114,8 @@ def _new_stream(
         local = _open_local(local_path(url), start_offset)
         return local if end_offset is None else cast(BinaryIO, _LocalRange(local, end_offset))
     assert scheme is not None
-    remote = remote_for(scheme, filesystem(scheme, storage_options, timeout), url, timeout, block_size)
+    fs = filesystem(scheme, storage_options, timeout, max_connections)
+    remote = remote_for(scheme, fs, url, timeout, block_size, max_connections)
     stream = RemoteStream(
         url, remote, start_offset=start_offset, retries=retries, backoff=backoff, block_size=block_size,
         end_offset=end_offset,
@@ -129,7 +135,9 @@ class ReadAhead:
     when it starts at that offset; then it begins the first ``read_ahead`` of ``upcoming`` (the URLs
     that follow, consumed lazily) and drops begun downloads no longer among them. Memory stays
     bounded: a shard begun ahead holds at most about 3 x ``block_size`` bytes until it is opened
-    (its response then waits, flow-controlled). Local files and pipes are opened on demand. A
+    (its response then waits, flow-controlled). Connections are bounded too: a shard begun ahead
+    waits its turn for one of the process's ``max_connections`` (`mixer.storage.pool`), behind
+    every stream whose reader waits. Local files and pipes are opened on demand. A
     `ShardError` from a remote open carries ``retries``, the retries made before it gave up.
     Not thread-safe; ``close()`` drops every download begun ahead (the streams handed out are the
     caller's to close).

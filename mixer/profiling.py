@@ -156,18 +156,6 @@ def _open(url: str, source: Source, want: int, size: int | None) -> BinaryIO:
     return cast(BinaryIO, _Windows(url, kwargs, want, size))
 
 
-def profile(
-    listed: ListedSource,
-    budget: TokenBudget | Packed,
-    *,
-    max_samples: int = MAX_SAMPLES,
-    max_shards: int = MAX_SHARDS,
-    warn: Callable[[str], None] = _warn.warn,
-) -> Profile:
-    """The profile of one source, read now (see :func:`_look`), with its given size if it has one."""
-    return _given(_look(listed, budget, max_samples=max_samples, max_shards=max_shards, warn=warn), listed.source)
-
-
 def _given(p: Profile, source: Source) -> Profile:
     if source.size is not None:
         return replace(p, size=source.size, estimated=False)

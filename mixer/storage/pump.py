@@ -243,10 +243,7 @@ class _Pump:
         """Queue the body's bytes; True at its end, False when giving way."""
         assert self._space is not None
         while True:
-            with self._cond:
-                full = self._waiting_for_space = self._queued >= self._block
-                if full:
-                    self._space.clear()
+            full = self._check_full()
             if self._give_way:
                 return False
             if full:
@@ -274,13 +271,18 @@ class _Pump:
     async def _until_space(self) -> None:
         assert self._space is not None
         while True:
-            with self._cond:
-                full = self._waiting_for_space = self._queued >= self._block
-                if full:
-                    self._space.clear()
-            if not full:
+            if not self._check_full():
                 return
             await self._space.wait()
+
+    def _check_full(self) -> bool:
+        """Whether the queue holds a block already; if so, arm the event the consumer sets on reading."""
+        assert self._space is not None
+        with self._cond:
+            full = self._waiting_for_space = self._queued >= self._block
+            if full:
+                self._space.clear()
+        return full
 
     def _finish(self, error: BaseException | None) -> None:
         with self._cond:
@@ -314,14 +316,22 @@ class PumpRemote(Remote):
             loop,
             self._aopen,
             start=pos,
-            size=lambda: self.size,
+            size=self._stop,
             pool=pool_for(loop, self.max_connections),
             timeout=self.timeout,
             block_size=self.block_size,
         )
 
+    def _stop(self) -> int | None:
+        """Where this stream's bytes end, when known: the shard's size, or the end byte of a ranged
+        read before it (a pump that gave way there has nothing left to ask for)."""
+        if self.end is None:
+            return self.size
+        return self.end if self.size is None else min(self.size, self.end)
+
     def begin(self, pos: int) -> None:
-        if self._pump is None and (self.size is None or pos < self.size):
+        stop = self._stop()
+        if self._pump is None and (stop is None or pos < stop):
             self._pump, self._begun = self._new_pump(pos), pos
 
     def open(self, pos: int) -> None:

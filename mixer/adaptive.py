@@ -25,7 +25,7 @@ its weight: the policy has learnt nothing about it.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
@@ -33,7 +33,7 @@ import numpy as np
 from . import _check
 from .checkpoint import expect_keys
 from .errors import ConfigError, StateError
-from .schedule import apply_floor
+from .schedule import Floored, Schedule, SourceInfo, Static, apply_floor
 
 __all__ = ["Adaptive", "Exp3", "ExpGradient", "Policy", "adapt", "make_policy", "POLICIES"]
 
@@ -53,24 +53,31 @@ class Policy(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class Adaptive:
-    """Configuration of feedback-driven mixing (``schedule: {adaptive: {...}}`` in a config file).
-
-    Every ``update_every`` global steps the policy computes new shares; they take effect ``lag``
-    steps after the step that completed the window (see :class:`~mixer.feedback.Feedback`).
-    ``reference`` (exp_gradient only): a reference loss per source name; without it the excess is
-    measured against each source's own lowest window mean.
+    """Feedback-driven mixing over a prior ``schedule`` (``schedule: {adaptive: {...}}`` in a config
+    file). As a schedule it returns the prior's shares; a loader over a mixture with this schedule
+    takes per-source loss through ``Loader.feedback`` and, every ``update_every`` global steps, lets
+    the ``policy`` compute new shares from the window's losses, the policy's state and the prior's
+    target at that step. They take effect ``lag`` steps later (default: the least that no reader
+    can have reached yet; see :mod:`mixer.feedback`), on every reader at the same global step.
+    A :class:`~mixer.Floored` prior's ``min_prob`` applies to the adaptive shares too, last.
+    ``reference`` (``exp_gradient`` only): a reference loss per source name; without it the excess
+    is measured against each source's own lowest window mean.
     """
 
+    schedule: Schedule = field(default_factory=Static)
+    _: KW_ONLY
     policy: PolicyName = "exp_gradient"
     lr: float = 1.0
     update_every: int = 100
     smoothing: float = 0.1
     lag: int | None = None
-    reference: Mapping[str, float] | None = field(default=None)
+    reference: Mapping[str, float] | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.schedule, Schedule) or isinstance(self.schedule, Adaptive):
+            raise ConfigError(f"Adaptive.schedule: must be a (non-adaptive) schedule, got {self.schedule!r}")
         _check.choice(self.policy, "Adaptive.policy", POLICIES)
         _check.number(self.lr, "Adaptive.lr", minimum=0)
         _check.count(self.update_every, "Adaptive.update_every")
@@ -82,6 +89,19 @@ class Adaptive:
                 raise ConfigError(f"Adaptive.reference: only for policy 'exp_gradient' (got policy {self.policy!r})")
             for name, value in self.reference.items():
                 _check.number(value, _check.at("Adaptive.reference", name))
+
+    @property
+    def min_prob(self) -> float:
+        return float(self.schedule.min_prob) if isinstance(self.schedule, Floored) else 0.0
+
+    def check(self, info: SourceInfo) -> None:
+        check = getattr(self.schedule, "check", None)
+        if callable(check):
+            check(info)
+        make_policy(self, info.names)  # the reference's names
+
+    def probs(self, info: SourceInfo, step: int, tokens: float) -> np.ndarray:
+        return self.schedule.probs(info, step, tokens)
 
 
 def make_policy(config: Adaptive, names: Sequence[str]) -> Policy:

@@ -117,3 +117,22 @@ def test_adaptive_validation(kwargs, message):
 def test_reference_names_are_checked():
     with pytest.raises(ConfigError, match=r"^Adaptive.reference: unknown source 'x' \(sources: a, b\)$"):
         make_policy(Adaptive(reference={"x": 1.0}), ["a", "b"])
+
+
+def test_config_form_round_trips_and_names_the_key_path():
+    from mixer.schedule import Floored, Weights
+    from mixer.schedule_config import parse_schedule, schedule_to_dict
+
+    m = {"weights": {"a": 1, "b": 3}, "min_prob": 0.1, "adaptive": {"policy": "exp3", "lr": 0.5, "update_every": 10}}
+    s = parse_schedule(m, ["a", "b"])
+    assert s == Adaptive(Floored(Weights({"a": 1.0, "b": 3.0}), 0.1), policy="exp3", lr=0.5, update_every=10)
+    assert s.min_prob == 0.1  # the floor applies to the adaptive shares too
+    assert parse_schedule(schedule_to_dict(s), ["a", "b"]) == s
+    for bad, message in [
+        ({"lr": -1}, "schedule.adaptive.lr: must be >= 0, got -1"),
+        ({"polcy": "exp3"}, "schedule.adaptive.polcy: unknown key; did you mean 'policy'?"),
+        ({"reference": {"z": 1.0}}, "schedule.adaptive.reference: unknown source 'z' (sources: a, b)"),
+        ({"update_every": 2.5}, "schedule.adaptive.update_every: must be an integer, got 2.5"),
+    ]:
+        with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+            parse_schedule({"adaptive": bad}, ["a", "b"])

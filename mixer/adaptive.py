@@ -164,7 +164,9 @@ class ExpGradient:
             toward = prior[seen] * (mass / p_seen) if p_seen > 0 else raised
             new[seen] = (1.0 - self.smoothing) * raised + self.smoothing * toward
         self.weights = new
-        return new / new.sum()
+        # Sums to 1 up to rounding already (mass preserved); no division, so that an unseen
+        # source's share stays bit for bit what it was.
+        return new.copy()
 
     def state_dict(self) -> dict[str, Any]:
         return {"weights": None if self.weights is None else self.weights.tolist(), "minimum": list(self.minimum)}

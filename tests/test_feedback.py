@@ -151,3 +151,22 @@ def test_exp_gradient_through_the_loader_matches_the_policy(shards):
         row = policy.update(sums, counts, PRIOR, PRIOR)
         # Update j applies from step (j + 1) · 3 + 1.
         np.testing.assert_allclose(got[(j + 1) * 3 + 1][1], row, rtol=0, atol=1e-12)
+
+
+def test_an_exhausted_source_keeps_its_weight_and_the_pass_delivers_everything_once(shards):
+    # all_exhausted: 'tiny' (40 samples) runs out early; later windows have no sample of it, so
+    # its adaptive weight stays where it was while the others keep moving.
+    schedule = Adaptive(mixer.Weights(WEIGHTS), policy="exp_gradient", lr=2.0, update_every=3, smoothing=0.0)
+    loader = mixer.make_loader(mixture(shards, schedule=schedule, stop="all_exhausted", state_every=1000))
+    keys, rows, last_tiny = [], [], None
+    for batch in Trained(loader):
+        keys.extend(batch.keys)
+        if 2 in batch.source.tolist():
+            last_tiny = batch.meta.step
+        rows = loader.state_dict()["adaptive"]["rows"]
+    plain = [k for b in mixer.make_loader(mixture(shards, stop="all_exhausted")) for k in b.keys]
+    assert sorted(keys) == sorted(plain) and len(keys) == len(set(keys))
+    # Windows entirely after tiny's last batch: its share is constant, the others' change.
+    after = [r for j, r in enumerate(rows) if j * 3 > last_tiny]
+    assert len(after) >= 3
+    assert len({r[2] for r in after}) == 1 and len({r[0] for r in after}) > 1

@@ -3,6 +3,7 @@
 The distribution is named ``wds-mixer`` on PyPI; the import package is ``mixer``.
 """
 
+from .adaptive import Adaptive
 from .audio import SpeechDecode
 from .batch import Batch, BatchMeta, FieldBatch, PackedBatch
 from .budget import Field, Packed, TokenBudget
@@ -17,6 +18,7 @@ from .source import Source
 from .stats import log_every
 
 __all__ = [
+    "Adaptive",
     "Batch",
     "BatchMeta",
     "ConfigError",

@@ -3,9 +3,10 @@ mixture's composed fingerprint, reader snapshots, worker rotation and sample loc
 
 A loader state (version :data:`STATE_VERSION`) is plain JSON::
 
-    {"kind": "mixer.Loader", "version": 3, "fingerprint": "<32 hex>", "rank": r, "world_size": n,
+    {"kind": "mixer.Loader", "version": 4, "fingerprint": "<32 hex>", "rank": r, "world_size": n,
      "num_workers": w, "delivered": batches handed out,
-     "readers": [{"snapshot": <reader snapshot> | None, "replay": k, "skips": [[source, epoch, slice, ...]]}]}
+     "readers": [{"snapshot": <reader snapshot> | None, "replay": k, "skips": [[source, epoch, slice, ...]]}],
+     "adaptive": None | <mixer.feedback.Feedback state>}
 
 Per reader: the last *snapshot* a batch carried (taken every ``state_every`` batches), how many batches
 the reader made after it (``replay``: re-run in-process on resume) and the ``skips`` (shards given
@@ -41,15 +42,16 @@ if TYPE_CHECKING:
     from .budget import Field
     from .mixture import Mixture
 
-STATE_VERSION = 3  # 3: one checkpoint module; readers {"snapshot", "replay", "skips"}; "batchers"
+STATE_VERSION = 4  # 4: "adaptive" (feedback-driven mixing); 3: one checkpoint module, readers {"snapshot", "replay", "skips"}
 KIND = "mixer.Loader"
 _HISTORY = {
     1: "mixer before the PCG64 shuffle buffers (random.Random state)",
     2: "mixer before the checkpoint module (readers {'state', 'since', 'skips'})",
+    3: "mixer before adaptive mixing (no 'adaptive' key)",
 }
 
 Location = tuple[int, ...]  # (shard, offset), or (source, shard, offset) in a shared batcher
-LOADER_KEYS = ("kind", "version", "fingerprint", "rank", "world_size", "num_workers", "delivered", "readers")
+LOADER_KEYS = ("kind", "version", "fingerprint", "rank", "world_size", "num_workers", "delivered", "readers", "adaptive")
 READER_KEYS = ("snapshot", "replay", "skips")
 SNAPSHOT_KEYS = ("batches", "tokens", "active", "counters", "selector", "streams", "batchers")
 

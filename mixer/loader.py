@@ -24,7 +24,8 @@ from .device import DeviceLike, to_device
 from .mixture import Mixture
 from . import checkpoint
 from .checkpoint import ReaderLog, Resume
-from .errors import StateError
+from .errors import ConfigError, StateError
+from .feedback import SharesTable, make_feedback
 from .stream import Counters
 from .transport import SlotPool
 from .stats import DEFAULT_WINDOW, Stats
@@ -71,9 +72,10 @@ class _LoaderDataset(IterableDataset[Batch]):
         self.mixture = mixture
         self.pool = pool
         self.resume: Resume | None = None
+        self.table: SharesTable | None = None
 
     def __iter__(self) -> Iterator[Batch]:
-        return self.mixture.batches(pool=self.pool, resume=self.resume)
+        return self.mixture.batches(pool=self.pool, resume=self.resume, table=self.table)
 
 
 def _slot_pool(mixture: Mixture, num_workers: int, prefetch_factor: int | None, context: Any) -> SlotPool | None:
@@ -154,6 +156,10 @@ class Loader:
         )
         # Equal batch counts over the data-parallel ranks in finite modes (see mixer.distributed).
         self.sync: StopSync | None = stop_sync(mixture, sync_stop=sync_stop, sync_end=sync_end, sync_group=sync_group)
+        self._feedback = make_feedback(
+            mixture, num_workers=num_workers, prefetch_factor=prefetch_factor, device_prefetch=device_prefetch if self.device is not None else 0,
+            synced=self.sync is not None, forked=self.pool is not None, persistent=self.persistent_workers, group=sync_group,
+        )
 
     def __iter__(self) -> Iterator[Batch]:
         self._stats.reset(resumed=self._resume is not None)
@@ -162,6 +168,11 @@ class Loader:
         dataset = self.dataloader.dataset
         assert isinstance(dataset, _LoaderDataset)
         dataset.resume = resume
+        if self._feedback is not None:
+            if resume is None:
+                self._feedback.reset()
+            # Mapped before this pass's workers fork; they read the shares published into it.
+            dataset.table = self._feedback.table()
         if self._started and not self.persistent_workers and self.pool is not None:
             # This pass forks new workers; an earlier pass's workers may still be writing into the
             # old slots (its iterator is alive), so the new ones get slots of their own.
@@ -188,6 +199,8 @@ class Loader:
             if meta.filler:  # delivers nothing: no state, no counters (StopSync counts it)
                 yield batch
                 continue
+            if self._feedback is not None:
+                self._feedback.delivered(meta)
             self._stats.update(meta)
             # Each reader's state as of the last batch handed out (see mixer.checkpoint.ReaderLog).
             self._logs[meta.worker].record(meta)
@@ -218,6 +231,7 @@ class Loader:
             "num_workers": self._readers,
             "delivered": self._delivered,
             "readers": copy.deepcopy([log.state_dict() for log in self._logs]),
+            "adaptive": None if self._feedback is None else self._feedback.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -226,6 +240,10 @@ class Loader:
         checkpoint.check(state, self.mixture, num_workers=self.num_workers)
         if self.persistent_workers and self._started:
             raise StateError("load_state_dict must come before the first iteration when persistent_workers=True (the workers already run)")
+        if (state["adaptive"] is None) != (self._feedback is None):
+            raise StateError("loader state: 'adaptive' must be given exactly when the mixture's schedule is Adaptive")
+        if self._feedback is not None:
+            self._feedback.load_state_dict(copy.deepcopy(state["adaptive"]))
         self._resume = Resume(int(state["delivered"]), copy.deepcopy(state["readers"]))
         self._reset_bookkeeping(self._resume)
 
@@ -241,6 +259,17 @@ class Loader:
             return {"sync_end": None, "fillers": 0, "dropped": {"batches": 0, "sources": zero}}
         return self.sync.report()
 
+    def feedback(self, batch: Batch, loss: torch.Tensor) -> None:
+        """Report the training loss of a batch this loader handed out: ``loss`` holds one value per
+        sample (``batch.source``'s length; per-token losses summed or averaged per sample, as you
+        like, consistently), on any device. Accumulated per source without synchronising; every
+        ``update_every`` steps an :class:`~mixer.Adaptive` schedule's policy turns the window's
+        losses into new target shares (see :mod:`mixer.feedback`). Filler batches are ignored."""
+        if self._feedback is None:
+            raise ConfigError("feedback: the mixture's schedule is not mixer.Adaptive, so there is nothing to adapt")
+        if not batch.meta.filler:
+            self._feedback.observe(batch, loss)
+
     def counters(self) -> dict[str, dict[str, int]]:
         """Cumulative per-source counters summed over the workers, as of the last batch handed out."""
         total = self._stats.cumulative()
@@ -253,6 +282,7 @@ class Loader:
         carry; filler batches (``batch.filler``) count in none of it, only in ``fillers``."""
         out = self._stats.as_dict()
         out["fillers"] = 0 if self.sync is None else self.sync.fillers
+        out["adaptive"] = None if self._feedback is None else self._feedback.as_dict()
         return out
 
 

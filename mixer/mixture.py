@@ -33,6 +33,7 @@ from .source import ListedSource, Source
 from .reread import reread
 from .stream import Counters, SourceStream
 from .transport import SlotPool
+from .feedback import SharesTable
 from .world import World, resolve_rank, worker_place
 
 log = logging.getLogger(__name__)
@@ -183,14 +184,16 @@ class Mixture(IterableDataset[Batch]):
         """The largest flat buffer a batch can need (see :meth:`mixer.collate.Layout.max_elements`)."""
         return self.layout.max_elements(self.edges)
 
-    def reader(self, world: World, *, pool: SlotPool | None = None) -> Reader:
-        return Reader(self, world, pool=pool)
+    def reader(self, world: World, *, pool: SlotPool | None = None, table: SharesTable | None = None) -> Reader:
+        return Reader(self, world, pool=pool, table=table)
 
-    def batches(self, *, pool: SlotPool | None = None, resume: Resume | None = None) -> Iterator[Batch]:
+    def batches(self, *, pool: SlotPool | None = None, resume: Resume | None = None,
+                table: SharesTable | None = None) -> Iterator[Batch]:  # fmt: skip
         """This process's batches: as a DataLoader worker, or the main process when there are none.
         ``pool``: shared slots the loader mapped before forking its workers (see mixer.transport).
         ``resume``: where the loader's readers continue; this worker continues the saved reader
-        :meth:`~mixer.checkpoint.Resume.reader_for` names."""
+        :meth:`~mixer.checkpoint.Resume.reader_for` names. ``table``: the adaptive shares the loader
+        publishes (see :mod:`mixer.feedback`), consulted before the schedule."""
         worker, num_workers = worker_place()
         if resume is not None:
             worker = resume.reader_for(worker)
@@ -204,7 +207,7 @@ class Mixture(IterableDataset[Batch]):
                         "shards avoid it", s.name, len(s.shards), world.readers, -(-world.readers // len(s.shards)),
                     )
         in_worker = get_worker_info() is not None
-        reader = self.reader(world, pool=pool if in_worker else None)
+        reader = self.reader(world, pool=pool if in_worker else None, table=table)
         if resume is not None:
             reader.load_state_dict(dict(resume.readers[worker]))
         return iter(reader)
@@ -223,10 +226,12 @@ class Reader:
     bookkeeping around it: the target shares and hold sizes as progress moves, the counters, each
     batch's :class:`~mixer.BatchMeta` and, every ``state_every`` batches, a snapshot of its state."""
 
-    def __init__(self, mixture: Mixture, world: World, *, pool: SlotPool | None = None) -> None:
+    def __init__(self, mixture: Mixture, world: World, *, pool: SlotPool | None = None, table: SharesTable | None = None) -> None:
         self.mixture = mixture
         self.world = world
         self.pool = pool
+        self.table = table
+        self._in_worker = get_worker_info() is not None
         n = len(mixture.sources)
         finite = mixture.stop != "never"
         self.counters = [Counters() for _ in range(n)]
@@ -287,8 +292,16 @@ class Reader:
             st.limit = max(math.ceil(r * m.shuffle_buffer), min(m.shuffle_buffer, MIN_SHUFFLE))
             self._holds[i] = int(max(r * len(edges), HOLD_MIN_BATCHES) * m.batching.max_tokens)
 
+    def _target_at(self, step: int) -> np.ndarray:
+        """The adaptive shares in effect at ``step`` when there are any, else the schedule's target."""
+        if self.table is not None:
+            shares = self.table.shares_at(step, wait=self._in_worker)
+            if shares is not None:
+                return shares
+        return self.mixture.target_at(step, float(self.tokens * self.world.readers))
+
     def _target(self) -> np.ndarray:
-        p = self.mixture.target_at(self.step, float(self.tokens * self.world.readers))
+        p = self._target_at(self.step)
         p = np.where(self.active, p, 0.0)
         total = p.sum()
         if total <= 0:
@@ -389,7 +402,7 @@ class Reader:
         n_tokens = int(delivered.tokens.sum())
         step = self.step
         # The schedule's share at this step, with the same progress the selector used (for stats).
-        target = self.mixture.target_at(step, float(self.tokens * self.world.readers)).tolist()
+        target = self._target_at(step).tolist()
         self.batches += 1
         self.tokens += n_tokens
         skips = [[i, *sk] for i, st in enumerate(self.streams) for sk in st.new_skips]

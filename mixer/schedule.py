@@ -362,12 +362,13 @@ class Curriculum:
 
 @dataclass(frozen=True)
 class Hierarchical:
-    """Two-level weights from sizes (``beta_corpus`` / ``beta_language`` of the fairseq2 mixture
-    dataset of omnilingual-asr, ``MixtureParquetAsrDataset``): a group gets
-    ``(size_group / size_total) ** beta_group``, a source within its group
-    ``(size_source / size_group) ** beta_source``; the product is normalised. Beta 0 is uniform,
-    1 proportional. Groups come from ``info.groups``; a source with group None is a group of its own.
-    A source of size 0 gets 0 (at any beta).
+    """Two-level weights from sizes, as ``get_partition_weights_from_betas`` of the fairseq2 mixture
+    dataset of omnilingual-asr (``beta_corpus`` / ``beta_language``): a group gets
+    ``(size_group / size_total) ** beta_group`` normalised over the groups, a source
+    ``(size_source / size_group) ** beta_source`` normalised within its group; the share is the
+    product. Beta 0 is uniform (over groups, then within a group), 1 proportional. Groups come from
+    ``info.groups``; a source with group None is a group of its own. A source (or group) of size 0
+    gets 0 at any beta.
     """
 
     beta_group: float
@@ -382,16 +383,20 @@ class Hierarchical:
         total = sizes.sum()
         if not np.isfinite(total) or total <= 0:
             raise ConfigError(f"source sizes: must have a positive finite sum (got {sizes.tolist()})")
-        keys = [g if g is not None else ("", i) for i, g in enumerate(info.groups)]
-        group_size: dict[object, float] = {}
-        for key, size in zip(keys, sizes):
-            group_size[key] = group_size.get(key, 0.0) + float(size)
+        keys: list[object] = [g if g is not None else ("", i) for i, g in enumerate(info.groups)]
+        members: dict[object, list[int]] = {}
+        for i, key in enumerate(keys):
+            members.setdefault(key, []).append(i)
+        group_size = {key: float(sizes[idx].sum()) for key, idx in members.items()}
+        # Empty groups and sources get 0 (0 ** 0 would be 1).
+        gw = {key: (g / total) ** self.beta_group for key, g in group_size.items() if g > 0}
+        gsum = sum(gw.values())
         w = np.zeros(len(sizes))
-        for i, (key, size) in enumerate(zip(keys, sizes)):
-            if size > 0:
-                g = group_size[key]
-                w[i] = (g / total) ** self.beta_group * (size / g) ** self.beta_source
-        return normalise(w, what="hierarchical weights")
+        for key, idx in members.items():
+            if key in gw:
+                within = np.array([(sizes[i] / group_size[key]) ** self.beta_source if sizes[i] > 0 else 0.0 for i in idx])
+                w[idx] = gw[key] / gsum * within / within.sum()
+        return w
 
 
 def apply_floor(p: np.ndarray, eligible: np.ndarray, min_prob: float) -> np.ndarray:

@@ -7,10 +7,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from . import _check
+from .adaptive import Adaptive, make_policy
 from .errors import ConfigError
 from .schedule import BASES, SHAPES, Curriculum, Floored, Hierarchical, Phase, Schedule, Static, Temperature, Weights
 
-SCHEDULE_KEYS = ("weights", "temperature", "phases", "hierarchical", "min_prob")
+SCHEDULE_KEYS = ("weights", "temperature", "phases", "hierarchical", "min_prob", "adaptive")
+ADAPTIVE_KEYS = ("policy", "lr", "update_every", "smoothing", "lag", "reference")
 TEMPERATURE_KEYS = ("start", "end", "shape", "steps", "tokens", "base")
 PHASE_KEYS = ("weights", "until_tokens", "until_steps", "ramp_tokens", "ramp_steps", "temperature")
 HIERARCHICAL_KEYS = ("beta_group", "beta_source")
@@ -27,6 +29,13 @@ def _temperature_to_dict(t: Temperature) -> dict[str, Any]:
 
 
 def schedule_to_dict(schedule: Schedule) -> dict[str, Any]:
+    if isinstance(schedule, Adaptive):
+        a: dict[str, Any] = {"policy": schedule.policy, "lr": schedule.lr, "update_every": schedule.update_every, "smoothing": schedule.smoothing}
+        if schedule.lag is not None:
+            a["lag"] = schedule.lag
+        if schedule.reference is not None:
+            a["reference"] = dict(schedule.reference)
+        return {**schedule_to_dict(schedule.schedule), "adaptive": a}
     if isinstance(schedule, Floored):
         return {**schedule_to_dict(schedule.schedule), "min_prob": schedule.min_prob}
     if isinstance(schedule, Static):
@@ -55,7 +64,7 @@ def schedule_to_dict(schedule: Schedule) -> dict[str, Any]:
         if schedule.temperature is not None:
             out["temperature"] = _temperature_to_dict(schedule.temperature)
         return out
-    raise ConfigError(f"schedule: {schedule!r} has no config form (only Weights, Temperature, Curriculum, Hierarchical, Floored, Static)")
+    raise ConfigError(f"schedule: {schedule!r} has no config form (only Weights, Temperature, Curriculum, Hierarchical, Floored, Static, Adaptive)")
 
 
 def _parse_temperature(value: Any, path: str) -> tuple[Temperature, str | None]:
@@ -193,4 +202,17 @@ def parse_schedule(value: Any, names: Sequence[str]) -> Schedule | None:
         if min_prob * len(names) > 1 + 1e-12:
             raise ConfigError(f"{mp}: {min_prob!r} * {len(names)} sources = {min_prob * len(names):g} exceeds 1")
         schedule = Floored(schedule if schedule is not None else Static(), min_prob)
+    if "adaptive" in m:
+        schedule = _parse_adaptive(m["adaptive"], _check.at(path, "adaptive"), names, schedule)
     return schedule
+
+
+def _parse_adaptive(value: Any, path: str, names: Sequence[str], prior: Schedule | None) -> Adaptive:
+    a = _check.mapping(value, path)
+    _check.keys(a, path, ADAPTIVE_KEYS)
+    try:
+        adaptive = Adaptive(prior if prior is not None else Static(), **dict(a))
+        make_policy(adaptive, names)  # the reference's source names
+    except ConfigError as exc:
+        raise _check.relabel(exc, "Adaptive", path) from None
+    return adaptive

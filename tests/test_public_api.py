@@ -11,6 +11,7 @@ import pytest
 import mixer
 
 PUBLIC = [
+    "Adaptive",
     "Batch",
     "BatchMeta",
     "ConfigError",

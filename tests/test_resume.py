@@ -169,7 +169,7 @@ def test_state_of_another_topology_or_version_is_refused(shards):
         mixer.make_loader(mix, num_workers=2).load_state_dict({"step": 3})
     # A state of the previous format says what it is and what this mixer reads.
     old = {**state, "version": 2, "readers": [{"state": None, "since": 0, "skips": []}] * 2}
-    with pytest.raises(mixer.StateError, match=r"version 2 \(mixer before the checkpoint module.*reads state version 3"):
+    with pytest.raises(mixer.StateError, match=r"version 2 \(mixer before the checkpoint module.*reads state version 4"):
         mixer.make_loader(mix, num_workers=2).load_state_dict(old)
 
 

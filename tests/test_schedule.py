@@ -370,29 +370,45 @@ ASR = info(sizes=[h for _, _, h in SUMMARY], names=[f"{c}/{lang}" for c, lang, _
 
 @pytest.mark.parametrize("beta_group,beta_source", [(0.5, 0.5), (0.0, 0.0), (1.0, 1.0), (0.3, 0.8), (1.0, 0.0), (0.0, 1.0)])
 def test_hierarchical_matches_seed_002(beta_group, beta_source):
-    # omnilingual-asr: corpus_weight = (corpus_hours / total_hours) ** beta_corpus
-    #           lang_weight = (lang_hours_in_corpus / corpus_hours) ** beta_language
-    #           sample_weight = corpus_weight * lang_weight (normalised over partitions)
+    # omnilingual-asr get_partition_weights_from_betas:
+    #   corpus_weight = (corpus_hours / total_hours) ** beta_corpus, normalised over corpora
+    #   lang_weight = (lang_hours_in_corpus / corpus_hours) ** beta_language, normalised within the corpus
+    #   partition weight = corpus_weight * lang_weight
     total = sum(h for _, _, h in SUMMARY)
-    corpus_hours = {c: sum(h for c2, _, h in SUMMARY if c2 == c) for c, _, _ in SUMMARY}
-    w = [(corpus_hours[c] / total) ** beta_group * (h / corpus_hours[c]) ** beta_source for c, _, h in SUMMARY]
-    close(Hierarchical(beta_group, beta_source).probs(ASR, 0, 0), [x / sum(w) for x in w])
+    corpora = sorted({c for c, _, _ in SUMMARY})
+    corpus_hours = {c: sum(h for c2, _, h in SUMMARY if c2 == c) for c in corpora}
+    cw = {c: (corpus_hours[c] / total) ** beta_group for c in corpora}
+    cw = {c: v / sum(cw.values()) for c, v in cw.items()}
+    lw = [(h / corpus_hours[c]) ** beta_source for c, _, h in SUMMARY]
+    lsum = {c: sum(x for (c2, _, _), x in zip(SUMMARY, lw) if c2 == c) for c in corpora}
+    expected = [cw[c] * x / lsum[c] for (c, _, _), x in zip(SUMMARY, lw)]
+    close(Hierarchical(beta_group, beta_source).probs(ASR, 0, 0), expected)
 
 
 def test_hierarchical_by_hand():
-    # Group g = (1, 3), a source alone (group None) of 4; total 8. Betas ½: g gets √(4/8) = 1/√2,
-    # within it √(1/4) = ½ and √(3/4) = √3/2; the lone source √(4/8) · 1 = 1/√2.
-    # Products (1/(2√2), √3/(2√2), 1/√2) ∝ (1, √3, 2).
+    # Group g = (1, 3), a source alone (group None) of 4; total 8. Betas ½: g gets √(4/8), the lone
+    # source √(4/8): ½ each over groups. Within g √(1/4) = ½ and √(3/4) = √3/2, normalised
+    # 1/(1+√3), √3/(1+√3); times ½.
     i = info(sizes=(1, 3, 4), groups=("g", "g", None))
     s3 = math.sqrt(3)
-    close(Hierarchical(0.5, 0.5).probs(i, 0, 0), [1 / (3 + s3), s3 / (3 + s3), 2 / (3 + s3)])
-    close(Hierarchical(0.0, 0.0).probs(i, 0, 0), [1 / 3] * 3)  # beta 0: uniform over sources
+    close(Hierarchical(0.5, 0.5).probs(i, 0, 0), [1 / (2 * (1 + s3)), s3 / (2 * (1 + s3)), 1 / 2])
+    close(Hierarchical(0.0, 0.0).probs(i, 0, 0), [1 / 4, 1 / 4, 1 / 2])  # beta 0: uniform over groups, then within
     close(Hierarchical(1.0, 1.0).probs(i, 0, 0), [1 / 8, 3 / 8, 4 / 8])  # beta 1: proportional
     close(Hierarchical(0.0, 1.0).probs(i, 0, 0), [1 / 8, 3 / 8, 1 / 2])  # groups equal, proportional inside
-    # beta_source 0: every source of a group gets the whole group weight (omnilingual-asr's product
-    # as written), so here g's two sources get ½ each, like the lone source: (⅓, ⅓, ⅓).
-    close(Hierarchical(1.0, 0.0).probs(i, 0, 0), [1 / 3] * 3)
-    close(Hierarchical(1.0, 0.0).probs(info(sizes=(1, 3, 12), groups=("g", "g", None)), 0, 0), [1 / 5, 1 / 5, 3 / 5])
+    close(Hierarchical(1.0, 0.0).probs(i, 0, 0), [1 / 4, 1 / 4, 1 / 2])
+    # Groups of size 4 and 12 (of 16) at beta_group 1: ¼ and ¾; g's two sources share ¼ equally.
+    close(Hierarchical(1.0, 0.0).probs(info(sizes=(1, 3, 12), groups=("g", "g", None)), 0, 0), [1 / 8, 1 / 8, 3 / 4])
+
+
+def test_hierarchical_groups_of_one_and_three_sources():
+    # a = (2) alone, b = (1, 2, 5); total 10, group sizes 2 and 8. The old once-over-all-sources
+    # normalisation gave (¼, ¼, ¼, ¼) at beta 0.
+    i = info(sizes=(2, 1, 2, 5), groups=("a", "b", "b", "b"))
+    close(Hierarchical(0.0, 0.0).probs(i, 0, 0), [1 / 2, 1 / 6, 1 / 6, 1 / 6])
+    close(Hierarchical(1.0, 1.0).probs(i, 0, 0), [0.2, 0.1, 0.2, 0.5])
+    # Beta ½: groups √0.2 : √0.8 = 1 : 2 -> ⅓, ⅔; within b √(1/8) : √(2/8) : √(5/8) = 1 : √2 : √5.
+    s = 1 + math.sqrt(2) + math.sqrt(5)
+    close(Hierarchical(0.5, 0.5).probs(i, 0, 0), [1 / 3, 2 / (3 * s), 2 * math.sqrt(2) / (3 * s), 2 * math.sqrt(5) / (3 * s)])
 
 
 def test_hierarchical_none_groups_are_separate_and_empty_sources_get_nothing():

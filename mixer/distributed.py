@@ -301,19 +301,21 @@ class StopSync:
         timeout normally ends it first, with an error)."""
         deadline = c.started + self.timeout + 1.0
         note_at = c.started + ARRIVED_AFTER_S
-        noted = False
+        noted: threading.Thread | None = None
         while True:
             until = deadline if noted else min(deadline, note_at)
             try:
                 c.work.wait(timedelta(seconds=max(until - time.monotonic(), 0.001)))
+                if noted is not None:  # all answered after all: the note is not needed any more
+                    threading.Thread(target=self._unnote, args=(c.seq, noted), name="mixer-sync-note", daemon=True).start()
                 return
             except RuntimeError as exc:
                 if c.work.is_completed() or time.monotonic() >= deadline:
                     raise self._error(c, exc) from exc
-            if not noted and time.monotonic() >= note_at:
+            if noted is None and time.monotonic() >= note_at:
                 # slow: say in the store that this rank got here, for the error of whoever gives up
-                noted = True
-                threading.Thread(target=self._note, args=(c.seq,), name="mixer-sync-note", daemon=True).start()
+                noted = threading.Thread(target=self._note, args=(c.seq,), name="mixer-sync-note", daemon=True)
+                noted.start()
 
     def _finish(self, c: _Collective, error: Exception) -> None:
         """This rank's own reading failed: let the others know (they raise their MixerError), then
@@ -364,6 +366,17 @@ class StopSync:
                 store.set(self._key(seq, dist.get_rank(self.group)), "1")
             except Exception:  # the store is best effort: the error says less, nothing else changes
                 log.debug("mixer sync: could not note the arrival at collective %d in the store", seq, exc_info=True)
+
+    def _unnote(self, seq: int, noting: threading.Thread) -> None:
+        import torch.distributed as dist
+
+        noting.join()
+        store = self._store()
+        if store is not None:
+            try:
+                store.delete_key(self._key(seq, dist.get_rank(self.group)))
+            except Exception:  # best effort, as in _note
+                log.debug("mixer sync: could not remove the note of collective %d from the store", seq, exc_info=True)
 
     def _silent(self, seq: int, rank: int, size: int) -> list[int] | None:
         """The ranks that never noted their arrival at collective ``seq``, or None when the store

@@ -4,7 +4,7 @@
 
 Every rank iterates a finite loader (``make_loader(sync_timeout=...)``); the rank ``victim`` stops
 itself (SIGSTOP, ``how="stop"``) or is killed (SIGKILL, ``how="kill"``) after handing out ``at``
-batches, as a frozen or crashed trainer would. Every other rank records what its loop ended with
+batches, as a frozen or crashed trainer would, or is only late (sleeps ``late_s``, ``how="late"``). Every other rank records what its loop ended with
 in ``OUT_DIR/rank<r>.json`` (the error's type and message, the batches it got, the seconds from its
 last batch to the error) and then returns normally: a process left with a pending collective would
 hang here at exit, which the test sees. The stopped victim writes its pid to ``OUT_DIR/victim.pid``
@@ -43,10 +43,18 @@ def main() -> int:
                 if spec["how"] == "stop":
                     (out / "victim.pid").write_text(str(os.getpid()))
                     os.kill(os.getpid(), signal.SIGSTOP)
+                elif spec["how"] == "late":
+                    time.sleep(spec["late_s"])
                 else:
                     os.kill(os.getpid(), signal.SIGKILL)
+            result["longest_wait_s"] = max(result.get("longest_wait_s", 0.0), time.monotonic() - last)
             last = time.monotonic()
         result["error"] = None
+        sync = loader.sync
+        assert sync is not None
+        time.sleep(0.5)  # a note is removed by a thread of its own
+        store = dist.group.WORLD.get_group_store()
+        result["notes_left"] = [seq for seq in range(1, sync._collectives + 1) if store.check([sync._key(seq, rank)])]
     except Exception as exc:  # recorded for the test to judge
         result["error"] = {"type": type(exc).__name__, "message": str(exc), "after_s": time.monotonic() - last}
     (out / f"rank{rank}.json").write_text(json.dumps(result))

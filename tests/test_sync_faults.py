@@ -44,11 +44,11 @@ def _exited(pid: int) -> bool:
 
 def launch(tmp_path: Path, sources: list[dict[str, Any]], *, survivors: int, how: str, timeout: float, num_workers: int) -> list[dict[str, Any]]:
     """Runs ``survivors`` ranks under one agent and the victim (the last rank) under another; returns
-    the survivors' results once each survivor process has exited by itself."""
+    the survivors' results (and a late victim's) once each of those processes has exited by itself."""
     out = tmp_path / "out"
     out.mkdir()
     spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"sources": sources, "max_tokens": MAX_TOKENS, "num_workers": num_workers, "timeout": timeout, "victim": survivors, "at": 3, "how": how}))
+    spec.write_text(json.dumps({"sources": sources, "max_tokens": MAX_TOKENS, "num_workers": num_workers, "timeout": timeout, "victim": survivors, "at": 3, "how": how, "late_s": 2.5}))
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
 
@@ -60,7 +60,7 @@ def launch(tmp_path: Path, sources: list[dict[str, Any]], *, survivors: int, how
         return subprocess.Popen(cmd, stdout=(tmp_path / f"agent{node}.log").open("wb"), stderr=subprocess.STDOUT, env=env, cwd=HERE.parent)
 
     agents = [agent(0, survivors), agent(1, 1)]
-    paths = [out / f"rank{r}.json" for r in range(survivors)]
+    paths = [out / f"rank{r}.json" for r in range(survivors + (how == "late"))]
     try:
         # the survivors must give up on their own: bounded by the timeout plus start-up, and then
         # exit (an agent waits for the other agents at exit, so its own exit tells nothing)
@@ -127,3 +127,14 @@ def test_a_killed_rank_among_three_stops_every_survivor(tmp_path, sources):
         assert err is not None and err["type"] == "MixerError", res
         assert "rank(s) 2 of the 3 in the group never reached it" in err["message"], err
         assert err["after_s"] <= 5 + 1 + 4, err
+
+
+@pytest.mark.slow
+def test_a_late_rank_within_the_timeout_is_waited_for(tmp_path, sources):
+    # the victim sleeps 2.5 s once: the others wait past ARRIVED_AFTER_S (noting it in the store),
+    # then carry on; the pass ends normally everywhere and no note is left behind
+    results = launch(tmp_path, sources, survivors=2, how="late", timeout=10, num_workers=0)
+    assert [r["error"] for r in results] == [None] * 3
+    assert len({r["batches"] for r in results}) == 1 and results[0]["batches"] > 10  # equal step counts
+    assert all(r["longest_wait_s"] >= 2 for r in results), [r["longest_wait_s"] for r in results]
+    assert [r["notes_left"] for r in results] == [[]] * 3

@@ -30,7 +30,7 @@ from .stream import Counters
 from .transport import SlotPool
 from .stats import DEFAULT_WINDOW, Stats
 from .world import seed_for
-from .distributed import StopSync, SyncEnd, stop_sync
+from .distributed import DEFAULT_SYNC_TIMEOUT, StopSync, SyncEnd, stop_sync
 
 
 def _init_worker(worker_id: int) -> None:
@@ -124,6 +124,7 @@ class Loader:
         sync_stop: bool | None = None,
         sync_end: SyncEnd = "pad",
         sync_group: Any = None,
+        sync_timeout: float = DEFAULT_SYNC_TIMEOUT,
     ) -> None:
         self.mixture = mixture
         self.num_workers = num_workers
@@ -155,7 +156,9 @@ class Loader:
             mixture.names, window=stats_window, num_workers=num_workers, max_tokens=mixture.batching.max_tokens, unit=mixture.unit
         )
         # Equal batch counts over the data-parallel ranks in finite modes (see mixer.distributed).
-        self.sync: StopSync | None = stop_sync(mixture, sync_stop=sync_stop, sync_end=sync_end, sync_group=sync_group)
+        self.sync: StopSync | None = stop_sync(
+            mixture, sync_stop=sync_stop, sync_end=sync_end, sync_group=sync_group, sync_timeout=sync_timeout
+        )
         self._feedback = make_feedback(
             mixture, num_workers=num_workers, prefetch_factor=prefetch_factor, device_prefetch=device_prefetch if self.device is not None else 0,
             synced=self.sync is not None, forked=self.pool is not None, persistent=self.persistent_workers, group=sync_group,
@@ -301,7 +304,10 @@ def make_loader(mixture: Mixture, **options: Any) -> Loader:
     ended first hands out *filler* batches (``batch.filler``; weigh their loss by 0) until every rank
     has ended, so every sample is still delivered exactly once; ``"drop"``: every rank stops with the
     first, and what the others then cannot hand out is dropped. Both are counted in
-    :meth:`Loader.sync_report` (see :mod:`mixer.distributed`). An unknown option is a ``TypeError``.
+    :meth:`Loader.sync_report` (see :mod:`mixer.distributed`). ``sync_timeout`` (600 s): how long a
+    rank waits for the others' agreement before it raises :class:`~mixer.errors.MixerError` naming the
+    ranks that did not answer (a frozen or dead rank would otherwise hold the others for the process
+    group's timeout). An unknown option is a ``TypeError``.
     """
     loader = Loader.__new__(Loader)
     loader._setup(mixture, **options)

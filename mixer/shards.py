@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .errors import ShardError
 from .world import World, rng_for
 
 
@@ -28,7 +29,11 @@ class ShardSlice(NamedTuple):
 
 def shard_order(num_shards: int, *, seed: int, source: str, epoch: int) -> list[int]:
     """The shard order of one source-epoch: a fresh permutation per epoch, the same on every reader."""
-    return rng_for(seed, "shard-order", source, epoch).permutation(num_shards).tolist()
+    return _order(num_shards, seed=seed, source=source, epoch=epoch).tolist()
+
+
+def _order(num_shards: int, *, seed: int, source: str, epoch: int) -> np.ndarray:
+    return rng_for(seed, "shard-order", source, epoch).permutation(num_shards)
 
 
 def plan(
@@ -49,44 +54,101 @@ def plan(
     """
     if num_shards <= 0:
         return []
-    order = shard_order(num_shards, seed=seed, source=source, epoch=epoch)
+    order = _order(num_shards, seed=seed, source=source, epoch=epoch)
     readers, me = world.readers, world.reader
     if num_shards < readers:
         shard_pos = me % num_shards
         parts = len(range(shard_pos, readers, num_shards))
-        return [ShardSlice(order[shard_pos], me // num_shards, parts)]
+        return [ShardSlice(int(order[shard_pos]), me // num_shards, parts)]
     if sizes is None or any(s is None for s in sizes):
-        return [ShardSlice(s) for s in order[me::readers]]
-    ordered = np.asarray(order, dtype=np.int64)
-    mine = ordered[_owners_by_size(ordered, sizes, readers)[ordered] == me]  # in the shuffled order
+        return [ShardSlice(s) for s in order[me::readers].tolist()]
+    mine = order[_owners_by_size(order, sizes, readers)[order] == me]  # in the shuffled order
     return [ShardSlice(s) for s in mine.tolist()]
+
+
+# The greedy assignment works on one integer per reader, ``load * readers + reader``: its order is
+# (load, reader), the heap's order. Loads are kept relative to the least one; under the greedy rule
+# no reader is ever more than the largest shard above the least loaded, so a key stays below
+# (2 * largest + 1) * readers, and numpy's int64 is used when that is below _KEY_LIMIT.
+_KEY_LIMIT = 1 << 62
+_MIN_READERS = 256  # fewer readers: the plain heap is as fast as a vectorised round
+_MIN_RUN = 64  # a vectorised round that assigns fewer shards than this gives way to the heap ...
+_BURST = 4096  # ... for at least this many shards (and at least one round)
 
 
 def _owners_by_size(order: np.ndarray, sizes: Sequence[int | None], readers: int) -> np.ndarray:
     """The reader of every shard under greedy longest-processing-time: shards by decreasing size
     (ties: earlier in ``order`` first), each onto the least-loaded reader (ties: lowest index).
 
-    Every reader computes the whole assignment, so it is kept cheap (1e5 shards over 65,536 readers:
-    ~0.1 s, see benchmarks/plan_scale.py): numpy for the sort, and no heap operations for the first
-    ``readers`` non-empty shards, which land on readers 0, 1, ... in turn as they would by the heap.
+    Every reader computes the whole assignment, so it is kept cheap (1e6 shards over 65,536 readers:
+    well under a second, see benchmarks/plan_scale.py). It is the heap's assignment, computed in
+    rounds: take the least-loaded readers in (load, reader) order and give the j-th of them the j-th
+    next shard, for as long as none of the readers already given one in this round has become less
+    loaded than the next reader in line (the heap would pick it again) -- shards come by decreasing
+    size and readers by increasing load, so a round usually covers all readers. Where rounds stay
+    short (few readers, or a few much smaller loads), the heap itself runs.
     """
     n = len(order)
-    size = np.fromiter((s or 0 for s in sizes), dtype=np.int64, count=n)
-    rank = np.empty(n, dtype=np.int64)
-    rank[order] = np.arange(n)
-    by_size = np.lexsort((rank, -size))
+    try:
+        size = np.asarray(sizes, dtype=np.int64)
+    except TypeError:  # None among them: no size, no weight
+        size = np.fromiter((s or 0 for s in sizes), dtype=np.int64, count=n)
+    if n and size.min() < 0:
+        bad = int(np.argmin(size))
+        raise ShardError(f"shard {bad} has a negative size in the listing ({int(size[bad])} bytes); sizes must be >= 0")
+    by_size = order[np.argsort(-size[order], kind="stable")]  # ties keep the shuffled order
     owner = np.empty(n, dtype=np.int64)
-    k = min(readers, int(np.count_nonzero(size)))
-    owner[by_size[:k]] = np.arange(k)
-    # (load, reader) of every reader; a sorted list is a valid heap
-    heap = sorted([*zip(size[by_size[:k]].tolist(), range(k)), *((0, r) for r in range(k, readers))])
-    sz = size.tolist()
-    rest = by_size[k:].tolist()
-    picked = [0] * len(rest)
-    replace = heapq.heapreplace
-    for j, s in enumerate(rest):
-        load, r = heap[0]
-        picked[j] = r
-        replace(heap, (load + sz[s], r))
-    owner[by_size[k:]] = picked
+    positive = int(np.count_nonzero(size))
+    first = min(readers, positive)
+    # the first shards land on readers 0, 1, ... in turn: all start empty, and a loaded reader is
+    # never picked while an empty one is left
+    owner[by_size[:first]] = np.arange(first)
+    largest = int(size.max()) if n else 0
+    vector = readers >= _MIN_READERS and (2 * largest + 1) * readers < _KEY_LIMIT
+    if vector:
+        load = np.zeros(readers, dtype=np.int64)
+        load[:first] = size[by_size[:first]]
+        keys: np.ndarray | list[int] = np.sort(load * readers + np.arange(readers))
+    else:
+        keys = sorted([*(s * readers + r for r, s in enumerate(size[by_size[:first]].tolist())), *range(first, readers)])
+    keys = _greedy(keys, size[by_size[first:positive]], by_size[first:positive], owner, readers)
+    # empty shards all go to the least-loaded reader: giving it nothing keeps it the least loaded
+    owner[by_size[positive:]] = int(keys[0]) % readers
     return owner
+
+
+def _greedy(keys: np.ndarray | list[int], size: np.ndarray, shards: np.ndarray, owner: np.ndarray, readers: int) -> np.ndarray | list[int]:
+    """Assigns ``shards`` (by decreasing ``size``) to readers, writing ``owner``; ``keys`` are every
+    reader's ``load * readers + reader``, sorted (a numpy array: vectorised rounds; a list: the
+    heap only). Returns the keys after the last shard, sorted at least as a heap."""
+    p, n = 0, len(shards)
+    while p < n:
+        if isinstance(keys, np.ndarray):
+            m = min(readers, n - p)
+            given = keys[:m] + size[p : p + m] * readers
+            overtaken = np.minimum.accumulate(given[: m - 1]) < keys[1:m]
+            run = int(np.argmax(overtaken)) + 1 if overtaken.any() else m
+            if run >= min(m, _MIN_RUN):
+                owner[shards[p : p + run]] = keys[:run] % readers
+                keys = np.sort(np.concatenate([np.sort(given[:run]), keys[run:]]), kind="stable")  # merges two runs
+                keys -= keys[0] // readers * readers
+                p += run
+                continue
+            stop = min(n, p + max(readers, _BURST))
+        else:
+            stop = n
+        heap = keys if isinstance(keys, list) else keys.tolist()  # sorted: a heap
+        picked = []
+        replace = heapq.heapreplace
+        for s in size[p:stop].tolist():
+            key = heap[0]
+            picked.append(key % readers)
+            replace(heap, key + s * readers)
+        owner[shards[p:stop]] = picked
+        p = stop
+        if isinstance(keys, np.ndarray):
+            base = heap[0] // readers * readers
+            keys = np.sort(np.fromiter((k - base for k in heap), dtype=np.int64, count=readers))
+        else:
+            keys = heap
+    return keys

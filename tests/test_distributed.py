@@ -306,6 +306,10 @@ def test_sync_stop_needs_a_process_group_and_a_matching_group(datasets):
         mixer.make_loader(mix, sync_stop="yes")
     with pytest.raises(mixer.ConfigError, match=r"sync_end must be one of \('pad', 'drop'\) \(got 'truncate'\)"):
         mixer.make_loader(mix, sync_end="truncate")
+    for bad in (0, -1, float("inf"), float("nan"), "5", True, None):
+        with pytest.raises(mixer.ConfigError, match=r"sync_timeout must be a number of seconds > 0 and finite \(got "):
+            mixer.make_loader(mix, sync_timeout=bad)
+    assert mixer.make_loader(mix, sync_timeout=2.5).sync is None  # validated even where no sync is made
     never = mixer.Mixture(srcs, batching=mixer.TokenBudget(max_tokens=MAX_TOKENS), rank=1, world_size=2)
     assert mixer.make_loader(never, sync_stop=True).sync is None  # an endless stream needs no agreement
 

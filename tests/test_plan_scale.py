@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mixer.errors import ShardError
 from mixer.shards import _owners_by_size, plan, shard_order
 from mixer.world import World
 
@@ -89,3 +90,95 @@ def test_suite_entry_quick(tmp_path):
     assert [row["status"] for row in result.rows] == ["ok"] * len(plan_scale.scenarios(True))
     judged = [c for c in result.checks if c["target"] is not None]
     assert {c["check"].split(": ")[1] for c in judged} == {"plan time per reader, max s", "imbalance max/mean bytes"}
+
+
+def previous_owners_by_size(order: np.ndarray, sizes: list[int], readers: int) -> np.ndarray:
+    """`_owners_by_size` as it was before the rounds (issue 15): a numpy sort, the first round by
+    index, then one heap step per shard. Kept verbatim as the reference the new one must equal."""
+    n = len(order)
+    size = np.fromiter((s or 0 for s in sizes), dtype=np.int64, count=n)
+    rank = np.empty(n, dtype=np.int64)
+    rank[order] = np.arange(n)
+    by_size = np.lexsort((rank, -size))
+    owner = np.empty(n, dtype=np.int64)
+    k = min(readers, int(np.count_nonzero(size)))
+    owner[by_size[:k]] = np.arange(k)
+    heap = sorted([*zip(size[by_size[:k]].tolist(), range(k)), *((0, r) for r in range(k, readers))])
+    sz = size.tolist()
+    rest = by_size[k:].tolist()
+    picked = [0] * len(rest)
+    for j, s in enumerate(rest):
+        load, r = heap[0]
+        picked[j] = r
+        heapq.heapreplace(heap, (load + sz[s], r))
+    owner[by_size[k:]] = picked
+    return owner
+
+
+def random_sizes(rng: np.random.Generator, kind: str, n: int, readers: int) -> list[int]:
+    if kind == "ties":  # a handful of distinct sizes: loads tie all the time, the reader index decides
+        return rng.integers(1, 4, n).tolist()
+    if kind == "zeros":  # a third of the shards empty
+        return (rng.integers(0, 3, n).clip(0, 1) * rng.integers(1, 10_000, n)).tolist()
+    if kind == "all zero":
+        return [0] * n
+    if kind == "lognormal":
+        return np.rint(rng.lognormal(20, 1.0, n)).astype(np.int64).tolist()
+    if kind == "equal":  # fixed-size shards, the last one short
+        return [512] * (n - 1) + [int(rng.integers(0, 512))]
+    if kind == "one light reader":
+        # readers - 1 huge shards, then many tiny ones: the one reader left takes tiny shards one
+        # after another while the others wait, so rounds stay short and the heap runs in between
+        return [10**9] * (readers - 1) + rng.integers(1, 50, n - readers + 1).tolist()
+    if kind == "huge":  # keys beyond int64: the heap on Python integers, as before
+        return rng.integers(1 << 55, 1 << 58, n).tolist()
+    raise AssertionError(kind)
+
+
+KINDS = ["ties", "zeros", "all zero", "lognormal", "equal", "one light reader", "huge"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    "n,readers",
+    [
+        (5, 8),  # fewer shards than readers
+        (300, 300),  # exactly one round
+        (1_000, 7),
+        (10_000, 64),
+        (10_000, 256),  # the smallest world that takes the rounds
+        (10_000, 1_024),
+        (20_000, 4_096),
+        (4_200, 4_096),  # one round and a bit
+    ],
+)
+def test_rounds_equal_the_previous_heap(kind, n, readers):
+    rng = np.random.default_rng([n, readers, KINDS.index(kind)])
+    if kind == "one light reader" and n < readers:
+        n = readers + 10
+    sizes = random_sizes(rng, kind, n, readers)
+    order = np.asarray(shard_order(n, seed=n, source=kind, epoch=0))
+    got = _owners_by_size(order, sizes, readers)
+    want = previous_owners_by_size(order, sizes, readers)
+    assert np.array_equal(got, want), f"{int((got != want).sum())} of {n} shards differ"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_rounds_equal_the_previous_heap_at_random_shapes(seed):
+    rng = np.random.default_rng(seed)
+    readers = int(rng.integers(256, 3_000))
+    n = int(rng.integers(readers // 2, 12 * readers))
+    sigma = float(rng.uniform(0.1, 2.5))  # narrow to wide: wide spreads cut rounds short
+    sizes = np.rint(rng.lognormal(12, sigma, n)).astype(np.int64)
+    sizes[rng.random(n) < 0.05] = 0
+    sizes = sizes.tolist()
+    order = np.asarray(shard_order(n, seed=seed, source="r", epoch=3))
+    assert np.array_equal(_owners_by_size(order, sizes, readers), previous_owners_by_size(order, sizes, readers))
+
+
+def test_none_sizes_count_as_empty_and_negative_sizes_are_refused():
+    order = np.asarray(shard_order(6, seed=0, source="s", epoch=0))
+    sizes = [5, None, 3, 0, None, 9]
+    assert np.array_equal(_owners_by_size(order, sizes, 2), previous_owners_by_size(order, sizes, 2))
+    with pytest.raises(ShardError, match=r"shard 2 has a negative size in the listing \(-3 bytes\)"):
+        _owners_by_size(order, [5, 1, -3, 0], 2)

@@ -13,7 +13,8 @@ from .storage import IOOptions
 from .loader import Loader, make_loader
 from .mixture import Mixture
 from .config import MixtureConfig, build_mixture, load_config, parse_config
-from .schedule import Curriculum, Floored, Hierarchical, Phase, Schedule, SourceInfo, Static, Temperature, Weights
+from .hierarchical import Hierarchical
+from .schedule import Curriculum, Floored, Phase, Schedule, SourceInfo, Static, Temperature, Weights
 from .source import Source
 from .stats import log_every
 

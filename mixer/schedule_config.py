@@ -9,7 +9,8 @@ from typing import Any
 from . import _check
 from .adaptive import Adaptive, make_policy
 from .errors import ConfigError
-from .schedule import BASES, SHAPES, Curriculum, Floored, Hierarchical, Phase, Schedule, Static, Temperature, Weights
+from .hierarchical import Hierarchical
+from .schedule import BASES, SHAPES, Curriculum, Floored, Phase, Schedule, Static, Temperature, Weights
 
 SCHEDULE_KEYS = ("weights", "temperature", "phases", "hierarchical", "min_prob", "adaptive")
 ADAPTIVE_KEYS = ("policy", "lr", "update_every", "smoothing", "lag", "reference")

@@ -25,7 +25,8 @@ from mixer.config import (
     resolve_import,
 )
 from mixer.errors import ConfigError, MixerError
-from mixer.schedule import Curriculum, Floored, Hierarchical, Phase, SourceInfo, Static, Temperature, Weights
+from mixer.hierarchical import Hierarchical
+from mixer.schedule import Curriculum, Floored, Phase, SourceInfo, Static, Temperature, Weights
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from mixer.errors import ConfigError
+from mixer.hierarchical import Hierarchical
 from mixer.schedule import (
     Curriculum,
     Floored,
-    Hierarchical,
     Phase,
     Schedule,
     SourceInfo,

@@ -13,7 +13,7 @@ of sources, and a stream that waits for a connection is queued, not timed out.
 Which stream gives way (only ever to a stream whose reader is blocked on it, an *urgent* one): one
 whose reader is not waiting on it, preferring those whose buffer is full (idle: their reader took
 nothing for a while), least recently read first. A stream whose reader waits on it is never asked.
-(A stream left unread for its ``timeout`` gives its connection back unasked: see
+(A stream left unread for half its ``timeout`` gives its connection back unasked: see
 `mixer.storage.pump`.) Connections are granted urgent streams first, then in order of asking (read-ahead waits its turn:
 beyond the pool, shards are opened lazily). Every method runs on the event loop of the streams.
 """

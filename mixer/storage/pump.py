@@ -191,16 +191,18 @@ class _Pump:
         first = True
         try:
             while True:
+                pos = self._start + self._received
+                size = None if first else self._size()
+                if size is not None and pos >= size:
+                    # Gave way with every byte received: done, without waiting for a connection
+                    # just to learn it (the consumer may be blocked on this very stream).
+                    self._finish(None)
+                    return
                 self._waiting_conn = True
                 await pool.acquire(self)
                 with self._cond:
                     self._waiting_conn = self._give_way = False
                     self._clock = time.monotonic()
-                pos = self._start + self._received
-                size = None if first else self._size()
-                if size is not None and pos >= size:
-                    self._finish(None)
-                    return
                 try:
                     read, cleanup = await self._opener(pos)
                 except asyncio.CancelledError:
@@ -249,9 +251,11 @@ class _Pump:
             if full:
                 self.idle = True
                 try:
-                    await asyncio.wait_for(self._space.wait(), self._timeout)
+                    # Half the timeout: aiohttp's socket-read timer keeps running while a full buffer
+                    # pauses reading, and fires at `timeout`; letting go first avoids that false fault.
+                    await asyncio.wait_for(self._space.wait(), self._timeout / 2)
                 except asyncio.TimeoutError:
-                    return False  # unread for `timeout` s: the connection goes back (servers drop such ones too)
+                    return False  # unread for half the timeout: the connection goes back (resumed later at its byte)
                 finally:
                     self.idle = False
                 continue

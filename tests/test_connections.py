@@ -84,10 +84,7 @@ def test_streams_beyond_the_pool_take_turns(server: FaultyHTTPServer, files: dic
     else:
         options = s3_storage_options(server.url().rstrip("/"))
         url = lambda path: f"s3://{path}"  # noqa: E731
-    # timeout 30 s, not 5: at 5 s, 3 runs in 34 saw one held response hit aiohttp's socket-read
-    # timeout mid-test (a retry, bytes still exact) although the test lasts 2 s: a known defect of
-    # the pool's idle handling, tracked on its own; the assertions below are unchanged.
-    kw: dict[str, Any] = {"timeout": 30.0, "block_size": 4096, "max_connections": limit, "backoff": 0.01}
+    kw: dict[str, Any] = {"timeout": 5.0, "block_size": 4096, "max_connections": limit, "backoff": 0.01}
     names = sorted(files)
     streams = [mio.open_shard(url(name), storage_options=options, **kw) for name in names]
     got: list[list[bytes]] = [[] for _ in names]

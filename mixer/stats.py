@@ -267,11 +267,9 @@ def log_every(loader: Iterable[Batch], n: int, *, logger: logging.Logger | None 
             out.info("%s", format_line(stats))
             for name in stats["starved"]:
                 s = stats["sources"][name]["window"]
-                out.warning(
-                    "source %r is starved: realized %s share %.4f over the last %d batches, below half its "
-                    "target %.4f (exhausted, too few samples for its share, or too few shards for the readers?)",
-                    name, _unit_word(stats), s["realized"], stats["window"]["batches"], s["target"],
-                )  # fmt: skip
+                out.warning("source %r is starved: realized %s share %.4f over the last %d batches, below half its target %.4f "
+                            "(exhausted, too few samples for its share, or too few shards for the readers?)",
+                            name, _unit_word(stats), s["realized"], stats["window"]["batches"], s["target"])  # fmt: skip
         yield batch
 
 

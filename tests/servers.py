@@ -516,3 +516,14 @@ def no_aws_config() -> Iterator[None]:
         for key in [k for k in os.environ if k.startswith("AWS_")]:
             del os.environ[key]
         os.environ.update(saved)
+
+
+@contextlib.contextmanager
+def remote_test_guard() -> Iterator[None]:
+    """What a module of remote tests runs under: loopback only, no AWS configuration from the
+    environment, and fsspec's cached filesystems (and their sessions) closed afterwards."""
+    from mixer.storage.filesystems import close_filesystems
+
+    with loopback_only(), no_aws_config():
+        yield
+    close_filesystems()

@@ -163,6 +163,15 @@ class LogNormal:
 Sources = dict[str, tuple[str, dict[str, int]]]
 
 
+#: Three sources for resume tests: "tiny" turns over its epoch every few batches, so cuts land right
+#: after epoch restarts.
+RESUME_SOURCES = {
+    "web": LogNormal(shards=6, samples=900, median=120, sigma=0.8, lo=2, hi=2048, seed=0),
+    "code": LogNormal(shards=3, samples=300, median=400, sigma=1.0, lo=2, hi=2048, seed=1),
+    "tiny": LogNormal(shards=2, samples=40, median=60, sigma=0.5, lo=2, hi=2048, seed=2),
+}
+
+
 def write_sources(folder: str | os.PathLike[str], spec: Mapping[str, LogNormal]) -> Sources:
     """``{name: (brace pattern, {key: length})}`` for each source of `spec`, written into `folder`;
     the tokens of each sample are `expected_tokens(key, length)`."""

@@ -52,9 +52,8 @@ def plain(path: Path) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module", autouse=True)
 def loopback() -> Iterator[None]:
-    with servers.loopback_only(), servers.no_aws_config():
+    with servers.remote_test_guard():
         yield
-    close_filesystems()
 
 
 @pytest.fixture(scope="module")

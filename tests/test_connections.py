@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from servers import FaultyHTTPServer, loopback_only, no_aws_config, s3_storage_options
+from servers import FaultyHTTPServer, remote_test_guard, s3_storage_options
 from shardutil import expected_tokens, token_key, write_token_shards
 
 import mixer
@@ -34,9 +34,8 @@ FILE_SIZE = 150_001
 
 @pytest.fixture(scope="module", autouse=True)
 def guarded() -> Iterator[None]:
-    with loopback_only(), no_aws_config():
+    with remote_test_guard():
         yield
-    close_filesystems()
 
 
 @pytest.fixture(scope="module")

@@ -17,16 +17,12 @@ from mixer.adaptive import Exp3, ExpGradient
 from mixer import Adaptive
 from mixer.errors import ConfigError, StateError
 from resume_oracle import assert_resumes_exactly, batch_view, take
-from shardutil import LogNormal
+from shardutil import RESUME_SOURCES
 
 
 @pytest.fixture(scope="module")
 def shards(make_sources):
-    return make_sources({
-        "web": LogNormal(shards=6, samples=900, median=120, sigma=0.8, lo=2, hi=2048, seed=0),
-        "code": LogNormal(shards=3, samples=300, median=400, sigma=1.0, lo=2, hi=2048, seed=1),
-        "tiny": LogNormal(shards=2, samples=40, median=60, sigma=0.5, lo=2, hi=2048, seed=2),
-    })
+    return make_sources(RESUME_SOURCES)
 
 
 WEIGHTS = {"web": 0.5, "code": 0.3, "tiny": 0.2}

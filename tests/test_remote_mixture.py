@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
-from servers import FaultyHTTPServer, loopback_only, make_bucket, no_aws_config, s3_client, s3_server, s3_storage_options
+from servers import FaultyHTTPServer, make_bucket, remote_test_guard, s3_client, s3_server, s3_storage_options
 from shardutil import expected_tokens, token_key, write_token_shards
 
 import mixer
@@ -61,9 +61,8 @@ class Member(NamedTuple):
 
 @pytest.fixture(scope="module", autouse=True)
 def guarded() -> Iterator[None]:
-    with loopback_only(), no_aws_config():
+    with remote_test_guard():
         yield
-    close_filesystems()
 
 
 @pytest.fixture(scope="module")

@@ -14,17 +14,13 @@ import mixer
 from mixer.selector import Deficit, RandomPick, RoundRobin
 from resume_oracle import assert_resumes_exactly, batch_view, take
 import shardutil
-from shardutil import LogNormal
+from shardutil import RESUME_SOURCES
 
 
 @pytest.fixture(scope="module")
 def shards(make_sources):
     """'tiny' turns over its epoch every few batches, so cuts land right after epoch restarts."""
-    return make_sources({
-        "web": LogNormal(shards=6, samples=900, median=120, sigma=0.8, lo=2, hi=2048, seed=0),
-        "code": LogNormal(shards=3, samples=300, median=400, sigma=1.0, lo=2, hi=2048, seed=1),
-        "tiny": LogNormal(shards=2, samples=40, median=60, sigma=0.5, lo=2, hi=2048, seed=2),
-    })
+    return make_sources(RESUME_SOURCES)
 
 
 # mixture(shards, **mixture_options)

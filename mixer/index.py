@@ -91,7 +91,8 @@ def _as_source(source: Source | str | Sequence[str]) -> Source:
     if isinstance(source, Source):
         return source
     if isinstance(source, (str, os.PathLike)) or (isinstance(source, Sequence) and source):
-        return Source("index", source)  # type: ignore[arg-type]
+        first = source if isinstance(source, (str, os.PathLike)) else source[0]
+        return Source(storage.redact(os.fspath(first)), source)  # type: ignore[arg-type]  # named by its pattern in messages
     raise ConfigError(f"index: expected a Source or shard patterns, got {source!r}")
 
 
@@ -123,9 +124,9 @@ def _index(source: Source, location: str | None, stale: Stale, verify: bool, wor
     for loc, shards in by_loc.items():
         have = files[loc]
         for i in shards:
-            e = have.get(_key(urls[i], loc))
+            e = have.get(_key(urls[i], loc)) or have.get(urls[i])
             size, validator = current[i]
-            if e is not None and e.size == size and (validator is None or e.validator == validator):
+            if e is not None and e.size == size and _same(e.validator, validator):
                 entries[i] = e
                 continue
             todo.append(i)
@@ -152,6 +153,15 @@ def _index(source: Source, location: str | None, stale: Stale, verify: bool, wor
             log.warning("source %r: index: shard %s is damaged (%s): its %d sample(s) before the damage are read, not the rest",
                         source.name, storage.redact(urls[i]), e.damage, e.samples)  # fmt: skip
     return ShardIndex(tuple(urls), tuple(e for e in entries if e is not None), want, tuple(by_loc), tuple(urls[i] for i in todo))
+
+
+def _same(indexed: str, now: str | None) -> bool:
+    """Whether a validator still holds. Validators of different kinds (an ETag from a server, a
+    modification time from a file system: the same shards built locally, read over HTTP) cannot be
+    compared, and only the size is checked then."""
+    if now is None or indexed == now:
+        return True
+    return indexed.split(":", 1)[0] != now.split(":", 1)[0]
 
 
 def _judge(source: Source, stale: Stale, locs: list[str], reasons: list[str]) -> None:
@@ -250,7 +260,7 @@ def _current(source: Source, listed: list[tuple[str, int | None]], files: dict[s
     if not verify:
         for loc, shards in by_loc.items():
             for i in shards:
-                e = files[loc].get(_key(listed[i][0], loc))
+                e = files[loc].get(_key(listed[i][0], loc)) or files[loc].get(listed[i][0])
                 if e is not None:
                     known[i] = e
 

@@ -19,7 +19,7 @@ import zlib
 from dataclasses import dataclass, field
 from functools import cached_property
 from collections.abc import Iterable
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 import numpy as np
 
@@ -212,7 +212,7 @@ def open_slice(ahead: ReadAhead, url: str, sl: ShardSlice, offset: int, upcoming
     if sl.end is None:
         return ahead.open(url, offset, upcoming)
     stream = ahead.open(url, offset, upcoming, end_offset=None if codec_of(url) else sl.end)
-    return RangeStream(stream, offset, sl.end)
+    return cast(BinaryIO, RangeStream(stream, offset, sl.end))
 
 
 def range_loss(sl: ShardSlice, next_index: int, next_offset: int, index: ShardIndex) -> tuple[tuple[int, int, int, int], str]:

@@ -253,3 +253,16 @@ def test_a_lost_range_is_counted_exactly(tmp_path):
         total = loader.stats()["sources"]["d"]["total"]
     assert sorted(keys) == sorted(k for k in lengths if k.startswith("d-000000"))
     assert (total["skipped_samples"], total["skipped_shards"], total["skipped_unknown"]) == (30, 1, 0)
+
+
+def test_the_index_command_builds_then_refreshes(sources, tmp_path, capsys):
+    from mixer.cli import main
+
+    pattern, lengths = sources["few"]
+    config = tmp_path / "mix.yaml"
+    config.write_text(f"sources:\n  - name: few\n    urls: '{pattern}'\n    index: true\nbatching:\n  max_tokens: 1024\n")
+    assert main(["index", "--quiet", pattern]) == 0
+    out = capsys.readouterr().out
+    assert f"2 shards, 60 samples, {sum(lengths.values()):,} tokens; 2 shard(s) read, 0 up to date" in out
+    assert main(["index", "--quiet", str(config)]) == 0  # a config's sources: the same decode, nothing to read
+    assert "few: 2 shards, 60 samples" in (out := capsys.readouterr().out) and "0 shard(s) read, 2 up to date" in out

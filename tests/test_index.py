@@ -266,3 +266,18 @@ def test_the_index_command_builds_then_refreshes(sources, tmp_path, capsys):
     assert f"2 shards, 60 samples, {sum(lengths.values()):,} tokens; 2 shard(s) read, 0 up to date" in out
     assert main(["index", "--quiet", str(config)]) == 0  # a config's sources: the same decode, nothing to read
     assert "few: 2 shards, 60 samples" in (out := capsys.readouterr().out) and "0 shard(s) read, 2 up to date" in out
+
+
+def test_a_mixture_with_an_index_resumes_exactly(tmp_path):
+    # Readers inside sample ranges (3 ranks, 'tiny' of 2 shards split in ranges) resume at the byte
+    # they stopped at, and the buffered samples come back from their locations: the shared oracle.
+    from resume_oracle import assert_resumes_exactly, batch_view
+    from shardutil import RESUME_SOURCES, mixture
+
+    written = write_sources(tmp_path, RESUME_SOURCES)
+    for name in written:
+        mixer.build_index(written[name][0])
+    mix = mixture(written, weights={"web": 0.5, "code": 0.3, "tiny": 0.2}, source_options={"index": True},
+                  batching=mixer.TokenBudget(max_tokens=2048), state_every=8, shuffle_buffer=16, rank=1, world_size=3)  # fmt: skip
+    assert all(ls.index is not None for ls in mix.listed)
+    assert_resumes_exactly(lambda: mixer.make_loader(mix, num_workers=0), cuts=[1, 5, 9, 17, 30], window=8, view=batch_view)

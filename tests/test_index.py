@@ -264,6 +264,7 @@ def test_the_index_command_builds_then_refreshes(sources, tmp_path, capsys):
     assert main(["index", "--quiet", pattern]) == 0
     out = capsys.readouterr().out
     assert f"2 shards, 60 samples, {sum(lengths.values()):,} tokens; 2 shard(s) read, 0 up to date" in out
+    assert mixer.parse_config(str(config)).to_dict()["sources"][0]["index"] is True  # a config key, kept both ways
     assert main(["index", "--quiet", str(config)]) == 0  # a config's sources: the same decode, nothing to read
     assert "few: 2 shards, 60 samples" in (out := capsys.readouterr().out) and "0 shard(s) read, 2 up to date" in out
 

@@ -27,7 +27,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 import numpy as np
-from tqdm import tqdm
 
 from . import storage
 from .checkpoint import qualname
@@ -293,6 +292,8 @@ def _stat(url: str, source: Source) -> tuple[int, str]:
 
 
 def _read_shards(source: Source, urls: list[str], current: list[tuple[int, str | None]], workers: int, progress: bool) -> list[Entry]:
+    from tqdm import tqdm  # only when shards are read
+
     with ThreadPoolExecutor(max_workers=min(workers, len(urls)), thread_name_prefix="mixer-index") as pool, \
             tqdm(total=len(urls), unit="shard", desc=f"indexing {source.name}", disable=not progress, file=sys.stderr) as bar:  # fmt: skip
         futures = [pool.submit(_index_shard, source, u, c) for u, c in zip(urls, current)]

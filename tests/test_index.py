@@ -282,3 +282,26 @@ def test_a_mixture_with_an_index_resumes_exactly(tmp_path):
                   batching=mixer.TokenBudget(max_tokens=2048), state_every=8, shuffle_buffer=16, rank=1, world_size=3)  # fmt: skip
     assert all(ls.index is not None for ls in mix.listed)
     assert_resumes_exactly(lambda: mixer.make_loader(mix, num_workers=0), cuts=[1, 5, 9, 17, 30], window=8, view=batch_view)
+
+
+def test_a_damaged_shard_is_indexed_up_to_the_damage_under_skip(tmp_path, caplog):
+    pattern, lengths = write_sources(tmp_path, {"d": SPEC["few"]})["d"]
+    cut = pattern.replace("{000000..000001}", "000001")
+    keep = samples_of(cut)[10][1]  # the first 10 samples whole, then 700 bytes of the 11th
+    with open(cut, "r+b") as f:
+        f.truncate(keep + 700)
+    with pytest.raises(ShardError, match=r"indexing shard .*d-000001.tar.*truncated"):
+        mixer.build_index(pattern)  # on_error="raise": the damage is an error, naming the shard
+    src = mixer.Source("d", pattern, on_error="skip", index=True)
+    with caplog.at_level("WARNING", logger="mixer.index"):
+        idx = mixer.build_index(src)
+    assert idx.counts.tolist() == [30, 10] and idx.entries[1].damage is not None
+    assert any("d-000001.tar is damaged" in r.getMessage() and "10 sample(s) before the damage" in r.getMessage() for r in caplog.records)
+    seen = Counter()
+    for rank in range(2):  # readers read the good ranges only, and never meet the damage
+        mix = mixer.Mixture([src], batching=mixer.TokenBudget(max_tokens=1024), stop="all_exhausted", rank=rank, world_size=2)
+        loader = mixer.make_loader(mix, num_workers=0)
+        seen.update(k for k, _ in collect(loader))
+        assert loader.stats()["sources"]["d"]["total"]["skipped_shards"] == 0
+    assert sorted(seen) == sorted(k for k in lengths if k.startswith("d-000000") or int(k[-6:]) < 10 and k.startswith("d-000001"))
+    assert max(seen.values()) == 1

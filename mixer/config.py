@@ -26,6 +26,8 @@ commands). Beyond the obvious ones:
   so a restarted job reads no shard to start; ``profile_share``: whether rank 0 profiles for all.
 * ``sources[i].io_options``: :class:`mixer.IOOptions` keys (``timeout``, ``retries``, ``backoff``,
   ``block_size``, ``read_ahead``, ``max_connections``) for remote shards.
+* ``sources[i].index``: ``true`` (the index files next to the shards) or an index file's path or URL
+  (``Source(index=...)``; build one with ``mixer index``).
 """
 
 from __future__ import annotations
@@ -170,6 +172,8 @@ def _source_to_dict(s: Source, i: int) -> dict[str, Any]:
         out["storage_options"] = dict(s.storage_options)
     if s.on_error != "raise":
         out["on_error"] = s.on_error
+    if s.index:
+        out["index"] = s.index
     given, default = _values(IOOptions.of(s.io_options)), _values(IOOptions())
     if given != default:
         out["io_options"] = {k: v for k, v in given.items() if v != default[k]}

@@ -200,7 +200,7 @@ class Mixture(IterableDataset[Batch]):
         world = World(rank=self.rank, world_size=self.world_size, worker=worker, num_workers=num_workers)
         if world.reader == 0:
             for s in self.listed:
-                if len(s.shards) < world.readers:
+                if len(s.shards) < world.readers and s.index is None:  # an index splits by byte ranges
                     log.warning(
                         "source %r has %d shard(s) for %d readers: readers share shards and each reads every byte of "
                         "its shard but keeps only its part of the samples (I/O amplified up to %dx); more, smaller "

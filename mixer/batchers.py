@@ -17,7 +17,7 @@ import bisect
 import heapq
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 from .errors import SampleError, StateError
 from .budget import Packed
@@ -41,6 +41,7 @@ class Batcher(Protocol[T]):
 
     ready: deque[Any]
     held: int
+    STATE_DEPTHS: ClassVar[dict[str, int]]
 
     def add(self, item: T, length: int) -> bool: ...
 
@@ -161,7 +162,8 @@ class Bucketer(Generic[T]):
     def __len__(self) -> int:
         return sum(len(b) for b in self.buffers) + sum(len(r) for r in self.ready)
 
-    STATE_KEYS = ("buffers", "ready", "emitted", "opened", "waiting")
+    # How deep each field's lists go (locations are lists of ints), as mixer.compact packs them.
+    STATE_DEPTHS: ClassVar[dict[str, int]] = {"buffers": 3, "ready": 3, "emitted": 0, "opened": 1, "waiting": 2}
 
     def state_dict(self) -> dict[str, Any]:
         locate = self.locate
@@ -174,7 +176,7 @@ class Bucketer(Generic[T]):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        expect_keys("bucketer", state, self.STATE_KEYS)
+        expect_keys("bucketer", state, tuple(self.STATE_DEPTHS))
         if len(state["buffers"]) != len(self.edges):
             raise StateError(f"bucketer state: 'buffers' has {len(state['buffers'])} buckets, this mixture {len(self.edges)}")
         self.emitted = int(state["emitted"])
@@ -332,7 +334,7 @@ class Packer(Generic[T]):
     def __len__(self) -> int:
         return sum(len(b.pieces) for b in self.open) + sum(len(g) for g in self.ready)
 
-    STATE_KEYS = ("ready", "buffers", "emitted")
+    STATE_DEPTHS: ClassVar[dict[str, int]] = {"ready": 3, "buffers": 3, "emitted": 0}
 
     def state_dict(self) -> dict[str, Any]:
         """Groups of pieces ``[*locate(item), row, col, start, count]``: ``ready`` (batches) and
@@ -349,7 +351,7 @@ class Packer(Generic[T]):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        expect_keys("packer", state, self.STATE_KEYS)
+        expect_keys("packer", state, tuple(self.STATE_DEPTHS))
         for p in (p for g in (*state["ready"], *state["buffers"]) for p in g):
             r, c, s, k = (int(x) for x in p[-4:])
             if not (0 <= r < self.rows and 0 <= c and c + k <= self.row_len):

@@ -21,9 +21,9 @@ from .batchers import Batcher, make_batcher
 from .budget import Field, Packed, TokenBudget
 from .collate import Layout, count_delivered, make_layout
 from .edges import bucket_edges
-from .checkpoint import (READER_KEYS, SNAPSHOT_KEYS, Rereads, Resume, expect_keys, fingerprint, group_locations, locate_pair,
-                         pair_lookup, with_skips)
-from .errors import ConfigError, StateError
+from .checkpoint import (READER_KEYS, Rereads, Resume, expect_keys, fingerprint, group_locations, locate_pair, pack_snapshot,
+                         pair_lookup, unpack_snapshot, with_skips)
+from .errors import ConfigError
 from .options import MixMode, Stop, Unit, check_options
 from .mixing import Cut, mix_batches, mix_samples
 from .schedule import Schedule, SourceInfo, Static, check_schedule
@@ -337,15 +337,10 @@ class Reader:
 
     def _snapshot(self) -> dict[str, Any]:
         batchers = self.batchers[:1] if self.mixture.mix == "sample" else self.batchers
-        return {
-            "batches": self.batches,
-            "tokens": self.tokens,
-            "active": self.active.tolist(),
-            "counters": [c.as_list() for c in self.counters],
-            "selector": self.selector.state_dict(),
-            "streams": [st.state_dict() for st in self.streams],
-            "batchers": [b.state_dict() for b in batchers],
-        }
+        return pack_snapshot(
+            batches=self.batches, tokens=self.tokens, active=self.active, counters=[c.as_list() for c in self.counters],
+            selector=self.selector, streams=self.streams, batchers=batchers,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """This reader's state now, as a loader state lists its readers (:mod:`mixer.checkpoint`)."""
@@ -357,17 +352,15 @@ class Reader:
         the next iteration re-run the ``replay`` batches made after the snapshot."""
         expect_keys("reader", state, READER_KEYS)
         snapshot = self._snapshot() if state["snapshot"] is None else state["snapshot"]
-        snapshot = expect_keys("reader snapshot", with_skips(snapshot, state["skips"]), SNAPSHOT_KEYS)
         shared = self.mixture.mix == "sample"
         batchers = self.batchers[:1] if shared else self.batchers
-        if len(snapshot["streams"]) != len(self.streams) or len(snapshot["batchers"]) != len(batchers):
-            raise StateError(f"reader snapshot: {len(snapshot['streams'])} streams and {len(snapshot['batchers'])} batchers, this mixture {len(self.streams)} and {len(batchers)}")
+        saved = unpack_snapshot(snapshot, streams=self.streams, batchers=batchers)
         parts: list[Rereads] = [*self.streams, *batchers]
-        for part, saved in zip(parts, (*snapshot["streams"], *snapshot["batchers"])):
-            part.load_state_dict(saved)
+        for part, part_state in zip(parts, (*with_skips(saved.streams, state["skips"]), *saved.batchers)):
+            part.load_state_dict(part_state)
         self.selector.load_state_dict(snapshot["selector"])
-        self.active = np.asarray(snapshot["active"], dtype=bool)
-        for c, row in zip(self.counters, snapshot["counters"]):
+        self.active = np.asarray(saved.active, dtype=bool)
+        for c, row in zip(self.counters, saved.counters):
             for field, value in zip(Counters.FIELDS, row):
                 setattr(c, field, int(value))
         self.batches = int(snapshot["batches"])

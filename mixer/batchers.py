@@ -34,18 +34,20 @@ class Batcher(Protocol[T]):
     samples, or ``(source, sample)`` pairs when one batcher serves every source (``mix="sample"``).
 
     ``ready`` holds the batches that may leave, oldest first (a batch is a list of items); ``held``
-    is what the buffers hold in padded tokens. ``add`` buffers an item and says whether a batch is
-    ready; ``release(hold)`` makes one ready early when the buffers hold more than ``hold``;
+    is what the buffers hold in padded tokens, ``count`` how many items (``ready`` aside). ``add``
+    buffers an item and says whether a batch is ready; ``release(hold, items)`` makes one ready early
+    when the buffers hold more than ``hold`` padded tokens or more than ``items`` items;
     ``drain`` yields every batch left at the end of a finite pass. State: see
     :class:`~mixer.checkpoint.Rereads` (``load_state_dict``, then ``locations`` and ``attach``)."""
 
     ready: deque[Any]
     held: int
+    count: int
     STATE_DEPTHS: ClassVar[dict[str, int]]
 
     def add(self, item: T, length: int) -> bool: ...
 
-    def release(self, hold: int) -> bool: ...
+    def release(self, hold: int, items: int = ...) -> bool: ...
 
     def drain(self) -> Iterator[list[T]]: ...
 
@@ -87,10 +89,12 @@ class Bucketer(Generic[T]):
         # Per bucket: batches emitted when its oldest item arrived.
         self._opened = [0] * len(self.edges)
         self.held = 0
+        self.count = 0  # items in the buffers (a reader's buffer budget caps it)
         self._restoring: dict[str, Any] | None = None  # a loaded state waiting for its samples
 
     def add(self, item: T, length: int) -> bool:
         """Buffer ``item``; returns whether a batch is ready."""
+        self.count += 1
         b = bisect.bisect_left(self.edges, length)
         buf = self.buffers[b]
         if not buf:
@@ -107,13 +111,13 @@ class Bucketer(Generic[T]):
                 self._take(old)
         return bool(self.ready)
 
-    def release(self, hold: int) -> bool:
-        """When the buffers hold more than ``hold`` padded tokens and no batch is ready, put the
+    def release(self, hold: int, items: int = 1 << 62) -> bool:
+        """When the buffers hold more than ``hold`` padded tokens (or ``items`` items) and no batch is ready, put the
         largest batch they can make on ``ready``: for some bucket ``b``, up to ``capacity[b]``
         items from ``b`` and then from the buckets below it (shorter samples, padded to ``b``'s
         edge; oldest first), ``b`` chosen for the most real tokens times padding efficiency (both
         estimated at bucket edges; the shortest of equals). Returns whether a batch is ready."""
-        if self.held <= hold or self.ready:
+        if (self.held <= hold and self.count <= items) or self.ready:
             return bool(self.ready)
         best, best_b = -1.0, 0
         for b in range(len(self.buffers)):
@@ -137,6 +141,7 @@ class Bucketer(Generic[T]):
             batch += buf[:t]
             self.buffers[k] = buf[t:]
             self.held -= t * self.edges[k]
+            self.count -= t
             room -= t
             if not room:
                 break
@@ -146,6 +151,7 @@ class Bucketer(Generic[T]):
 
     def _take(self, b: int) -> None:
         self.held -= len(self.buffers[b]) * self.edges[b]
+        self.count -= len(self.buffers[b])
         self.ready.append(self.buffers[b])
         self.buffers[b] = []
         self.emitted += 1
@@ -195,6 +201,7 @@ class Bucketer(Generic[T]):
         assert state is not None
         self.buffers = [[lookup(tuple(x)) for x in buf] for buf in state["buffers"]]
         self.held = sum(len(buf) * e for buf, e in zip(self.buffers, self.edges))
+        self.count = sum(map(len, self.buffers))
         self.ready = deque([lookup(tuple(x)) for x in batch] for batch in state["ready"])
 
 
@@ -242,10 +249,14 @@ class Packer(Generic[T]):
         self.open: list[_Open[T]] = []
         self.ready: deque[PackedGroup[T]] = deque()
         self.emitted = 0
-        self.held = 0  # never more than open_batches batches: nothing for release() to cap
+        self.held = 0  # never more than open_batches batches: nothing for release() to cap in tokens
+        self.count = 0  # pieces in the open batches (a split document counts once per piece)
         self._restoring: dict[str, Any] | None = None  # a loaded state waiting for its samples
 
-    def release(self, hold: int) -> bool:
+    def release(self, hold: int, items: int = 1 << 62) -> bool:
+        """Over ``items`` pieces and no batch ready: the oldest open batch leaves, part-filled."""
+        if not self.ready and self.count > items and self.open:
+            self._emit(self.open.pop(0))
         return bool(self.ready)
 
     def add(self, item: T, length: int) -> bool:
@@ -295,6 +306,7 @@ class Packer(Generic[T]):
 
     def _place(self, batch: _Open[T], row: int, item: T, start: int, count: int) -> None:
         batch.pieces.append((item, row, self.row_len - batch.free[row], start, count))
+        self.count += 1
         batch.free[row] -= count
         batch.left -= count
 
@@ -313,6 +325,7 @@ class Packer(Generic[T]):
         return bool(self.ready)
 
     def _emit(self, batch: _Open[T]) -> None:
+        self.count -= len(batch.pieces)
         self.ready.append(self._group(batch.pieces))
         self.emitted += 1
 
@@ -382,3 +395,4 @@ class Packer(Generic[T]):
                 batch.free[piece[1]] -= piece[4]
                 batch.left -= piece[4]
             self.open.append(batch)
+        self.count = sum(len(b.pieces) for b in self.open)

@@ -8,7 +8,6 @@ random numbers and its share of the global step from it.
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -24,7 +23,7 @@ from .edges import bucket_edges
 from .checkpoint import (READER_KEYS, Rereads, Resume, expect_keys, fingerprint, group_locations, locate_pair, pack_snapshot,
                          pair_lookup, unpack_snapshot, with_skips)
 from .errors import ConfigError
-from .options import MixMode, Stop, Unit, check_options
+from .options import DEFAULT_BUFFER_BUDGET, MixMode, Stop, Unit, check_options
 from .mixing import Cut, mix_batches, mix_samples
 from .schedule import Schedule, SourceInfo, Static, check_schedule
 from .selector import make_selector
@@ -40,6 +39,8 @@ log = logging.getLogger(__name__)
 
 MIN_SHUFFLE = 16  # the smallest shuffle buffer a rarely read source is cut down to
 HOLD_MIN_BATCHES = 2.0  # the least a rarely read source's buckets may hold, in batches of padded tokens
+BUDGET_FLOOR = 32  # the least of the buffer budget a source gets, in samples (when the budget allows)
+UNCAPPED = 1 << 62
 
 
 
@@ -94,6 +95,7 @@ class Mixture(IterableDataset[Batch]):
         world_size: int | None = None,
         dp_group: Any = None,
         state_every: int = 64,
+        buffer_budget: int | None = DEFAULT_BUFFER_BUDGET,
         fields: Mapping[str, Field] | None = None,
         profile_cache: str | os.PathLike[str] | None = None,
         profile_share: bool | None = None,
@@ -112,8 +114,14 @@ class Mixture(IterableDataset[Batch]):
         if not isinstance(batching, (TokenBudget, Packed)):
             raise ConfigError(f"batching: expected a mixer.TokenBudget or mixer.Packed (got {type(batching).__name__})")
         checked = check_options(selector=selector, unit=unit, mix=mix, stop=stop, seed=seed, shuffle_buffer=shuffle_buffer,
-                                pad_id=pad_id, dtype=dtype, state_every=state_every)  # fmt: skip
+                                pad_id=pad_id, dtype=dtype, state_every=state_every, buffer_budget=buffer_budget)  # fmt: skip
         seed, pad_id, shuffle_buffer, state_every = (checked[k] for k in ("seed", "pad_id", "shuffle_buffer", "state_every"))
+        self.buffer_budget: int | None = checked["buffer_budget"]
+        if self.buffer_budget is not None and self.buffer_budget < 2 * len(sources):
+            raise ConfigError(
+                f"Mixture.buffer_budget: must give each of the {len(sources)} sources at least 2 samples (shuffle and buckets), "
+                f"so >= {2 * len(sources)}, got {self.buffer_budget}; or None for no budget"
+            )
         self.sources = sources
         self.batching = batching
         self.schedule: Schedule = schedule if schedule is not None else Static()
@@ -258,6 +266,7 @@ class Reader:
         self._probs_key: tuple[int, int] | None = None
         self._probs_cache = np.zeros(n)
         self._holds = [0] * n
+        self._caps = [UNCAPPED] * n  # items each batcher may hold (all the same, the shared one's, in mix="sample")
         self._replay: int | None = None  # batches to re-run after a restore (None: not restored)
         self._resumed_counters: list[list[int]] | None = None
 
@@ -284,13 +293,30 @@ class Reader:
         0.5% share reads about what it delivers instead of filling every bucket first. Unchanged
         for the most wanted source: ``len(edges)`` buckets, each short of a full batch, never hold
         ``len(edges)`` batches.
+
+        Within the reader's ``buffer_budget`` (samples held in shuffle buffers and buckets
+        together, over all sources): source ``i`` is allotted ``a_i = f + floor((budget - n f) p_i)``
+        samples (``f = min(BUDGET_FLOOR, budget // n)``: a floor, so a rare source still makes
+        batches), at most half of it for its shuffle buffer; its buckets (``mix="batch"``) keep
+        the rest, the shared buckets (``mix="sample"``) what the shuffle buffers leave of the
+        budget. The sum never exceeds the budget.
         A pure function of progress: resumed readers size them the same way at the same points."""
         top = float(probs.max())
         m = self.mixture
-        for i, (st, edges) in enumerate(zip(self.streams, m.edges)):
-            r = float(probs[i]) / top if top > 0 else 1.0
-            st.limit = max(math.ceil(r * m.shuffle_buffer), min(m.shuffle_buffer, MIN_SHUFFLE))
-            self._holds[i] = int(max(r * len(edges), HOLD_MIN_BATCHES) * m.batching.max_tokens)
+        r = probs / top if top > 0 else np.ones_like(probs)
+        limits = np.maximum(np.ceil(r * m.shuffle_buffer), min(m.shuffle_buffer, MIN_SHUFFLE)).astype(np.int64)
+        nbuckets = np.array([len(e) for e in m.edges], dtype=np.float64)
+        self._holds[:] = (np.maximum(r * nbuckets, HOLD_MIN_BATCHES) * m.batching.max_tokens).astype(np.int64).tolist()
+        budget = m.buffer_budget
+        if budget is not None:
+            n = len(probs)
+            floor = min(BUDGET_FLOOR, budget // n)
+            allot = floor + np.floor((budget - n * floor) * (probs / probs.sum())).astype(np.int64)
+            limits = np.minimum(limits, allot // 2)
+            caps = allot - limits
+            self._caps[:] = [int(budget - limits.sum())] * n if m.mix == "sample" else caps.tolist()
+        for st, limit in zip(self.streams, limits.tolist()):
+            st.limit = limit
 
     def _target_at(self, step: int) -> np.ndarray:
         """The adaptive shares in effect at ``step`` when there are any, else the schedule's target."""
@@ -315,12 +341,12 @@ class Reader:
         cuts: Iterator[Cut]
         if m.mix == "sample":
             cuts = mix_samples(
-                self.streams, self.batchers[0], self.selector, m.layout, probs=self._probs, active=self.active,
+                self.streams, self.batchers[0], self.selector, m.layout, probs=self._probs, caps=self._caps, active=self.active,
                 retire=self._retire, count_tokens=count_tokens, drain=m.stop == "all_exhausted",
             )
         else:
             cuts = mix_batches(
-                self.streams, self.batchers, self.selector, m.layout, probs=self._probs, holds=self._holds,
+                self.streams, self.batchers, self.selector, m.layout, probs=self._probs, holds=self._holds, caps=self._caps,
                 active=self.active, retire=self._retire, count_tokens=count_tokens,
             )
         if self._replay is not None:

@@ -139,14 +139,16 @@ def _fds(pid: int) -> int | None:
 def _buffered(state: dict[str, Any]) -> tuple[float | None, float | None]:
     """Samples per reader held in shuffle buffers / in bucket buffers, from the locations the saved
     state lists (expanded with ``mixer.checkpoint.readable``); None where the format says otherwise."""
-    from mixer.checkpoint import readable
-
     shuffle, buckets, readers = 0, 0, 0
     try:
         for reader in state["readers"]:
             if reader.get("snapshot") is None:
                 continue
-            snap = readable(reader["snapshot"])
+            snap = reader["snapshot"]
+            if isinstance(snap["streams"], dict):  # the columnar state (version 5 on); before: one dict per source
+                from mixer.checkpoint import readable
+
+                snap = readable(snap)
             readers += 1
             shuffle += sum(len(s["buffer"]) for s in snap["streams"])
             buckets += sum(len(group) for b in snap["batchers"] for group in (*b["buffers"], *b["ready"]))

@@ -330,8 +330,7 @@ class SourceStream:
     # ---- state ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Where reading stands and where every buffered sample lives, as plain ints (a reader
-        stores its streams' states as columns: :data:`STATE_DEPTHS`, :mod:`mixer.compact`)."""
+        """Where reading stands and where each buffered sample lives, in ints (columns: mixer.compact)."""
         return {
             "epoch": self.epoch,
             "slice_pos": self.slice_pos,
@@ -346,10 +345,7 @@ class SourceStream:
         }
 
     # How deep each field's lists go (0: an int), as mixer.compact packs them.
-    STATE_DEPTHS: ClassVar[dict[str, int]] = {
-        "epoch": 0, "slice_pos": 0, "next_index": 0, "next_offset": 0, "got_in_epoch": 0, "exhausted": 0,
-        "buffer_size": 0, "draws": 0, "buffer": 2, "skips": 2,
-    }  # fmt: skip
+    STATE_DEPTHS: ClassVar[dict[str, int]] = {**dict.fromkeys(("epoch", "slice_pos", "next_index", "next_offset", "got_in_epoch", "exhausted", "buffer_size", "draws"), 0), "buffer": 2, "skips": 2}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`; the buffer is back once :meth:`attach` got its samples."""

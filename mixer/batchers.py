@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+# The least padding efficiency (estimated at bucket edges) of a batch a bucketer releases early
+# because a reader's buffer budget caps it (see Bucketer.release).
+RELEASE_EFFICIENCY = 0.95
+
 
 class Batcher(Protocol[T]):
     """Level 2, as the mixing loops use it (:class:`Bucketer` and :class:`Packer`). Items are
@@ -112,42 +116,53 @@ class Bucketer(Generic[T]):
         return bool(self.ready)
 
     def release(self, hold: int, items: int = 1 << 62) -> bool:
-        """When the buffers hold more than ``hold`` padded tokens (or ``items`` items) and no batch is ready, put the
-        largest batch they can make on ``ready``: for some bucket ``b``, up to ``capacity[b]``
-        items from ``b`` and then from the buckets below it (shorter samples, padded to ``b``'s
-        edge; oldest first), ``b`` chosen for the most real tokens times padding efficiency (both
-        estimated at bucket edges; the shortest of equals). Returns whether a batch is ready."""
+        """When the buffers hold more than ``hold`` padded tokens (or ``items`` items) and no batch
+        is ready, put the largest batch they can make on ``ready``: for some bucket ``b``, up to
+        ``capacity[b]`` items from ``b`` and then from the buckets below it (shorter samples, padded
+        to ``b``'s edge; oldest first), ``b`` chosen for the most real tokens times padding
+        efficiency (both estimated at bucket edges; the shortest of equals). When only ``items`` is
+        exceeded (a reader's buffer budget, shared by many sources, leaves this one a few dozen
+        samples, and buckets then rarely fill), the buckets below top the batch up only while its
+        estimated padding efficiency stays at least :data:`RELEASE_EFFICIENCY`: a smaller batch
+        rather than one padded to a longer bucket's edge. Returns whether a batch is ready."""
         if (self.held <= hold and self.count <= items) or self.ready:
             return bool(self.ready)
-        best, best_b = -1.0, 0
+        floor = RELEASE_EFFICIENCY if self.held <= hold else 0.0
+        best, best_b, best_plan = -1.0, 0, []
         for b in range(len(self.buffers)):
             if not self.buffers[b]:
                 continue
-            room, value = self.capacity[b], 0
-            for k in range(b, -1, -1):
-                t = min(len(self.buffers[k]), room)
-                value += t * self.edges[k]
-                room -= t
-                if not room:
-                    break
+            plan = self._top_up(b, floor)
+            value = sum(t * self.edges[k] for k, t in plan)
             score = value * value / (self.capacity[b] * self.edges[b])  # real tokens x padding efficiency
             if score > best:
-                best, best_b = score, b
+                best, best_b, best_plan = score, b, plan
         batch: list[T] = []
-        room = self.capacity[best_b]
-        for k in range(best_b, -1, -1):
+        for k, t in best_plan:
             buf = self.buffers[k]
-            t = min(len(buf), room)
             batch += buf[:t]
             self.buffers[k] = buf[t:]
             self.held -= t * self.edges[k]
             self.count -= t
-            room -= t
-            if not room:
-                break
         self.ready.append(batch)
         self.emitted += 1
         return True
+
+    def _top_up(self, b: int, floor: float) -> list[tuple[int, int]]:
+        """How many items to take from bucket ``b`` and the ones below it, ``[(bucket, count)]``:
+        up to ``capacity[b]``, keeping ``real / (count * edges[b]) >= floor`` (at bucket edges)."""
+        room, value, n, eb = self.capacity[b], 0, 0, self.edges[b]
+        plan = []
+        for k in range(b, -1, -1):
+            t, ek = min(len(self.buffers[k]), room), self.edges[k]
+            if ek < floor * eb:  # (value + t ek) / ((n + t) eb) >= floor bounds t
+                t = min(t, max(int((value - floor * n * eb) // (floor * eb - ek)), 0))
+            if t:
+                plan.append((k, t))
+                value, n, room = value + t * ek, n + t, room - t
+            if not room or ek < floor * eb:
+                break
+        return plan
 
     def _take(self, b: int) -> None:
         self.held -= len(self.buffers[b]) * self.edges[b]

@@ -70,6 +70,11 @@ class Mixture(IterableDataset[Batch]):
     group of several ranks is initialized; every rank of it must then build the mixture; False:
     every rank looks for itself).
 
+    ``buffer_budget``: the most samples a reader holds in shuffle buffers and buckets together, over
+    all sources (default 65,536, not reached by a few sources; None: none), apportioned by share
+    (:meth:`Reader._hold_ahead`). With hundreds of sources prefer ``mix="sample"`` (shared buckets):
+    in ``mix="batch"`` a source allotted a few dozen samples makes small batches.
+
     Each ``iter()`` starts the stream from the beginning: same seed, same batches. For exact resume
     use the loader's ``state_dict()`` / ``load_state_dict()``: every ``state_every`` batches a
     reader attaches its full state (where it reads, and the shard and byte offset of every buffered
@@ -294,12 +299,10 @@ class Reader:
         for the most wanted source: ``len(edges)`` buckets, each short of a full batch, never hold
         ``len(edges)`` batches.
 
-        Within the reader's ``buffer_budget`` (samples held in shuffle buffers and buckets
-        together, over all sources): source ``i`` is allotted ``a_i = f + floor((budget - n f) p_i)``
-        samples (``f = min(BUDGET_FLOOR, budget // n)``: a floor, so a rare source still makes
-        batches), at most half of it for its shuffle buffer; its buckets (``mix="batch"``) keep
-        the rest, the shared buckets (``mix="sample"``) what the shuffle buffers leave of the
-        budget. The sum never exceeds the budget.
+        Within ``buffer_budget``, source ``i`` gets ``a_i = f + floor((budget - n f) p_i)`` samples
+        (``f = min(BUDGET_FLOOR, budget // n)``, so a rare source still makes batches), at most half
+        for its shuffle buffer, the rest for its buckets (``mix="sample"``: the shared buckets get
+        what the shuffle buffers leave). The sum never exceeds the budget.
         A pure function of progress: resumed readers size them the same way at the same points."""
         top = float(probs.max())
         m = self.mixture

@@ -109,3 +109,31 @@ def test_the_state_of_a_reader_costs_bytes_per_source_not_objects(many, mix_mode
     size = len(json.dumps(state))
     assert buffered > 200
     assert size < 10 * MANY + 4 * buffered + 1500, (size, buffered)
+
+
+def test_a_budget_capped_release_keeps_padding_a_token_capped_one_tops_up():
+    """Hand-computed (capacities 4000 // edge): 3 samples of 400 tokens, 5 of 108, 5 of 104, 5 of 80.
+    Over its token hold, a bucketer tops the longest bucket up with the shorter ones (400-slot rows:
+    3 + 5 + 2 samples, ~49% efficient at the edges); over only its item cap (a budget share), a
+    batch takes shorter samples only while it stays >= 95% efficient, so the 3 long ones leave alone."""
+    from mixer.batchers import Bucketer
+
+    def filled():
+        b = Bucketer([80, 104, 108, 200, 400], mixer.TokenBudget(max_tokens=4000))
+        for i, length in enumerate([400] * 3 + [108] * 5 + [104] * 5 + [80] * 5):
+            assert not b.add((length, i), length)
+        assert b.count == 18 and b.held == 3 * 400 + 5 * 108 + 5 * 104 + 5 * 80
+        return b
+
+    by_tokens = filled()
+    assert by_tokens.release(hold=1000)
+    assert [x[0] for x in by_tokens.ready[0]] == [400] * 3 + [108] * 5 + [104] * 2 and by_tokens.count == 8
+    by_items = filled()
+    assert by_items.release(hold=1 << 62, items=10)
+    assert [x[0] for x in by_items.ready[0]] == [400] * 3 and by_items.count == 15
+    # topping up within the efficiency floor: bucket 108 takes all of 104 (>= 0.95 x 108) and one 80
+    only_short = Bucketer([80, 104, 108, 200, 400], mixer.TokenBudget(max_tokens=4000))
+    for i, length in enumerate([108] * 5 + [104] * 5 + [80] * 5):
+        only_short.add((length, i), length)
+    assert only_short.release(hold=1 << 62, items=10)
+    assert [x[0] for x in only_short.ready[0]] == [108] * 5 + [104] * 5 + [80]

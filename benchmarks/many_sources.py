@@ -145,11 +145,13 @@ def _buffered(state: dict[str, Any]) -> tuple[float | None, float | None]:
             if reader.get("snapshot") is None:
                 continue
             snap = reader["snapshot"]
-            if isinstance(snap["streams"], dict):  # the columnar state (version 5 on); before: one dict per source
-                from mixer.checkpoint import readable
-
-                snap = readable(snap)
             readers += 1
+            if isinstance(snap["streams"], dict):  # the columnar state (version 5 on); before: one dict per source
+                from mixer.checkpoint import buffered
+
+                a, b = buffered(snap)
+                shuffle, buckets = shuffle + a, buckets + b
+                continue
             shuffle += sum(len(s["buffer"]) for s in snap["streams"])
             buckets += sum(len(group) for b in snap["batchers"] for group in (*b["buffers"], *b["ready"]))
     except (KeyError, TypeError, ValueError):

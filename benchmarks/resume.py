@@ -155,7 +155,7 @@ def reread_span(state: dict[str, Any]) -> dict[str, float]:
             by_shard: dict[int, list[int]] = {}
             for shard, offset in stream["buffer"]:
                 by_shard.setdefault(int(shard), []).append(int(offset))
-            for group in (*bucketer["ready"], *bucketer["buffers"]):
+            for group in (*bucketer["ready"], bucketer["items"]):
                 for shard, offset in group:
                     by_shard.setdefault(int(shard), []).append(int(offset))
             span += sum(run[-1] - run[0] for o in by_shard.values() for run in _runs(sorted(set(o)), _REREAD_GAP))

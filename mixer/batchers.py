@@ -184,37 +184,53 @@ class Bucketer(Generic[T]):
         return sum(len(b) for b in self.buffers) + sum(len(r) for r in self.ready)
 
     # How deep each field's lists go (locations are lists of ints), as mixer.compact packs them.
-    STATE_DEPTHS: ClassVar[dict[str, int]] = {"buffers": 3, "ready": 3, "emitted": 0, "opened": 1, "waiting": 2}
+    STATE_DEPTHS: ClassVar[dict[str, int]] = {"buckets": 2, "items": 2, "ready": 3, "emitted": 0, "waiting": 2}
 
     def state_dict(self) -> dict[str, Any]:
+        """Only the buckets that hold items: ``buckets`` ``[bucket, opened, count]`` and their
+        ``items`` one after the other (a reader has a bucketer per source with dozens of buckets,
+        nearly all empty; an empty bucket's ``opened`` is never read again)."""
         locate = self.locate
+        if not self.count:
+            buckets: list[list[int]] = []
+            items: list[Location] = []
+        else:
+            full = [b for b, buf in enumerate(self.buffers) if buf]
+            buckets = [[b, self._opened[b], len(self.buffers[b])] for b in full]
+            items = [locate(x) for b in full for x in self.buffers[b]]
         return {
-            "buffers": [list(map(locate, buf)) for buf in self.buffers],
+            "buckets": buckets,
+            "items": items,
             "ready": [list(map(locate, batch)) for batch in self.ready],
             "emitted": self.emitted,
-            "opened": list(self._opened),
             "waiting": [list(w) for w in self._waiting],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         expect_keys("bucketer", state, tuple(self.STATE_DEPTHS))
-        if len(state["buffers"]) != len(self.edges):
-            raise StateError(f"bucketer state: 'buffers' has {len(state['buffers'])} buckets, this mixture {len(self.edges)}")
+        buckets = [(int(b), int(o), int(n)) for b, o, n in state["buckets"]]
+        if any(not 0 <= b < len(self.edges) for b, _, _ in buckets) or sum(n for _, _, n in buckets) != len(state["items"]):
+            raise StateError(f"bucketer state: 'buckets' {buckets[:3]}... do not fit {len(self.edges)} buckets and {len(state['items'])} items")
         self.emitted = int(state["emitted"])
-        self._opened = [int(x) for x in state["opened"]]
+        self._opened = [0] * len(self.edges)
+        for b, opened, _ in buckets:
+            self._opened[b] = opened
         self._waiting = [(int(a), int(b)) for a, b in state["waiting"]]
-        self._restoring = state
+        self._restoring = dict(state, buckets=buckets)
 
     def locations(self) -> Iterator[Location]:
         assert self._restoring is not None
-        for group in (*self._restoring["ready"], *self._restoring["buffers"]):
+        for group in (*self._restoring["ready"], self._restoring["items"]):
             for loc in group:
                 yield tuple(loc)
 
     def attach(self, lookup: Callable[[Location], T]) -> None:
         state, self._restoring = self._restoring, None
         assert state is not None
-        self.buffers = [[lookup(tuple(x)) for x in buf] for buf in state["buffers"]]
+        items = iter(state["items"])
+        self.buffers = [[] for _ in self.edges]
+        for b, _, n in state["buckets"]:
+            self.buffers[b] = [lookup(tuple(x)) for _, x in zip(range(n), items)]
         self.held = sum(len(buf) * e for buf, e in zip(self.buffers, self.edges))
         self.count = sum(map(len, self.buffers))
         self.ready = deque([lookup(tuple(x)) for x in batch] for batch in state["ready"])

@@ -264,6 +264,15 @@ def readable(snapshot: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def buffered(snapshot: dict[str, Any]) -> tuple[int, int]:
+    """Samples a reader snapshot holds in shuffle buffers, and in its batchers (bucket items and
+    ready batches; a packer's pieces)."""
+    r = readable(snapshot)
+    shuffle = sum(len(s["buffer"]) for s in r["streams"])
+    batched = sum(len(b.get("items", ())) + sum(map(len, (*b["ready"], *b.get("buffers", ())))) for b in r["batchers"])
+    return shuffle, batched
+
+
 def with_skips(streams: list[dict[str, Any]], skips: Iterable[Sequence[int]]) -> list[dict[str, Any]]:
     """Stream states that also hold the skip decisions ``[source, epoch, slice, ...]`` taken after
     the snapshot (later decisions win, as when they were taken)."""

@@ -54,7 +54,7 @@ def _get(data: memoryview, at: int) -> tuple[np.ndarray, int]:
 
 
 def _text(chunks: list[bytes]) -> str:
-    return base64.b64encode(zlib.compress(b"".join(chunks), 6)).decode("ascii")
+    return base64.b64encode(zlib.compress(b"".join(chunks), 1)).decode("ascii")
 
 
 def _bytes(text: Any, where: str) -> memoryview:
@@ -151,7 +151,7 @@ def unpack_parts(state: Any, depths: Mapping[str, int], parts: int, part: str) -
 
 def pack_floats(values: Any) -> str:
     """A float64 vector, exactly (its bytes, compressed)."""
-    return base64.b64encode(zlib.compress(np.ascontiguousarray(values, dtype="<f8").tobytes(), 6)).decode("ascii")
+    return base64.b64encode(zlib.compress(np.ascontiguousarray(values, dtype="<f8").tobytes(), 1)).decode("ascii")
 
 
 def unpack_floats(text: Any, size: int, where: str) -> np.ndarray:

@@ -104,8 +104,8 @@ def test_the_state_of_a_reader_costs_bytes_per_source_not_objects(many, mix_mode
     reader = mix.reader(World())
     take(reader, 40)
     state = reader.state_dict()
-    snap = mixer.checkpoint.readable(state["snapshot"])
-    buffered = sum(len(s["buffer"]) for s in snap["streams"]) + sum(len(g) for b in snap["batchers"] for g in (*b["buffers"], *b["ready"]))
+    buffered = sum(mixer.checkpoint.buffered(state["snapshot"]))
+    assert buffered == held(reader)
     size = len(json.dumps(state))
     assert buffered > 200
     assert size < 10 * MANY + 4 * buffered + 1500, (size, buffered)

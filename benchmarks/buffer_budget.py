@@ -89,7 +89,7 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchRes
     rows = []
     for mix in ("batch", "sample"):
         for budget in BUDGETS:
-            r = measure(n, root, mix, budget, batches, opts.max_tokens)
+            r = measure(n, root, mix, budget, batches, getattr(opts, "max_tokens", MAX_TOKENS))
             log(f"mix={mix} budget={budget}: {r}")
             rows.append(r)
     text = table(rows)
@@ -97,7 +97,7 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchRes
     checks = [common.value_check(NAME, f"padding efficiency, mix={r['mix']}, budget={r['budget']}", r["padding_efficiency"], 0.95, ">=") for r in rows]
     result_rows = [{"bench": NAME, "method": f"{r['mix']}/{r['budget']}", "label": f"mix={r['mix']} budget={r['budget']}", "kind": "scale",
                     "status": "ok", "note": "", **r} for r in rows]  # fmt: skip
-    return common.BenchResult(NAME, result_rows, checks, {"profile": opts.profile, "sources": n, "batches": batches, "max_tokens": opts.max_tokens, "table": text})
+    return common.BenchResult(NAME, result_rows, checks, {"profile": opts.profile, "sources": n, "batches": batches, "max_tokens": getattr(opts, "max_tokens", MAX_TOKENS), "table": text})
 
 
 def main(argv: list[str] | None = None) -> int:

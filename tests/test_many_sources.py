@@ -137,3 +137,11 @@ def test_a_budget_capped_release_keeps_padding_a_token_capped_one_tops_up():
         only_short.add((length, i), length)
     assert only_short.release(hold=1 << 62, items=10)
     assert [x[0] for x in only_short.ready[0]] == [108] * 5 + [104] * 5 + [80]
+
+
+@pytest.mark.parametrize("mix_mode", ["batch", "sample"])
+def test_a_reader_of_120_sources_resumes_exactly_under_a_tight_budget(many, mix_mode):
+    """The shared oracle on one reader of 120 sources whose budget binds (allotments of a few
+    samples: early releases, shrunk shuffle buffers), cut where buffers are full."""
+    mix = mixture(many, weights=weights(120), mix=mix_mode, buffer_budget=480)
+    assert_resumes_exactly(lambda: mix.reader(World()), cuts=[3, 17, 40], window=6, view=batch_view)

@@ -149,7 +149,7 @@ def test_state_from_a_different_mixture_is_refused(shards):
     loader = mixer.make_loader(mixture(shards))
     take(loader, 5)
     state = loader.state_dict()
-    for other in (mixture(shards, seed=1), mixture(shards, shuffle_buffer=65), mixture(shards, selector="random")):
+    for other in (mixture(shards, seed=1), mixture(shards, shuffle_buffer=65), mixture(shards, selector="random"), mixture(shards, buffer_budget=600)):
         with pytest.raises(mixer.StateError, match="different mixture"):
             mixer.make_loader(other).load_state_dict(state)
 

@@ -335,25 +335,26 @@ class SourceStream:
     # ---- state ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Where reading stands and where every buffered sample lives: small and JSON-able."""
+        """Where reading stands and where each buffered sample lives, in ints (columns: mixer.compact)."""
         return {
             "epoch": self.epoch,
             "slice_pos": self.slice_pos,
             "next_index": self.next_index,
             "next_offset": self.next_offset,
             "got_in_epoch": self.got_in_epoch,
-            "exhausted": self.exhausted,
+            "exhausted": int(self.exhausted),
             "buffer_size": self.buffer_size,
-            "rng": self.rng.state_dict(),
+            "draws": self.rng.taken,
             "buffer": list(map(locate_sample, self.buffer)),
             "skips": [[e, p, *d] for (e, p), d in sorted(self.skips.items())],
         }
 
-    STATE_KEYS = ("epoch", "slice_pos", "next_index", "next_offset", "got_in_epoch", "exhausted", "buffer_size", "rng", "buffer", "skips")
+    # How deep each field's lists go (0: an int), as mixer.compact packs them.
+    STATE_DEPTHS: ClassVar[dict[str, int]] = {**dict.fromkeys(("epoch", "slice_pos", "next_index", "next_offset", "got_in_epoch", "exhausted", "buffer_size", "draws"), 0), "buffer": 2, "skips": 2}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`; the buffer is back once :meth:`attach` got its samples."""
-        expect_keys(f"stream {self.source.name!r}", state, self.STATE_KEYS)
+        expect_keys(f"stream {self.source.name!r}", state, tuple(self.STATE_DEPTHS))
         self._close()
         self.epoch = int(state["epoch"])
         self.slice_pos = int(state["slice_pos"])
@@ -362,7 +363,7 @@ class SourceStream:
         self.got_in_epoch = int(state["got_in_epoch"])
         self.exhausted = bool(state["exhausted"])
         self.buffer_size = int(state["buffer_size"])
-        self.rng.load_state_dict(state["rng"])
+        self.rng.seek(int(state["draws"]))
         self._restoring = [(int(a), int(b)) for a, b in state["buffer"]]
         self.skips = {(int(e), int(p)): tuple(map(int, d)) for e, p, *d in state["skips"]}
 

@@ -9,12 +9,13 @@ shared shard); with one (:mod:`mixer.index`) they are sample ranges, balanced by
 from __future__ import annotations
 
 import heapq
+import logging
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from .errors import ShardError
+from .errors import ShardError, StateError
 from .world import World, rng_for
 
 
@@ -35,6 +36,19 @@ class ShardSlice(NamedTuple):
     stop: int | None = None
     begin: int = 0
     end: int | None = None
+
+
+def slice_row(sl: ShardSlice) -> list[int]:
+    """A slice as a state stores it: its fields, -1 for a None ``stop`` or ``end``."""
+    return [-1 if v is None else v for v in sl]
+
+
+def slice_of(row: Sequence[int], where: str) -> ShardSlice:
+    """The slice of :func:`slice_row` (a StateError naming ``where`` when it is not one)."""
+    if len(row) != len(ShardSlice._fields) or min(row[:4], default=0) < 0:
+        raise StateError(f"{where} state: a slice is {len(ShardSlice._fields)} ints {list(ShardSlice._fields)} (got {list(row)})")
+    shard, part, parts, start, stop, begin, end = map(int, row)
+    return ShardSlice(shard, part, parts, start, None if stop < 0 else stop, begin, None if end < 0 else end)
 
 
 class Ranges(Protocol):
@@ -237,3 +251,15 @@ def _range_slices(order: np.ndarray, index: Ranges, first: tuple[int, int], last
             offsets = index.offsets(s)
             out.append(ShardSlice(s, start=start, stop=stop, begin=int(offsets[start]), end=int(offsets[stop])))
     return out
+
+
+def warn_shared_shards(listed: Sequence[Any], world: World, log: logging.Logger) -> None:
+    """Say which sources have fewer shards than readers and no index (listed sources: ``name``,
+    ``shards``, ``index``): their readers share shards, each reading every byte of its shard."""
+    for s in listed:
+        if len(s.shards) < world.readers and s.index is None:  # an index splits by byte ranges
+            log.warning(
+                "source %r has %d shard(s) for %d readers: readers share shards and each reads every byte of "
+                "its shard but keeps only its part of the samples (I/O amplified up to %dx); more, smaller "
+                "shards avoid it", s.name, len(s.shards), world.readers, -(-world.readers // len(s.shards)),
+            )

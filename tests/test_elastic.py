@@ -127,6 +127,22 @@ def test_mix_sample_and_a_second_change(shards):
     assert set(seen) == every_key(shards) and max(seen.values()) == 1
 
 
+def test_packed_rows_go_back_to_the_streams_and_split_documents_are_refused(shards):
+    """A packer's open rows and ready batches hold whole documents (by location): they are read
+    again by the new readers. With split_documents a row may hold the tail of a delivered head."""
+    opts = {"stop": "all_exhausted", "batching": mixer.Packed(max_tokens=2048, seq_len=1024)}
+    states, old = run_old(shards, 2, 1, [4, 5], **opts)
+    held = [readable(r["snapshot"])["batchers"] for s in states for r in s["readers"] if r["snapshot"] is not None]
+    assert any(b["buffers"] or b["ready"] for bs in held for b in bs), "the packers should hold documents at the cut"
+    new = resume(shards, 1, 2, states, **opts)
+    seen = Counter(k for run in (old, new) for batches in run.values() for b in batches for k in b.keys)
+    assert set(seen) == every_key(shards) and max(seen.values()) == 1
+    split = {"stop": "all_exhausted", "batching": mixer.Packed(max_tokens=2048, seq_len=1024, split_documents=True)}
+    states, _ = run_old(shards, 2, 1, [2, 2], **split)
+    with pytest.raises(mixer.StateError, match="split_documents"):
+        mixer.make_loader(build(shards, rank=0, world_size=1, **split)).load_state_dict(states)
+
+
 # ---- stop="never" across a source-epoch boundary, counted per source-epoch ------------------------
 
 # FIFO per reader: no shuffle buffer and one bucket, so each reader delivers a source's samples in
@@ -167,7 +183,9 @@ def test_every_sample_once_per_source_epoch_with_stop_never(shards, w, n, w2, n2
     last = max(readable(r["snapshot"])["streams"][NAMES.index(name)]["epoch"] for s in new_states for r in s["readers"])
     assert last >= 1, "the cut should come after some old reader crossed into epoch 1 of 'tiny'"
     if w * max(n, 1) > 1:  # old readers in different epochs: the ones behind leave whole planned epochs
-        assert len({e for (e, _) in tagged}) > 1
+        old_mix = build(shards, rank=0, world_size=w, index=index, **FIFO)
+        stood = [elastic.settle(old_mix, World(rank=r, world_size=w, worker=j, num_workers=n), states[r]["readers"][j]) for r in range(w) for j in range(n)]
+        assert len({s.streams[NAMES.index(name)]["epoch"] for s in stood}) > 1
     new = resume(shards, w2, n2, states, batches=80, index=index, **FIFO)
     for rank, s in enumerate(new_states):
         for j, r in enumerate(s["readers"]):
@@ -223,3 +241,32 @@ def test_the_re_split_is_balanced_by_bytes():
     loads = [sum(s for s, o in zip(sizes, owner) if o == r) for r in range(3)]
     assert sorted(loads) == [900, 900, 900]  # 900 | 500+400 | 300+300+100+100+100
     assert elastic.deal([5, 5], 4) == [0, 1]
+
+
+# ---- torchrun: 2 processes save, 3 resume ----------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_saved_three_resume_every_sample_once(shards, tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_distributed import _free_port
+
+    here = Path(__file__).parent
+    weights = {"web": 0.5, "code": 0.3, "tiny": 0.2}
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"sources": [[n, shards[n][0], w] for n, w in weights.items()], "cuts": [6, 4], "workers": [1, 2]}))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(here.parent), os.environ.get("PYTHONPATH", "")]))
+    for nproc, phase in ((2, "save"), (3, "resume")):
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1", "--master_addr=127.0.0.1",
+               f"--master_port={_free_port()}", str(here / "elastic_worker.py"), str(spec), str(tmp_path), phase]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=here.parent)
+        assert proc.returncode == 0, f"torchrun {phase} x{nproc} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    saved = [json.loads((tmp_path / f"save-rank{r}.json").read_text()) for r in range(2)]
+    resumed = [json.loads((tmp_path / f"resume-rank{r}.json").read_text()) for r in range(3)]
+    assert [len(k) > 0 for k in saved] == [True, True] and all(resumed)
+    seen = Counter(k for keys in (*saved, *resumed) for k in keys)
+    assert set(seen) == every_key(shards) and max(seen.values()) == 1

@@ -54,7 +54,7 @@ from .budget import Packed
 from .compact import pack, pack_parts
 from .errors import StateError
 from .selector import Deficit, RandomPick, RoundRobin, Selector, make_selector
-from .shards import ShardSlice, plan, slice_of, slice_row
+from .shards import ShardSlice, plan_all, slice_of, slice_row
 from .world import World
 
 if TYPE_CHECKING:
@@ -85,14 +85,19 @@ def resume_state(mixture: Mixture, states: Sequence[Any], *, num_workers: int) -
                          "document whose head was delivered); resume with the saved world_size and num_workers")
     if any(s["adaptive"] is not None for s in states):
         raise StateError("elastic resume: not supported with an Adaptive schedule; resume with the saved world_size and num_workers")
-    settled = [settle(mixture, World(rank=r, world_size=old_world, worker=w, num_workers=old_readers), by_rank[r]["readers"][w])
-               for r in range(old_world) for w in range(old_readers)]  # fmt: skip
+    template = mixture.reader(World(rank=mixture.rank, world_size=mixture.world_size))  # unpacks the snapshots saved as they are
+    try:
+        settled = [settle(mixture, World(rank=r, world_size=old_world, worker=w, num_workers=old_readers), by_rank[r]["readers"][w], template)
+                   for r in range(old_world) for w in range(old_readers)]  # fmt: skip
+    finally:
+        _close(template)
     step = max(int(s["delivered"]) for s in states)
     new = mixture.world_size * readers
     mine = range(mixture.rank * readers, (mixture.rank + 1) * readers)
     streams: list[list[dict[str, Any]]] = [[] for _ in mine]
+    plans = Plans(mixture, old_world * old_readers)
     for i in range(len(mixture.listed)):
-        for j, st in enumerate(split_source(mixture, i, settled, new, mine)):
+        for j, st in enumerate(split_source(mixture, i, settled, new, mine, plans)):
             streams[j].append(st)
     out = []
     for j, g in enumerate(mine):
@@ -128,26 +133,47 @@ def _check_states(mixture: Mixture, states: Sequence[Any]) -> tuple[int, int, di
     return world, readers, by_rank
 
 
-def settle(mixture: Mixture, world: World, state: dict[str, Any]) -> Settled:
-    """An old reader where it stood: its snapshot as saved, or rebuilt, restored and replayed."""
-    reader: Reader = mixture.reader(world)
-    try:
-        if state["snapshot"] is not None and int(state["replay"]) == 0 and not state["skips"]:
-            snapshot = state["snapshot"]
-        else:
+def settle(mixture: Mixture, world: World, state: dict[str, Any], template: Reader | None = None) -> Settled:
+    """An old reader where it stood: its snapshot as saved, or rebuilt in its place, restored and
+    replayed. ``template``: any reader of the mixture, to unpack a snapshot without building one."""
+    if state["snapshot"] is not None and int(state["replay"]) == 0 and not state["skips"] and template is not None:
+        snapshot = state["snapshot"]
+    else:
+        reader: Reader = mixture.reader(world)
+        try:
             reader.load_state_dict(state)
             snapshot = reader.settle()["snapshot"]
-        batchers = reader.batchers[:1] if mixture.mix == "sample" else reader.batchers
-        parts = checkpoint.unpack_snapshot(snapshot, streams=reader.streams, batchers=batchers)
-        selector = make_selector(mixture.selector, len(mixture.listed), seed=mixture.seed, stream=(world.rank, world.worker))
-        selector.load_state_dict(snapshot["selector"])
-    finally:
-        for st in reader.streams:
-            st.close()
+        finally:
+            _close(reader)
+        template = reader
+    batchers = template.batchers[:1] if mixture.mix == "sample" else template.batchers
+    parts = checkpoint.unpack_snapshot(snapshot, streams=template.streams, batchers=batchers)
+    selector = make_selector(mixture.selector, len(mixture.listed), seed=mixture.seed, stream=(world.rank, world.worker))
+    selector.load_state_dict(snapshot["selector"])
     return Settled(world, int(snapshot["batches"]), int(snapshot["tokens"]), parts.counters, selector, parts.streams, parts.batchers)
 
 
-def split_source(mixture: Mixture, i: int, settled: Sequence[Settled], new: int, mine: range) -> list[dict[str, Any]]:
+def _close(reader: Reader) -> None:
+    for st in reader.streams:
+        st.close()
+
+
+class Plans:
+    """The old world's plans, one :func:`mixer.shards.plan_all` per (source, epoch) for all its readers."""
+
+    def __init__(self, mixture: Mixture, readers: int) -> None:
+        self.mixture, self.readers = mixture, readers
+        self._done: dict[tuple[int, int], list[list[ShardSlice]]] = {}
+
+    def of(self, i: int, epoch: int, reader: int) -> list[ShardSlice]:
+        if (i, epoch) not in self._done:
+            listed = self.mixture.listed[i]
+            self._done[i, epoch] = plan_all(len(listed.shards), self.readers, seed=self.mixture.seed, source=listed.name, epoch=epoch,
+                                            sizes=listed.shard_bytes, index=listed.index)  # fmt: skip
+        return self._done[i, epoch][reader]
+
+
+def split_source(mixture: Mixture, i: int, settled: Sequence[Settled], new: int, mine: range, plans: Plans) -> list[dict[str, Any]]:
     """Stream states of source ``i`` for the new readers ``mine`` (of ``new``): what the old
     readers left of its source-epochs, re-split (see the module docstring)."""
     listed = mixture.listed[i]
@@ -158,7 +184,7 @@ def split_source(mixture: Mixture, i: int, settled: Sequence[Settled], new: int,
             st = s.streams[i]
             if int(st["epoch"]) > e:
                 continue
-            slices = _old_plan(mixture, i, s, e)
+            slices = _old_plan(mixture, i, s, e, plans)
             if int(st["epoch"]) < e:
                 units.extend((e, sl) for sl in slices)
                 continue
@@ -183,13 +209,12 @@ def split_source(mixture: Mixture, i: int, settled: Sequence[Settled], new: int,
     return out
 
 
-def _old_plan(mixture: Mixture, i: int, s: Settled, epoch: int) -> list[ShardSlice]:
+def _old_plan(mixture: Mixture, i: int, s: Settled, epoch: int, plans: Plans) -> list[ShardSlice]:
     """An old reader's slices of source ``i`` in ``epoch``: what it inherited, or its planned part."""
     st = s.streams[i]
     if int(st["inherit_epoch"]) == epoch:
         return [slice_of(row, f"source {mixture.listed[i].name!r} stream") for row in st["inherit"]]
-    listed = mixture.listed[i]
-    return plan(len(listed.shards), s.world, seed=mixture.seed, source=listed.name, epoch=epoch, sizes=listed.shard_bytes, index=listed.index)
+    return plans.of(i, epoch, s.world.reader)
 
 
 def _bytes(sl: ShardSlice, size: int | None) -> int:
@@ -285,6 +310,5 @@ def _snapshot(mixture: Mixture, world: World, g: int, settled: Sequence[Settled]
             "batchers": pack_parts([b.state_dict() for b in batchers], batchers[0].STATE_DEPTHS),
         }
     finally:
-        for st in reader.streams:
-            st.close()
+        _close(reader)
 

@@ -109,6 +109,29 @@ def plan(
     return [ShardSlice(s) for s in mine.tolist()]
 
 
+def plan_all(num_shards: int, readers: int, *, seed: int, source: str, epoch: int, sizes: Sequence[int | None] | None = None,
+             index: Ranges | None = None) -> list[list[ShardSlice]]:  # fmt: skip
+    """Every reader's :func:`plan` of one source-epoch at once (reader ``k``'s is ``plan`` with
+    ``world.reader == k``): one order and one assignment instead of one per reader, for whoever needs
+    the whole world's plans (an elastic resume settles every old reader)."""
+    if num_shards <= 0:
+        return [[] for _ in range(readers)]
+    order = _order(num_shards, seed=seed, source=source, epoch=epoch)
+    if index is not None:
+        bounds = range_bounds(order, index, readers, list(range(readers + 1)))
+        return [_range_slices(order, index, bounds[k], bounds[k + 1]) for k in range(readers)]
+    if num_shards < readers:
+        return [[ShardSlice(int(order[k % num_shards]), k // num_shards, len(range(k % num_shards, readers, num_shards)))] for k in range(readers)]
+    out: list[list[ShardSlice]] = [[] for _ in range(readers)]
+    if sizes is None or any(s is None for s in sizes):
+        owners = np.arange(num_shards) % readers
+    else:
+        owners = _owners_by_size(order, sizes, readers)[order]
+    for shard, owner in zip(order.tolist(), owners.tolist()):
+        out[owner].append(ShardSlice(shard))
+    return out
+
+
 # The greedy assignment works on one integer per reader, ``load * readers + reader``: its order is
 # (load, reader), the heap's order. Loads are kept relative to the least one; under the greedy rule
 # no reader is ever more than the largest shard above the least loaded, so a key stays below

@@ -17,7 +17,7 @@ import pytest
 import mixer
 from mixer import elastic
 from mixer.checkpoint import readable
-from mixer.shards import plan, slice_of
+from mixer.shards import plan, plan_all, slice_of
 from mixer.world import World
 from resume_oracle import _equal, batch_view, take
 import shardutil
@@ -233,6 +233,20 @@ def test_states_of_another_mixture_or_an_incomplete_list_are_refused(shards):
     # one rank's state alone still refuses another shape, and says how to resume elastically
     with pytest.raises(mixer.StateError, match="num_workers or world_size.*list of the states of all the saved ranks"):
         loader.load_state_dict(states[0])
+
+
+@pytest.mark.parametrize("index", [False, True], ids=["no-index", "index"])
+def test_the_whole_world_plan_at_once_is_every_reader_s_plan(shards, index):
+    """The old world's plans are computed once per source-epoch for all its readers (plan_all): they
+    must be exactly what each reader planned for itself (by size, round-robin, in-shard split, ranges)."""
+    for name, (pattern, _) in shards.items():
+        listed = build(shards, rank=0, world_size=1, index=index).listed[NAMES.index(name)]
+        for readers in (1, 2, 5, 8):
+            for sizes in (listed.shard_bytes, None):
+                for epoch in (0, 3):
+                    kw = {"seed": 7, "source": name, "epoch": epoch, "sizes": sizes, "index": listed.index}
+                    alone = [plan(len(listed.shards), World(rank=k, world_size=readers), **kw) for k in range(readers)]
+                    assert plan_all(len(listed.shards), readers, **kw) == alone
 
 
 def test_the_re_split_is_balanced_by_bytes():

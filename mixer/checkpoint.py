@@ -18,7 +18,8 @@ up under ``on_error="skip"``) it took since. A reader snapshot is::
 where ``streams`` holds every SourceStream's state and ``batchers`` every Bucketer's or Packer's (one,
 shared, in mix="sample") as columns over the sources (:mod:`mixer.compact`: each field one
 compressed array over all sources, so a source never read costs a few bits, and a shuffle
-buffer's draws are one integer); ``active`` and ``counters`` likewise, the selector's floats as
+buffer's draws are one integer; after an elastic resume a stream also lists the slices it inherited,
+see :mod:`mixer.elastic`); ``active`` and ``counters`` likewise, the selector's floats as
 compressed float64 bytes. :func:`readable` expands a snapshot into one dict per source.
 
 The state never holds configuration: the mixture appears as its :func:`fingerprint`, composed of

@@ -31,7 +31,9 @@ new readers (see :func:`merge_selector`), the per-source counters summed onto ne
 (the loaders' sums over all ranks stay right). The result is a loader state of the usual format for
 this rank. It is deterministic, not identical to any uninterrupted run.
 
-Not supported (a :class:`~mixer.StateError` says so): ``Packed(split_documents=True)`` (a buffered
+With ``stop="first_exhausted"`` a new reader ends when the first of its sources runs out, as any
+reader does, so what it inherited of the others may stay undelivered (that policy never promises
+every sample). Not supported (a :class:`~mixer.StateError` says so): ``Packed(split_documents=True)`` (a buffered
 row may hold the tail of a document whose head was delivered) and :class:`~mixer.Adaptive` schedules
 (the replay needs the shares in effect then).
 

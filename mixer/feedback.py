@@ -37,6 +37,7 @@ import torch
 from ._warn import warn
 from .adaptive import Adaptive, adapt, make_policy
 from .checkpoint import expect_keys
+from .collective import Bounded
 from .errors import ConfigError, MixerError, StateError
 
 if TYPE_CHECKING:
@@ -237,22 +238,31 @@ class Feedback:
         self.loss = [None if x is None else float(x) for x in state["loss"]]
 
 
-def _all_reduce(group: Any) -> Callable[[np.ndarray], np.ndarray]:
-    def reduce(values: np.ndarray) -> np.ndarray:
-        import torch.distributed as dist
+def _all_reduce(group: Any, timeout: float) -> Callable[[np.ndarray], np.ndarray]:
+    """The window's statistics summed over ``group``'s ranks, on the CPU (a gloo group over the same
+    ranks when ``group``'s backend has no CPU collectives: NCCL), bounded by ``timeout``: a rank
+    that stopped handing out batches makes the others raise :class:`~mixer.errors.MixerError`
+    naming it (see :mod:`mixer.collective`), not wait for the process group's timeout."""
+    import torch.distributed as dist
 
-        t = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64))
-        if dist.get_backend(group) == "nccl":
-            t = t.cuda()
-        dist.all_reduce(t, group=group)
-        return t.cpu().numpy()
+    from .distributed import _handles_cpu
+
+    if not _handles_cpu(group):
+        group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
+    bounded = Bounded(group, timeout=timeout, label="adaptive feedback")
+
+    def reduce(values: np.ndarray) -> np.ndarray:
+        t = torch.from_numpy(np.array(values, dtype=np.float64))
+        bounded.all_reduce(t, dist.ReduceOp.SUM, "the all_reduce of the per-source losses that closes an update window")
+        return t.numpy()
 
     return reduce
 
 
 def make_feedback(mixture: Mixture, *, num_workers: int, prefetch_factor: int | None, device_prefetch: int, synced: bool,
-                  forked: bool, persistent: bool, group: Any) -> Feedback | None:  # fmt: skip
-    """The loader's :class:`Feedback` when the mixture's schedule is :class:`~mixer.Adaptive`, else None."""
+                  forked: bool, persistent: bool, group: Any, timeout: float) -> Feedback | None:  # fmt: skip
+    """The loader's :class:`Feedback` when the mixture's schedule is :class:`~mixer.Adaptive`, else None.
+    ``timeout``: the loader's ``sync_timeout``, bounding each window's all-reduce over the ranks."""
     adaptive = mixture.schedule
     if not isinstance(adaptive, Adaptive):
         return None
@@ -273,6 +283,6 @@ def make_feedback(mixture: Mixture, *, num_workers: int, prefetch_factor: int | 
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError(f"schedule Adaptive: {mixture.world_size} ranks need torch.distributed initialized, so that every rank "
                               "adapts to the same all-reduced losses")
-        reduce = _all_reduce(group if group is not None else dist.group.WORLD)
+        reduce = _all_reduce(group if group is not None else dist.group.WORLD, float(timeout))
     lag = least if adaptive.lag is None else int(adaptive.lag)
     return Feedback(mixture, adaptive, lag=lag, readers=max(num_workers, 1), reduce=reduce)

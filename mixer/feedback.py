@@ -238,6 +238,17 @@ class Feedback:
         self.loss = [None if x is None else float(x) for x in state["loss"]]
 
 
+def format_adaptive(adaptive: dict[str, Any] | None) -> str:
+    """The adaptive part of a :func:`mixer.log_every` line, from ``Loader.stats()["adaptive"]``
+    (:meth:`Feedback.as_dict`): the updates so far, the step the latest takes effect from and the last
+    closed window's mean loss per source (``-``: no sample of it in that window); '' without."""
+    if adaptive is None:
+        return ""
+    loss = " ".join(f"{name} {'-' if v is None else format(v, '.4g')}" for name, v in adaptive["loss"].items())
+    since = f" (in effect from step {adaptive['from_step']})" if adaptive["updates"] else ""
+    return f" | adaptive: {adaptive['updates']} update(s){since}, last window's mean loss: {loss}"
+
+
 def _all_reduce(group: Any, timeout: float) -> Callable[[np.ndarray], np.ndarray]:
     """The window's statistics summed over ``group``'s ranks, on the CPU (a gloo group over the same
     ranks when ``group``'s backend has no CPU collectives: NCCL), bounded by ``timeout``: a rank

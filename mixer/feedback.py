@@ -4,7 +4,10 @@ The main process owns a :class:`Feedback`: ``Loader.feedback(batch, loss)`` adds
 to per-source sums and counts on the loss's device (``index_add_``, no synchronisation per step).
 Window ``j`` covers global steps ``j·U … (j+1)·U - 1`` (``U = update_every``); it closes when the
 loader hands out step ``(j+1)·U``: the sums and counts (and the tokens handed out) are copied to the
-host (one synchronisation per window), all-reduced over the data-parallel ranks, and the policy
+host (one synchronisation per window), all-reduced over the data-parallel ranks (on the CPU, bounded
+by the loader's ``sync_timeout``: a rank that stops handing out batches makes the others raise
+:class:`~mixer.errors.MixerError` naming it; a rank that only stops *reporting* loss holds no one
+up, its windows just count no samples), and the policy
 (:mod:`mixer.adaptive`) turns them into new shares, a pure function of the reduced statistics, its
 state and the prior's target, so every rank computes the same vector.
 
@@ -278,9 +281,11 @@ def make_feedback(mixture: Mixture, *, num_workers: int, prefetch_factor: int | 
     if not isinstance(adaptive, Adaptive):
         return None
     if num_workers > 0 and not forked:
-        raise ConfigError("schedule Adaptive: needs workers started by fork (the shares reach them through a mapping made before the fork)")
+        raise ConfigError("schedule Adaptive: needs DataLoader workers started by fork (the shares reach them through a mapping made "
+                          "before the fork); use multiprocessing_context='fork' (Linux) or num_workers=0")
     if persistent:
-        raise ConfigError("schedule Adaptive: persistent_workers=True is not supported (each pass maps its shares table before its workers fork)")
+        raise ConfigError("schedule Adaptive: persistent_workers=True is not supported (each pass maps its shares table before its "
+                          "workers fork, and persistent workers would keep the first pass's); leave persistent_workers=False")
     least = min_lag(num_workers=num_workers, prefetch_factor=prefetch_factor, device_prefetch=device_prefetch, synced=synced)
     if adaptive.lag is not None and adaptive.lag < least:
         raise ConfigError(

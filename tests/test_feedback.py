@@ -166,3 +166,17 @@ def test_an_exhausted_source_keeps_its_weight_and_the_pass_delivers_everything_o
     after = [r for j, r in enumerate(rows) if j * 3 > last_tiny]
     assert len(after) >= 3
     assert len({r[2] for r in after}) == 1 and len({r[0] for r in after}) > 1
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"num_workers": 1, "persistent_workers": True}, r"^schedule Adaptive: persistent_workers=True is not supported .*leave persistent_workers=False$"),
+    ({"num_workers": 1, "multiprocessing_context": "spawn"}, r"^schedule Adaptive: needs DataLoader workers started by fork .*multiprocessing_context='fork' \(Linux\) or num_workers=0$"),
+    ({"num_workers": 1, "multiprocessing_context": "forkserver"}, r"^schedule Adaptive: needs DataLoader workers started by fork"),
+])  # fmt: skip
+def test_workers_that_cannot_see_the_shares_table_are_refused_when_the_loader_is_made(shards, options, message):
+    mix = mixture(shards, schedule=Adaptive(mixer.Weights(WEIGHTS)))
+    with pytest.raises(ConfigError, match=message):
+        mixer.make_loader(mix, **options)
+    # the same options without adaptive mixing are fine, and so is fork without persistence
+    mixer.make_loader(mixture(shards), **options)
+    mixer.make_loader(mix, num_workers=1, multiprocessing_context="fork")

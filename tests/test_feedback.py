@@ -180,3 +180,24 @@ def test_workers_that_cannot_see_the_shares_table_are_refused_when_the_loader_is
     # the same options without adaptive mixing are fine, and so is fork without persistence
     mixer.make_loader(mixture(shards), **options)
     mixer.make_loader(mix, num_workers=1, multiprocessing_context="fork")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run benchmarks/gpu_check.sh on a GPU machine)")
+def test_feedback_on_cuda_losses_adapts_as_on_the_cpu(shards):
+    # The loss stays on the GPU (accumulated there, copied once per window); the targets are those of
+    # the same run with CPU losses, up to the order of the GPU's float64 additions.
+    schedule = Adaptive(mixer.Weights(WEIGHTS), policy="exp_gradient", lr=3.0, update_every=4, smoothing=0.1, lag=9)
+    got = {}
+    for device in (None, "cuda"):
+        loader = mixer.make_loader(mixture(shards, schedule=schedule), num_workers=2, device=device)
+        rows = []
+        for batch in loader:
+            assert batch.source.device.type == ("cuda" if device else "cpu")
+            loader.feedback(batch, fake_loss(batch))
+            rows.append((list(batch.keys), batch.meta.target))
+            if len(rows) == 30:
+                break
+        got[device] = rows
+    assert [k for k, _ in got["cuda"]] == [k for k, _ in got[None]]
+    np.testing.assert_allclose([t for _, t in got["cuda"]], [t for _, t in got[None]], rtol=0, atol=1e-12)
+    assert got[None][0][1] != got[None][-1][1]

@@ -46,7 +46,6 @@ class Bounded:
         self._instance = next(_instances)
         self._collectives = 0  # started so far, over every iteration: the same count on every rank
 
-
     def all_reduce(self, tensor: torch.Tensor, op: Any, what: str) -> None:
         """``tensor`` all-reduced in place with ``op``, waited for (bounded by the timeout)."""
         self._wait(self._all_reduce(tensor, op, what))
@@ -105,15 +104,6 @@ class Bounded:
                 # slow: say in the store that this rank got here, for the error of whoever gives up
                 noted = threading.Thread(target=self._note, args=(c.seq,), name="mixer-sync-note", daemon=True)
                 noted.start()
-
-    def _finish(self, c: _Collective, error: Exception) -> None:
-        """This rank's own reading failed: let the others know (they raise their MixerError), then
-        re-raise the reading error, never masked by a failure of the sync itself."""
-        try:
-            self._wait(c)
-        except MixerError as exc:
-            log.warning("while stopping after a reading error on this rank: %s", exc)
-        raise error
 
     def _error(self, c: _Collective, exc: RuntimeError) -> MixerError:
         import torch.distributed as dist

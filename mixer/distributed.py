@@ -43,7 +43,8 @@ passes, so nothing is left pending and the process can exit), and the wait for i
 A rank that froze (SIGSTOP, a partition, a hung step) or died (its connections closed) then makes
 the others raise :class:`~mixer.errors.MixerError` naming the collective, how long this rank waited
 and, where the process group's store can tell, the ranks that never reached the collective (see
-:mod:`mixer.collective`, which adaptive mixing's feedback all-reduce uses too). The error replaces the 30 minutes of gloo's default timeout and gloo's bare ``RuntimeError``.
+:mod:`mixer.collective`, which adaptive mixing's feedback all-reduce uses too). The error replaces
+the 30 minutes of gloo's default timeout and gloo's bare ``RuntimeError``.
 
 DataLoader workers forked after the process group was made inherit its sockets, so a killed rank's
 connections stay open until its workers end too; their parent-death watchdog ends them within
@@ -250,6 +251,15 @@ class StopSync(Bounded):
                 "equal step counts across ranks: this rank's stream ended first, so it handed out %d filler batch(es) "
                 "(batch.filler is True: weigh their loss by 0) while the other ranks finished theirs", self.fillers,
             )
+
+    def _finish(self, c: _Collective, error: Exception) -> None:
+        """This rank's own reading failed: let the others know (they raise their MixerError), then
+        re-raise the reading error, never masked by a failure of the sync itself."""
+        try:
+            self._wait(c)
+        except MixerError as exc:
+            log.warning("while stopping after a reading error on this rank: %s", exc)
+        raise error
 
     @staticmethod
     def _fetch(it: Iterator[Batch]) -> tuple[Batch | None, Exception | None]:

@@ -3,28 +3,31 @@ over four sources of clearly different difficulty and size, with the same token 
 under static, temperature and adaptive mixing (issue 16).
 
     python -m benchmarks adaptive [--quick]          # in the suite (one Markdown table)
-    python -m benchmarks.adaptive [--quick] [--steps N] [--png FILE]
+    python -m benchmarks.adaptive [--quick] [--steps N] [--seeds K] [--png FILE]   # default: 600 steps, 3 seeds (~25 min here)
 
 Data (written once under ``<bench-dir>/adaptive/``): the built-in demo text (:mod:`mixer.demo`:
 ``prose`` paragraphs, ``code`` functions, ``books`` long documents), every document cut into chunks
-of at most 512 bytes, plus ``dup``: a small, easy source of near-duplicates (32 prose chunks, each
-copied with 2% of its bytes replaced at random). The last documents of each source (5%) are held
-out; ``dup``'s held-out chunks are fresh near-duplicates of the same 32 chunks.
+of at most 512 bytes, plus ``dup``: a small, easy source of near-duplicates (8 prose chunks, each
+copy with 1% of its bytes replaced at random, 400 copies). The last 5% of each source's documents
+are held out; ``dup``'s held-out chunks are fresh near-duplicates of the same 8 chunks.
 
 Model: a byte-level n-gram MLP (12 bytes of context, 24-dim embeddings, one hidden layer of 256),
-Adam, trained on every real token of each batch (``TokenBudget(max_tokens=4096)``, one pass over
-the steps, ``num_workers=0``), in one process. Every method runs the same number of steps from the
-same initial weights and the same mixture seed; the batches hold 4096 token slots each, so the
-token budget is the same up to padding (reported).
+Adam (lr 1e-2), trained on every real token of each batch (``TokenBudget(max_tokens=4096)``,
+``num_workers=0``), in one process. Every method trains on the same real-token budget (``steps``
+batches' slots x 0.85, to within one batch) from the same initial weights and the same mixture
+seed, for each of ``--seeds`` seeds (model init and mixture seed both).
 
 Methods: ``static`` (size-proportional shares: what concatenating the corpora gives), ``temperature``
 (``Temperature(3)`` on the sizes, NeMo's default family), and :class:`mixer.Adaptive` over the
 static prior with per-sample mean loss reported through ``loader.feedback`` every step:
-``exp_gradient`` (online DoReMi, excess over each source's running minimum), ``exp_gradient_ref``
-(excess over a reference loss per source: the static run's final held-out loss, DoReMi's reference
-model) and ``exp3`` (Online Data Mixing's bandit). Reported: per-source held-out loss (nats/byte)
-at the end, the worst source and the unweighted mean over sources, the realized token shares, and
-(``--png``, needs matplotlib) the adaptive targets over the steps, one line per source.
+``exp_gradient`` (online DoReMi, excess over each source's running minimum, lr 2), ``exp3`` (Online
+Data Mixing's bandit, lr 0.002) and ``exp_gradient_ref`` (excess over a reference loss per source:
+the same seed's static run's final held-out loss, standing in for DoReMi's reference model; so it
+costs one more run), all with smoothing 0.1 and an update every 5 steps (``--quick``) or 20.
+Reported: per-source held-out loss (nats/byte) at the end, the worst source and the unweighted mean
+over sources (means over seeds; the checks are medians over seeds of the ratio to static), the
+realized token shares, and a PNG of the targets over the steps, one line per source (first seed;
+needs matplotlib).
 """
 
 from __future__ import annotations

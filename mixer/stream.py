@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -89,11 +88,12 @@ class Counters:
     split: int = 0  # documents cut into pieces by a packed layout (mixer.Packed(split_documents=True))
     skipped_bytes: int = 0
     skipped_unknown: int = 0
+    reopened: int = 0  # shards closed by the open-shards cap and reopened at their byte (mixer.storage.open_shards)
 
     FIELDS: ClassVar[tuple[str, ...]] = (
         "samples", "tokens", "padded", "batches", "read", "bytes", "shards_opened", "shards_finished",
         "epochs", "truncated", "dropped", "skipped_samples", "skipped_shards", "retries", "split",
-        "skipped_bytes", "skipped_unknown",
+        "skipped_bytes", "skipped_unknown", "reopened",
     )
 
     def as_list(self) -> list[int]:
@@ -107,7 +107,8 @@ class SourceStream:
 
     The stream is an explicit state machine so that :meth:`state_dict` can capture it at any sample
     boundary as a few integers plus the locations (shard, byte offset) of the buffered samples;
-    :meth:`load_state_dict` seeks back there instead of replaying the epoch.
+    :meth:`load_state_dict` seeks back there instead of replaying the epoch. Its open shard counts
+    in the reader's ``open_shards`` (shared by its streams), which may :meth:`suspend` it.
     """
 
     def __init__(
@@ -120,6 +121,7 @@ class SourceStream:
         shuffle_buffer: int,
         finite: bool,
         counters: Counters,
+        open_shards: storage.OpenShards | None = None,
     ) -> None:
         self.listed = source  # the shards; self.source: the configuration
         self.source = source.source
@@ -156,7 +158,10 @@ class SourceStream:
         self._plans: dict[int, list[ShardSlice]] = {}
         self._samples: Iterator[dict[str, Any]] | None = None
         self._handle: Any = None
-        self._ahead = storage.ReadAhead(options=storage.IOOptions.of(self.source.io_options), storage_options=dict(self.source.storage_options or {}), allow_pipe=self.source.allow_pipe)
+        io = storage.IOOptions.of(self.source.io_options)
+        self._ahead = storage.ReadAhead(options=io, storage_options=dict(self.source.storage_options or {}), allow_pipe=self.source.allow_pipe)
+        self._shards = open_shards if open_shards is not None else storage.OpenShards(io.max_open_shards)
+        self._suspended = False  # closed by the cap mid-shard: the next open is a reopen
         self._opened_at = 0
         self._warned_shards: set[int] = set()
 
@@ -207,6 +212,7 @@ class SourceStream:
             sl = self._plan(self.epoch)[self.slice_pos]
             skip = self.skips.get((self.epoch, self.slice_pos))
             limit = None if skip is None else skip[0]
+            self._shards.used(self)
             try:
                 for raw in self._samples:  # type: ignore[union-attr]
                     i = self.next_index
@@ -258,7 +264,7 @@ class SourceStream:
         if getattr(exc, "truncated", False) and stop is not None:
             skipped = max(stop - start, 0)
             return (mine, 1, 0, skipped), f"{words}; the shard ends there, {skipped} bytes undelivered"
-        size = _stream_size(self._handle)
+        size = storage.stream_size(self._handle)
         if size is None and codec_of(self.listed.shards[sl.shard]) is None:
             size = self.listed.shard_bytes[sl.shard]
         end = size if size is not None and size >= start else stop
@@ -297,6 +303,9 @@ class SourceStream:
         url = self.listed.shards[sl.shard]
         if self.next_offset == 0:
             self.counters.shards_opened += 1
+        elif self._suspended:
+            self.counters.reopened += 1
+        self._suspended = False
         self._opened_at = self.next_offset
         try:
             upcoming = (self.listed.shards[s.shard] for s in self._plan(self.epoch)[self.slice_pos + 1 :])
@@ -308,6 +317,7 @@ class SourceStream:
             self._samples = _raising(exc)
         else:
             self._samples = read_samples(self._handle, url=storage.redact(url), start_offset=self.next_offset)
+            self._shards.opened(self)  # may suspend the least recently read other stream
         return True
 
     def _close(self) -> None:
@@ -315,8 +325,17 @@ class SourceStream:
             self.counters.retries += getattr(self._handle, "retries", 0)
             self.counters.bytes += self.next_offset - self._opened_at
             self._handle.close()
+            self._shards.closed(self)
         self._handle = None
         self._samples = None
+
+    def suspend(self) -> None:
+        """Close the open shard (and drop its read-ahead) between samples, keeping the position:
+        the next read reopens it at ``next_offset``. Called by the reader's ``open_shards``."""
+        if self._handle is not None:
+            self._close()
+            self._ahead.close()
+            self._suspended = True
 
     def close(self) -> None:
         self._close()
@@ -370,19 +389,6 @@ class SourceStream:
 
 class _SkipAgain(Exception):
     """Reading reached a point where the run being resumed gave the shard up."""
-
-
-def _stream_size(handle: Any) -> int | None:
-    """The size in tar bytes of an open shard stream, when it tells (None for compressed shards)."""
-    if handle is None:
-        return None
-    size = getattr(handle, "size", None)
-    if size is not None:
-        return int(size)
-    try:
-        return os.fstat(handle.fileno()).st_size
-    except (AttributeError, OSError, ValueError):
-        return None
 
 
 def _raising(exc: BaseException) -> Iterator[dict[str, Any]]:

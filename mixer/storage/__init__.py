@@ -13,6 +13,7 @@ One concern per module, from the bottom up:
 * `pool`: `ConnectionPool`, at most ``max_connections`` open responses per process for all sources.
 * `compressed`: ``.tar.gz`` / ``.tgz`` / ``.tar.xz`` shards, decompressed as they stream.
 * `shard`: `open_shard` and `ReadAhead`, what the readers call.
+* `open_shards`: `OpenShards`, at most ``max_open_shards`` shards open per reader (an LRU).
 * `logsafe`: secrets out of the DEBUG logs of the libraries underneath.
 
 fsspec, s3fs and aiohttp are optional (the ``s3`` / ``http`` extras) and imported only when needed.
@@ -20,8 +21,9 @@ fsspec, s3fs and aiohttp are optional (the ``s3`` / ``http`` extras) and importe
 
 from .compressed import codec_of
 from .listing import expand_urls
+from .open_shards import OpenShards
 from .options import IOOptions
-from .shard import ReadAhead, open_shard
+from .shard import ReadAhead, open_shard, stream_size
 from .urls import check_url, redact
 
-__all__ = ["IOOptions", "ReadAhead", "check_url", "codec_of", "expand_urls", "open_shard", "redact"]
+__all__ = ["IOOptions", "OpenShards", "ReadAhead", "check_url", "codec_of", "expand_urls", "open_shard", "redact", "stream_size"]

@@ -17,7 +17,7 @@ from .remote import RemoteStream
 from .streams import ForwardStream
 from .urls import check_url, is_local, local_path, redact, scheme_of
 
-__all__ = ["ReadAhead", "open_shard"]
+__all__ = ["ReadAhead", "open_shard", "stream_size"]
 
 
 def open_shard(
@@ -220,6 +220,19 @@ class _LocalRange(ForwardStream):
 
     def _release(self) -> None:
         self._f.close()
+
+
+def stream_size(handle: Any) -> int | None:
+    """The size in tar bytes of an open shard stream, when it tells (None for compressed shards)."""
+    if handle is None:
+        return None
+    size = getattr(handle, "size", None)
+    if size is not None:
+        return int(size)
+    try:
+        return os.fstat(handle.fileno()).st_size
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 def _open_local(path: str, start_offset: int) -> BinaryIO:

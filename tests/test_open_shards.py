@@ -1,0 +1,118 @@
+"""The open-shards cap (``io_options["max_open_shards"]``, `mixer.storage.OpenShards`): a reader keeps
+at most that many shards open, all sources together; a stream closed by the cap reopens at its byte
+and delivers exactly what it would have delivered with every shard kept open."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import mixer
+from mixer.world import World
+from mixer.storage import OpenShards
+from mixer.stream import Counters
+from resume_oracle import assert_resumes_exactly, batch_view, take
+from shardutil import LogNormal, expected_tokens
+
+# 12 sources of 2 shards of 60 samples: a shard holds several batches of a source at this budget,
+# so the reader switches sources in the middle of shards (where the cap has to close one).
+MANY = {f"s{i:02d}": LogNormal(shards=2, samples=120, median=60, sigma=0.6, lo=2, hi=512, seed=100 + i) for i in range(12)}
+REOPENED = Counters.FIELDS.index("reopened")
+
+
+@pytest.fixture(scope="module")
+def many(make_sources):
+    return make_sources(MANY)
+
+
+def _mix(many, cap: int, **kw):
+    sources = [mixer.Source(name, pattern, io_options={"max_open_shards": cap}, **kw) for name, (pattern, _) in many.items()]
+    return mixer.Mixture(sources, batching=mixer.TokenBudget(1024), seed=3, shuffle_buffer=16)
+
+
+class _Recorder:
+    """A stream as the cap sees it: it records being suspended and closes itself, as SourceStream does."""
+
+    def __init__(self, name: str, lru: OpenShards, log: list[str]) -> None:
+        self.name, self.lru, self.log = name, lru, log
+
+    def suspend(self) -> None:
+        self.log.append(self.name)
+        self.lru.closed(self)
+
+
+def test_least_recently_read_is_suspended_first():
+    log: list[str] = []
+    lru = OpenShards(2)
+    a, b, c, d = (_Recorder(n, lru, log) for n in "abcd")
+    lru.opened(a)
+    lru.opened(b)
+    lru.used(a)  # b is now the least recently read
+    lru.opened(c)
+    assert log == ["b"] and len(lru) == 2
+    lru.used(a)
+    lru.used(c)  # a is the least recently read
+    lru.opened(d)
+    assert log == ["b", "a"] and len(lru) == 2 and lru.peak == 2 and lru.suspended == 2
+    lru.closed(c)  # finished: no suspension needed for the next one
+    lru.opened(b)
+    assert log == ["b", "a"] and len(lru) == 2
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5])
+def test_max_open_shards_is_validated(bad):
+    with pytest.raises(mixer.ConfigError, match=r"Source\('x'\)\.io_options\.max_open_shards: must be"):
+        mixer.Source("x", "/data/x-{0..1}.tar", io_options={"max_open_shards": bad})
+
+
+def test_a_cap_of_two_delivers_the_same_batches_and_reopens(many):
+    """Closing shards early changes where bytes come from, never which samples come out: the
+    batches equal those of a reader that keeps all 12 shards open, every token as written."""
+    lengths = {k: n for _, (_, kl) in many.items() for k, n in kl.items()}
+    kept = take(_mix(many, 64), 60)
+    capped_mix = _mix(many, 2)
+    world = World(rank=0, world_size=1, worker=0, num_workers=1)
+    reader = capped_mix.reader(world)
+    capped = take(reader, 60)
+    assert [tuple(b.keys) for b in capped] == [tuple(b.keys) for b in kept]
+    for b in capped:
+        for j, key in enumerate(b.keys):
+            assert np.array_equal(b.tokens[j, : b.lengths[j]].numpy(), expected_tokens(key, lengths[key])), key
+    assert reader.open_shards.peak <= 2
+    reopened = sum(row[REOPENED] for row in capped[-1].meta.counters)
+    assert reopened > 0 and reader.open_shards.suspended >= reopened  # the cap was exercised
+
+
+def test_resume_is_exact_under_the_cap(many):
+    mix = _mix(many, 3)
+    assert_resumes_exactly(lambda: mixer.make_loader(mix), cuts=[7, 23], window=10, view=batch_view)
+
+
+def _fds_then_tokens(sample):
+    """Tokens whose first entry is the number of open fds of this process when it was decoded."""
+    tokens = np.load(__import__("io").BytesIO(sample["tokens.npy"]))
+    return np.concatenate([[len(os.listdir("/proc/self/fd"))], tokens]).astype(np.int64)
+
+
+def _peak_fds(many, names, cap: int) -> int:
+    sources = [mixer.Source(n, many[n][0], decode=_fds_then_tokens, io_options={"max_open_shards": cap}) for n in names]
+    mix = mixer.Mixture(sources, batching=mixer.TokenBudget(1024), seed=3, shuffle_buffer=16)
+    peak = 0
+    for batch in take(mixer.make_loader(mix, num_workers=2), 80):
+        peak = max(peak, int(batch.tokens[:, 0].max()))
+    return peak
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
+def test_open_fds_of_a_worker_stay_within_the_cap(many):
+    """Counted inside the DataLoader workers, where the shards are read: one source gives the
+    baseline (its one open shard included); 12 sources under a cap of 3 add at most 2 more, while
+    12 sources uncapped would hold 12 (so this fails without the cap)."""
+    names = list(many)
+    base = _peak_fds(many, names[:1], 3)
+    capped = _peak_fds(many, names, 3)
+    assert capped <= base + 2, (base, capped)
+    uncapped = _peak_fds(many, names, 64)
+    assert uncapped > base + 2, (base, uncapped)  # the measurement can see open shards

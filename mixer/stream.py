@@ -162,6 +162,7 @@ class SourceStream:
         self._ahead = storage.ReadAhead(options=io, storage_options=dict(self.source.storage_options or {}), allow_pipe=self.source.allow_pipe)
         self._shards = open_shards if open_shards is not None else storage.OpenShards(io.max_open_shards)
         self._suspended = False  # closed by the cap mid-shard: the next open is a reopen
+        self._cold = False  # suspended since its last fresh shard: read too rarely to read ahead for
         self._opened_at = 0
         self._warned_shards: set[int] = set()
 
@@ -301,14 +302,14 @@ class SourceStream:
             self.skips = {k: v for k, v in self.skips.items() if k[0] >= self.epoch}
         sl = self._plan(self.epoch)[self.slice_pos]
         url = self.listed.shards[sl.shard]
-        if self.next_offset == 0:
-            self.counters.shards_opened += 1
-        elif self._suspended:
-            self.counters.reopened += 1
+        self.counters.shards_opened += self.next_offset == 0
+        self.counters.reopened += self.next_offset != 0 and self._suspended
         self._suspended = False
+        # Read ahead only for a source read steadily (not suspended since its last fresh shard).
+        ahead, self._cold = not self._cold, self._cold and self.next_offset != 0
         self._opened_at = self.next_offset
         try:
-            upcoming = (self.listed.shards[s.shard] for s in self._plan(self.epoch)[self.slice_pos + 1 :])
+            upcoming = (self.listed.shards[s.shard] for s in self._plan(self.epoch)[self.slice_pos + 1 :] if ahead)
             self._handle = self._ahead.open(url, self.next_offset, upcoming)
         except ShardError as exc:
             self.counters.retries += getattr(exc, "retries", 0)
@@ -330,12 +331,11 @@ class SourceStream:
         self._samples = None
 
     def suspend(self) -> None:
-        """Close the open shard (and drop its read-ahead) between samples, keeping the position:
-        the next read reopens it at ``next_offset``. Called by the reader's ``open_shards``."""
+        """Close the shard and its read-ahead, keeping the position (reopened at ``next_offset``)."""
         if self._handle is not None:
             self._close()
             self._ahead.close()
-            self._suspended = True
+            self._suspended = self._cold = True
 
     def close(self) -> None:
         self._close()

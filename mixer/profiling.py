@@ -269,7 +269,7 @@ def list_source(source: Source) -> ListedSource:
         listed = storage.expand_urls(list(source.urls), storage_options=dict(source.storage_options or {}))
     except MixerError as exc:
         raise type(exc)(f"source {source.name!r}: {exc}") from exc
-    return ListedSource(source, tuple(url for url, _ in listed), tuple(nbytes for _, nbytes in listed))
+    return ListedSource(source, storage.ShardList(url for url, _ in listed), tuple(nbytes for _, nbytes in listed))
 
 
 def profile_sources(

@@ -101,10 +101,12 @@ class Source:
 @dataclass(frozen=True)
 class ListedSource:
     """A source with its shards listed (sorted; byte sizes where the listing gave them), as the
-    mixture lists it once in the main process and hands it to every reader."""
+    mixture lists it once in the main process and hands it to every reader. ``shards`` is a
+    :class:`mixer.storage.ShardList` (a few bytes per shard, none for a brace range), so a source of
+    1e5 shards does not cost every worker a tuple of 1e5 strings."""
 
     source: Source
-    shards: tuple[str, ...]
+    shards: Sequence[str]  # a storage.ShardList (compact), or any sequence of URLs
     shard_bytes: tuple[int | None, ...]
 
     @property

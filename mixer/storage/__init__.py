@@ -7,7 +7,8 @@ One concern per module, from the bottom up:
 * `faults`: transient or permanent, and the one retry loop (backoff with jitter).
 * `options`: `IOOptions`, how a source reads its remote shards.
 * `filesystems`: the fsspec filesystems remote shards are read through.
-* `listing`: `expand_urls`, the shards of a pattern, folder or prefix.
+* `listing`: `expand_urls`, the shards of a pattern, folder or prefix; `shard_list`: `ShardList`,
+  the listed URLs held compactly (prefix, suffix, and a run of numbers or packed parts).
 * `streams`, `remote`, `pump`, `backends`: `RemoteStream`, which resumes at the byte after a fault;
   the async pump that reads a response ahead; HTTP, S3, other fsspec protocols and ``pipe:``.
 * `pool`: `ConnectionPool`, at most ``max_connections`` open responses per process for all sources.
@@ -24,6 +25,7 @@ from .listing import expand_urls
 from .open_shards import OpenShards
 from .options import IOOptions
 from .shard import ReadAhead, open_shard, stream_size
+from .shard_list import ShardList
 from .urls import check_url, redact
 
-__all__ = ["IOOptions", "OpenShards", "ReadAhead", "check_url", "codec_of", "expand_urls", "open_shard", "redact", "stream_size"]
+__all__ = ["IOOptions", "OpenShards", "ReadAhead", "ShardList", "check_url", "codec_of", "expand_urls", "open_shard", "redact", "stream_size"]

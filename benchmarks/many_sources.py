@@ -11,9 +11,14 @@ measured on this machine:
 * samples buffered per reader, shuffle / buckets, counted from the saved state where it lists them
   (``—`` when the state format does not);
 * ``loader.state_dict()`` of the rank: pickled and JSON sizes, and the time to build it;
+* `Mixture` construction over those HTTP sources answered after ``TTFB_MS`` (an object store's time
+  to first byte), without a profile cache, then with one cold and warm (the warm one must send no GET);
 * over loopback HTTP at 100 sources (a server in its own process that counts the body bytes it
   sends): bytes sent / bytes delivered (tar bytes of the delivered samples) in the steady state
-  (from batch ``BATCHES // 4`` on), and the GETs made; the most concurrent connections seen.
+  (from batch ``BATCHES // 4`` on), split into the storage layer's part (bytes sent / tar bytes the
+  readers took from shards, ``Counters.bytes``) and the buffers' part (taken / delivered: samples
+  read into shuffle and bucket buffers ahead of delivery), and the GETs made; the most concurrent
+  connections seen.
 
 Read the figures with the mixing in mind: a ``TokenBudget(65536)`` batch comes from one source
 (``mix="source"``), so ``BATCHES`` batches over 2 workers touch at most ``BATCHES / 2`` sources per
@@ -32,22 +37,20 @@ import gc
 import io
 import json
 import math
-import multiprocessing
 import os
 import pickle
 import re
 import sys
 import tarfile
 import time
-import urllib.parse
-from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from . import common
+from .many_http import SLOW, TTFB_MS, counting_server
 
 NAME = "many_sources"
 COUNTS = {"full": (3, 20, 100, 1000), "quick": (3, 100)}
@@ -57,8 +60,6 @@ SAMPLES = 120
 MAX_TOKENS = 65536
 BATCHES = {"full": 200, "quick": 150}  # each reader (worker) carries its state from its 64th batch on (state_every)
 WORKERS = 2
-TTFB_MS = 50
-SLOW = "ttfb/"  # a path prefix the server answers after TTFB_MS
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
 
@@ -153,102 +154,6 @@ def _buffered(state: dict[str, Any]) -> tuple[float | None, float | None]:
     except (KeyError, TypeError):
         return None, None
     return (shuffle / readers, buckets / readers) if readers else (None, None)
-
-
-# --------------------------------------------------------------------------------------------------
-# a loopback HTTP server (own process) that counts the body bytes it sends and its connections
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    root: Path
-    sent: Any  # multiprocessing.Value
-    gets: Any
-    conns: Any
-    peak: Any
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-    def setup(self) -> None:
-        super().setup()
-        with self.conns.get_lock():
-            self.conns.value += 1
-            self.peak.value = max(self.peak.value, self.conns.value)
-
-    def finish(self) -> None:
-        with contextlib.suppress(OSError):
-            super().finish()
-        with self.conns.get_lock():
-            self.conns.value -= 1
-
-    def do_GET(self) -> None:
-        rel = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path).lstrip("/")
-        if rel.startswith(SLOW):  # the same files, answered after TTFB_MS (an object store's first byte)
-            rel = rel[len(SLOW) :]
-            time.sleep(TTFB_MS / 1000)
-        path = (self.root / rel).resolve()
-        if self.root not in path.parents or not path.is_file():
-            self.send_response(404)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-            return
-        data = path.read_bytes()
-        m = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
-        start = int(m.group(1)) if m else 0
-        stop = min(int(m.group(2)) + 1, len(data)) if m and m.group(2) else len(data)
-        if start >= len(data) and m:
-            self.send_response(416)
-            self.send_header("Content-Range", f"bytes */{len(data)}")
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-            return
-        with self.gets.get_lock():
-            self.gets.value += 1
-        self.send_response(206 if m else 200)
-        self.send_header("Content-Length", str(stop - start))
-        self.send_header("Accept-Ranges", "bytes")
-        self.send_header("ETag", f'"{len(data)}"')
-        if m:
-            self.send_header("Content-Range", f"bytes {start}-{stop - 1}/{len(data)}")
-        if self.headers.get("Connection", "").lower() == "close":
-            self.send_header("Connection", "close")
-        self.end_headers()
-        view = memoryview(data)[start:stop]
-        try:
-            for i in range(0, len(view), 65536):
-                chunk = view[i : i + 65536]
-                self.wfile.write(chunk)
-                with self.sent.get_lock():
-                    self.sent.value += len(chunk)
-        except OSError:
-            self.close_connection = True
-
-
-def _serve(root: str, conn: Any, counters: tuple[Any, ...]) -> None:
-    sent, gets, conns, peak = counters
-    handler = type("Handler", (_Handler,), {"root": Path(root).resolve(), "sent": sent, "gets": gets, "conns": conns, "peak": peak})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    server.daemon_threads = True
-    server.request_queue_size = 1024
-    conn.send(server.server_address[1])
-    server.serve_forever(poll_interval=0.1)
-
-
-@contextlib.contextmanager
-def counting_server(root: Path) -> Iterator[tuple[int, tuple[Any, ...]]]:
-    ctx = multiprocessing.get_context("spawn")
-    counters = (ctx.Value("q", 0), ctx.Value("q", 0), ctx.Value("q", 0), ctx.Value("q", 0))
-    parent, child = ctx.Pipe()
-    process = ctx.Process(target=_serve, args=(str(root), child, counters), daemon=True, name="bench-many-http")
-    process.start()
-    try:
-        if not parent.poll(60):
-            raise RuntimeError("the benchmark HTTP server did not start within 60 s")
-        yield int(parent.recv()), counters
-    finally:
-        process.terminate()
-        process.join(10)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -434,6 +339,11 @@ def checks_for(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     checks.append(common.value_check(NAME, f"state_dict() build ms at {hi} sources", 1e3 * local[hi]["state_s"], 50, "<="))
     if local[hi]["worker_fds"]:
         checks.append(common.value_check(NAME, f"open fds per worker at {hi} sources", max(local[hi]["worker_fds"]), 64, "<="))
+        if lo < hi and local[lo]["worker_fds"]:
+            # What a worker holds besides shards (DataLoader pipes, shared memory, the interpreter):
+            # its fds at `lo` sources less those `lo` shards; the rest must stay within the cap.
+            base = min(local[lo]["worker_fds"]) - lo
+            checks.append(common.value_check(NAME, f"open fds per worker at {hi} sources beyond the {base} of a worker's own", max(local[hi]["worker_fds"]) - base, 64, "<="))
     for r in rows:
         if r.get("read_over_delivered") is not None:
             checks.append(common.value_check(NAME, f"bytes read / delivered at {r['sources']} HTTP sources", r["read_over_delivered"], 1.2, "<="))

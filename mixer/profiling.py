@@ -9,6 +9,8 @@ A source that needs neither is not read at all. The others (:func:`profile_sourc
 * are read in parallel, at most :data:`MAX_CONCURRENT` sources at once, results in source order;
   an error is raised for the first failing source in source order, naming it, as a sequential look
   would, and the warnings are emitted in source order from the calling thread;
+* read at most :data:`MAX_TOTAL_SAMPLES` lengths over all sources (each at least :data:`MIN_SAMPLES`),
+  so a mixture of hundreds of sources does not read (and decode) 2,048 samples of each;
 * read only what they use: remote shards as ranged requests with an end byte, sized from what the
   samples read so far measure (:class:`_Windows`), stopping at ``max_samples``;
 * under ``torch.distributed`` (``Mixture(profile_share=)``), are profiled by rank 0 of the group
@@ -42,6 +44,11 @@ from .tario import read_samples
 log = logging.getLogger(__name__)
 
 MAX_SAMPLES = 2048  # lengths read per source (spread over its shards)
+MAX_TOTAL_SAMPLES = 65_536
+"""Lengths read over all the sources looked at together: beyond 32 sources each reads fewer than
+:data:`MAX_SAMPLES`, down to :data:`MIN_SAMPLES`, so start-up grows far slower than the source count
+(at 100 sources, 655 each: 16 equal-mass bucket edges still rest on ~40 lengths apiece)."""
+MIN_SAMPLES = 512
 MAX_SHARDS = 3  # shards read per source: the first, the middle and the last
 MAX_CONCURRENT = 16
 """Sources profiled at once (threads; each holds at most one open shard). Enough to hide 50-100 ms
@@ -282,10 +289,12 @@ def profile_sources(
     max_samples: int = MAX_SAMPLES,
     max_shards: int = MAX_SHARDS,
     concurrency: int | None = None,
+    max_total: int = MAX_TOTAL_SAMPLES,
 ) -> list[Profile]:
     """The profile of every source, in source order (see the module docstring): ``"given"`` for a
     source that needs none (:func:`needs_profile`), else from ``cache`` (a directory, or None for
-    no cache) or read, ``concurrency`` (None: :data:`MAX_CONCURRENT`) sources at once. ``share``: None shares the look over the
+    no cache) or read, ``concurrency`` (None: :data:`MAX_CONCURRENT`) sources at once, each at most
+    ``max_samples`` lengths and together about ``max_total`` (see :data:`MAX_TOTAL_SAMPLES`). ``share``: None shares the look over the
     process group ``group`` (None: the default group) when one with more than one rank is
     initialized; True requires one; False looks on every rank. Sharing is a collective: every rank
     of the group must build the mixture."""
@@ -296,6 +305,7 @@ def profile_sources(
     if not todo:
         return out
     shared = _share_group(share, group)
+    max_samples = min(max_samples, max(MIN_SAMPLES, max_total // len(todo)))
 
     def look() -> list[Profile]:
         return _look_all([listed[i] for i in todo], budget, cache, max_samples, max_shards, concurrency or MAX_CONCURRENT)

@@ -53,7 +53,8 @@ MAX_SHARDS = 3  # shards read per source: the first, the middle and the last
 MAX_CONCURRENT = 16
 """Sources profiled at once (threads; each holds at most one open shard). Enough to hide 50-100 ms
 of time to first byte over a hundred sources, few enough not to stampede one object store."""
-FIRST_WINDOW = 1 << 20  # bytes the first request for a source asks for, before any sample is measured
+FIRST_WINDOW = 1 << 20  # the most the first request for a source asks for, before any sample is measured
+FIRST_BYTES_PER_SAMPLE = 2048  # ... sized for the samples wanted at this many bytes each (token samples are ~1-2 kB)
 MIN_WINDOW = 64 << 10  # the least a request asks for
 SLACK = 1.15  # requests ask for this much more than the samples measured so far predict
 
@@ -182,7 +183,8 @@ def _look(
     """Read up to ``max_samples`` samples from up to ``max_shards`` shards spread over the sorted
     list (the same number from each); the size is always the estimate. Runs once per job; the
     result travels to every reader with the mixture. Remote shards are read with ranged requests that end about where the last sample
-    wanted ends (the first request of a source asks for :data:`FIRST_WINDOW` bytes; later ones for
+    wanted ends (the first request of a source asks for :data:`FIRST_BYTES_PER_SAMPLE` per sample wanted, at most
+    :data:`FIRST_WINDOW` bytes; later ones for
     what the samples measured so far predict).
 
     Every sample read is judged as a reader judges it (:func:`make_sample`'s decode, length policy
@@ -215,7 +217,7 @@ def _look(
         got: list[int] = []
         stream = None
         bps = seen_bytes / seen_samples if seen_samples else 0.0
-        want = math.ceil((per_shard + 1) * bps * SLACK) if bps else FIRST_WINDOW
+        want = math.ceil((per_shard + 1) * bps * SLACK) if bps else min(FIRST_WINDOW, per_shard * FIRST_BYTES_PER_SAMPLE)
         try:
             with _open(url, source, want, listed.shard_bytes[shard]) as stream:
                 for raw in read_samples(stream, url=storage.redact(url)):

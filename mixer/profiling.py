@@ -12,7 +12,7 @@ A source that needs neither is not read at all. The others (:func:`profile_sourc
 * read at most :data:`MAX_TOTAL_SAMPLES` lengths over all sources (each at least :data:`MIN_SAMPLES`),
   so a mixture of hundreds of sources does not read (and decode) 2,048 samples of each;
 * read only what they use: remote shards as ranged requests with an end byte, sized from what the
-  samples read so far measure (:class:`_Windows`), stopping at ``max_samples``;
+  samples read so far measure (:class:`mixer.storage.windows.WindowedStream`), stopping at ``max_samples``;
 * under ``torch.distributed`` (``Mixture(profile_share=)``), are profiled by rank 0 of the group
   only, and the result (or the error) is broadcast to the other ranks, which read nothing.
 """
@@ -36,7 +36,7 @@ from .errors import ConfigError, MixerError, SampleError, ShardError
 from .profile_cache import ProfileCache, cache_key, lengths_of
 from .source import ListedSource, Source
 from .storage.compressed import codec_of
-from .storage.streams import ForwardStream
+from .storage.windows import MIN_WINDOW, WindowedStream  # noqa: F401 (MIN_WINDOW: the least a window asks for)
 from .storage.urls import is_local, scheme_of
 from .stream import Counters, _decoded, _fit, _skip_or_raise
 from .tario import read_samples
@@ -55,7 +55,6 @@ MAX_CONCURRENT = 16
 of time to first byte over a hundred sources, few enough not to stampede one object store."""
 FIRST_WINDOW = 1 << 20  # the most the first request for a source asks for, before any sample is measured
 FIRST_BYTES_PER_SAMPLE = 2048  # ... sized for the samples wanted at this many bytes each (token samples are ~1-2 kB)
-MIN_WINDOW = 64 << 10  # the least a request asks for
 SLACK = 1.15  # requests ask for this much more than the samples measured so far predict
 
 Origin = Literal["read", "cache", "given"]
@@ -90,78 +89,16 @@ def _picks(n: int, max_shards: int) -> list[int]:
     return sorted({round(i * (n - 1) / max(max_shards - 1, 1)) for i in range(min(max_shards, n))})
 
 
-class _Windows(ForwardStream):
-    """A remote shard from its start as successive ranged requests, each with an end byte, so the
-    server sends about what is read: ``want`` is the size of the next request (the profiler keeps it
-    at what the samples still wanted are measured to need), never less than :data:`MIN_WINDOW`."""
-
-    def __init__(self, url: str, open_kwargs: dict[str, Any], want: int, size: int | None) -> None:
-        super().__init__()
-        self.url = url
-        self.want = want
-        self.size = size
-        self.requests = 0
-        self._kwargs = open_kwargs
-        self._cur: BinaryIO | None = None
-        self._end = 0
-        self._retries = 0
-
-    @property
-    def retries(self) -> int:
-        return self._retries + int(getattr(self._cur, "retries", 0))
-
-    def _next(self) -> bool:
-        if self._cur is not None:
-            if self._pos < self._end:  # the last window ended early: so did the shard
-                return False
-            self._retries += int(getattr(self._cur, "retries", 0))
-            self._cur.close()
-            self._cur = None
-        if self.size is not None and self._pos >= self.size:
-            return False
-        end = self._pos + max(self.want, MIN_WINDOW)
-        if self.size is not None:
-            end = min(end, self.size)
-        self._cur = storage.open_shard(self.url, start_offset=self._pos, end_offset=end, **self._kwargs)
-        self._end = end
-        self.requests += 1
-        told = getattr(self._cur, "size", None)
-        if told is not None:
-            self.size = int(told)
-        return True
-
-    def read(self, size: int | None = -1) -> bytes:
-        if size is None or size < 0:
-            parts = []
-            while chunk := self.read(1 << 20):
-                parts.append(chunk)
-            return b"".join(parts)
-        while True:
-            if self._cur is not None:
-                data = self._cur.read(size)
-                if data or size == 0:
-                    self._pos += len(data)
-                    return data
-            if not self._next():
-                return b""
-
-    def read1(self, size: int = -1) -> bytes:
-        return self.read(size if size >= 0 else 1 << 20)
-
-    def _release(self) -> None:
-        if self._cur is not None:
-            self._retries += int(getattr(self._cur, "retries", 0))
-            self._cur.close()
-            self._cur = None
-
-
 def _open(url: str, source: Source, want: int, size: int | None) -> BinaryIO:
     kwargs = {"storage_options": dict(source.storage_options or {}), "allow_pipe": source.allow_pipe,
               **storage.IOOptions.of(source.io_options).open_kwargs()}  # fmt: skip
     scheme = scheme_of(url)
     if is_local(scheme) or scheme == "pipe" or codec_of(url) is not None:
         return storage.open_shard(url, **kwargs)  # local: no over-read to bound; compressed: from the start
-    return cast(BinaryIO, _Windows(url, kwargs, want, size))
+    def open_range(start: int, end: int) -> BinaryIO:
+        return storage.open_shard(url, start_offset=start, end_offset=end, **kwargs)
+
+    return cast(BinaryIO, WindowedStream(open_range, want=want, size=size))
 
 
 def _given(p: Profile, source: Source) -> Profile:
@@ -225,7 +162,7 @@ def _look(
                         start = raw["__offset__"]
                     end = raw["__end__"]
                     count += 1
-                    if isinstance(stream, _Windows):  # what the samples still wanted will take
+                    if isinstance(stream, WindowedStream):  # what the samples still wanted will take
                         stream.want = math.ceil((per_shard - count + 1) * (end - start) / count * SLACK)
                     try:
                         decoded = _decoded(source, raw, scratch)

@@ -163,6 +163,7 @@ class SourceStream:
         self._shards = open_shards if open_shards is not None else storage.OpenShards(io.max_open_shards)
         self._suspended = False  # closed by the cap mid-shard: the next open is a reopen
         self._cold = False  # suspended since its last fresh shard: read too rarely to read ahead for
+        self._visit = 0  # bytes taken before the last suspension: a cold stream's requests ask for ~2x that
         self._opened_at = 0
         self._warned_shards: set[int] = set()
 
@@ -310,7 +311,7 @@ class SourceStream:
         self._opened_at = self.next_offset
         try:
             upcoming = (self.listed.shards[s.shard] for s in self._plan(self.epoch)[self.slice_pos + 1 :] if ahead)
-            self._handle = self._ahead.open(url, self.next_offset, upcoming)
+            self._handle = self._ahead.open(url, self.next_offset, upcoming, window=None if ahead else 2 * self._visit)
         except ShardError as exc:
             self.counters.retries += getattr(exc, "retries", 0)
             # Raised from inside the sample loop, where the on_error policy applies.
@@ -333,6 +334,7 @@ class SourceStream:
     def suspend(self) -> None:
         """Close the shard and its read-ahead, keeping the position (reopened at ``next_offset``)."""
         if self._handle is not None:
+            self._visit = self.next_offset - self._opened_at
             self._close()
             self._ahead.close()
             self._suspended = self._cold = True

@@ -11,6 +11,7 @@ One concern per module, from the bottom up:
   the listed URLs held compactly (prefix, suffix, and a run of numbers or packed parts).
 * `streams`, `remote`, `pump`, `backends`: `RemoteStream`, which resumes at the byte after a fault;
   the async pump that reads a response ahead; HTTP, S3, other fsspec protocols and ``pipe:``.
+* `windows`: `WindowedStream`, a shard as ranged requests with an end byte (about what is read).
 * `pool`: `ConnectionPool`, at most ``max_connections`` open responses per process for all sources.
 * `compressed`: ``.tar.gz`` / ``.tgz`` / ``.tar.xz`` shards, decompressed as they stream.
 * `shard`: `open_shard` and `ReadAhead`, what the readers call.

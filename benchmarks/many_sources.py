@@ -339,11 +339,13 @@ def checks_for(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     checks.append(common.value_check(NAME, f"state_dict() build ms at {hi} sources", 1e3 * local[hi]["state_s"], 50, "<="))
     if local[hi]["worker_fds"]:
         checks.append(common.value_check(NAME, f"open fds per worker at {hi} sources", max(local[hi]["worker_fds"]), 64, "<="))
-        if lo < hi and local[lo]["worker_fds"]:
-            # What a worker holds besides shards (DataLoader pipes, shared memory, the interpreter):
-            # its fds at `lo` sources less those `lo` shards; the rest must stay within the cap.
-            base = min(local[lo]["worker_fds"]) - lo
-            checks.append(common.value_check(NAME, f"open fds per worker at {hi} sources beyond the {base} of a worker's own", max(local[hi]["worker_fds"]) - base, 64, "<="))
+        if lo < hi and len(local[lo]["worker_fds"]) == len(local[hi]["worker_fds"]):
+            # What a worker holds besides shards (DataLoader pipes, shared memory, the interpreter;
+            # the workers differ by a few): its fds at `lo` sources less those `lo` shards, paired
+            # worker for worker in sorted order; the rest must stay within the cap.
+            own = [f - lo for f in sorted(local[lo]["worker_fds"])]
+            beyond = max(f - o for f, o in zip(sorted(local[hi]["worker_fds"]), own))
+            checks.append(common.value_check(NAME, f"open fds per worker at {hi} sources beyond a worker's own ({own})", beyond, 64, "<="))
     for r in rows:
         if r.get("read_over_delivered") is not None:
             checks.append(common.value_check(NAME, f"bytes read / delivered at {r['sources']} HTTP sources", r["read_over_delivered"], 1.2, "<="))

@@ -140,18 +140,24 @@ def _fds(pid: int) -> int | None:
 
 
 def _buffered(state: dict[str, Any]) -> tuple[float | None, float | None]:
-    """Samples per reader held in shuffle buffers / in bucket buffers, from the state's lists of
-    locations (the state format of today; None where it says otherwise)."""
+    """Samples per reader held in shuffle buffers / in bucket buffers, from the locations the saved
+    state lists (expanded with ``mixer.checkpoint.readable``); None where the format says otherwise."""
     shuffle, buckets, readers = 0, 0, 0
     try:
         for reader in state["readers"]:
-            st = reader.get("state")
-            if st is None:
+            if reader.get("snapshot") is None:
                 continue
+            snap = reader["snapshot"]
             readers += 1
-            shuffle += sum(len(s["buffer"]) for s in st["streams"])
-            buckets += sum(len(group) for b in st["bucketers"] for group in (*b["buffers"], *b["ready"]))
-    except (KeyError, TypeError):
+            if isinstance(snap["streams"], dict):  # the columnar state (version 5 on); before: one dict per source
+                from mixer.checkpoint import buffered
+
+                a, b = buffered(snap)
+                shuffle, buckets = shuffle + a, buckets + b
+                continue
+            shuffle += sum(len(s["buffer"]) for s in snap["streams"])
+            buckets += sum(len(group) for b in snap["batchers"] for group in (*b["buffers"], *b["ready"]))
+    except (KeyError, TypeError, ValueError):
         return None, None
     return (shuffle / readers, buckets / readers) if readers else (None, None)
 

@@ -18,6 +18,16 @@ and keeps its part), and the load imbalance max/mean of bytes per reader, from t
 imbalance: a lower bound that no whole-shard assignment can beat, max(mean, largest shard, two of
 the `readers + 1` largest shards on one reader, the ceil(shards / readers) smallest shards on one
 reader) / mean: when the plan sits on the bound, the shards, not the split, limit the balance.
+
+With a shard index (`kind="index"`, issue 15): the plan splits shards by sample ranges balanced by
+tokens (`mixer.shards.range_bounds`). The index is synthetic and exact: shard i holds a lognormal
+number of samples (median `INDEX_SAMPLES`, sigma 0.5, so shard sizes are lognormal too) whose token
+lengths are a run of one pool of lognormal lengths (median 400 tokens, sigma 1.0) starting at a
+random place; per-shard totals come from the pool's cumulative sum, so no sample is stored twice.
+The imbalance is max/mean tokens per reader over all readers' ranges (the ranges are checked to
+tile the epoch's samples in order, so every sample, and byte, is read exactly once: no I/O
+amplification, where without an index fewer shards than readers means every sharing reader reads
+the whole shard).
 """
 
 from __future__ import annotations
@@ -44,7 +54,7 @@ class Scenario:
     shards: int
     ranks: int
     workers: int
-    sizes: str  # "lognormal", "writer" or "unknown" (round-robin by count, sizes not passed)
+    sizes: str  # "lognormal", "writer", "unknown" (round-robin by count, sizes not passed) or "index"
     sigma: float = 0.5
     target: bool = False  # the issue's target scenario: judged PASS/MISS
 
@@ -76,8 +86,83 @@ def lower_bound(sizes: np.ndarray, readers: int) -> float:
     return max(bound, float(s[len(s) - k :].sum()))
 
 
+INDEX_SAMPLES = 1000  # median samples per shard of the synthetic index
+POOL = 1 << 22  # lognormal lengths the synthetic shards take their runs from
+
+
+class SyntheticIndex:
+    """A shard index as `mixer.shards.plan` reads it (the `Ranges` protocol), made up exactly."""
+
+    def __init__(self, n: int, *, seed: int = 0) -> None:
+        rng = np.random.default_rng([seed, n, 1])
+        self.pool = np.rint(rng.lognormal(math.log(400), 1.0, POOL)).clip(1, 32768).astype(np.int64)
+        cum = np.zeros(POOL + 1, dtype=np.int64)
+        np.cumsum(self.pool, out=cum[1:])
+        self.counts = np.rint(rng.lognormal(math.log(INDEX_SAMPLES), 0.5, n)).clip(1, POOL).astype(np.int64)
+        self.first = (rng.random(n) * (POOL - self.counts + 1)).astype(np.int64)
+        self.tokens = cum[self.first + self.counts] - cum[self.first]
+        self.weights = self.tokens  # every length >= 1
+
+    def lengths(self, shard: int) -> np.ndarray:
+        return self.pool[self.first[shard] : self.first[shard] + self.counts[shard]]
+
+    def offsets(self, shard: int) -> np.ndarray:  # 4 bytes per token plus a 1 KB header per sample, in blocks
+        blocks = (self.lengths(shard) * 4 + 1024 + 511) // 512
+        return np.concatenate([[0], np.cumsum(blocks)]) * 512
+
+    def whole(self, shard: int) -> bool:
+        return True
+
+
+def simulate_index(sc: Scenario, *, timed_readers: int = 5, seed: int = 0) -> dict:
+    from mixer.shards import plan, range_bounds, shard_order
+    from mixer.world import World
+
+    index = SyntheticIndex(sc.shards, seed=seed)
+    readers = sc.readers
+    picks = sorted({round(i * (readers - 1) / max(timed_readers - 1, 1)) for i in range(timed_readers)})
+    times, plans = [], {}
+    for reader in picks:
+        world = World(rank=reader // sc.workers, world_size=sc.ranks, worker=reader % sc.workers, num_workers=sc.workers)
+        t0 = time.perf_counter()
+        plans[reader] = plan(sc.shards, world, seed=seed, source="web", epoch=0, index=index)
+        times.append(time.perf_counter() - t0)
+    # every reader's start at once, for the loads: reader r reads from bounds[r] up to bounds[r + 1]
+    order = np.asarray(shard_order(sc.shards, seed=seed, source="web", epoch=0), dtype=np.int64)
+    bounds = range_bounds(order, index, readers, list(range(readers + 1)))
+    place = np.array([p for p, _ in bounds], dtype=np.int64)
+    at = np.array([i for _, i in bounds], dtype=np.int64)
+    if (np.diff(place) < 0).any() or ((np.diff(place) == 0) & (np.diff(at) < 0)).any():
+        raise AssertionError(f"{sc.label}: the readers' ranges are not in order (samples would be read twice or never)")
+    cum = np.zeros(sc.shards + 1, dtype=np.int64)
+    np.cumsum(index.tokens[order], out=cum[1:])
+    inside = np.array([int(index.lengths(int(order[p]))[:i].sum()) if p < sc.shards else 0 for p, i in bounds], dtype=np.int64)
+    before = cum[place] + inside  # tokens before each reader's first sample, in the epoch's order
+    loads = np.diff(before)
+    if int(before[0]) != 0 or int(before[-1]) != int(cum[-1]):
+        raise AssertionError(f"{sc.label}: tokens lost or duplicated")
+    for reader, slices in plans.items():  # the timed plans are the readers' runs
+        got = sum(int(index.lengths(s.shard)[s.start : s.stop].sum()) for s in slices)
+        if got != int(loads[reader]):
+            raise AssertionError(f"{sc.label}: reader {reader}'s plan ({got} tokens) differs from the full split ({int(loads[reader])})")
+    # ranges per reader and how many readers share a shard (their reads are disjoint byte ranges)
+    spans = np.diff(place) + (at[1:] > 0)
+    mean = float(loads.mean())
+    return {
+        "label": sc.label, "shards": sc.shards, "ranks": sc.ranks, "workers": sc.workers, "readers": readers,
+        "sizes": sc.sizes, "sigma": 0.5, "target": sc.target, "shards_per_reader": sc.shards / readers,
+        "total_tokens": int(cum[-1]), "largest_over_median": float(index.counts.max() / np.median(index.counts)),
+        "plan_s_median": statistics.median(times), "plan_s_max": max(times), "plan_s": times, "timed_readers": picks,
+        "imbalance": float(loads.max()) / mean, "lower_bound": 1.0, "min_over_mean": float(loads.min()) / mean,
+        "shards_per_reader_min_max": [int(spans.min()), int(spans.max())],
+    }  # fmt: skip
+
+
 def simulate(sc: Scenario, *, timed_readers: int = 5, seed: int = 0) -> dict:
     from mixer.shards import _owners_by_size, plan, shard_order
+
+    if sc.sizes == "index":
+        return simulate_index(sc, timed_readers=timed_readers, seed=seed)
     from mixer.world import World
 
     sizes = shard_sizes(sc.sizes, sc.shards, sigma=sc.sigma, seed=seed)
@@ -140,8 +225,12 @@ def scenarios(quick: bool) -> list[Scenario]:
             Scenario("lognormal, 1e4 shards, 256x16 readers", 10_000, 256, 16, "lognormal", target=True),
             Scenario("lognormal, 1e4 shards, 16x16 readers", 10_000, 16, 16, "lognormal"),
             Scenario("writer sizes, 1e4 shards, 256x16 readers", 10_000, 256, 16, "writer"),
+            Scenario("index, 6144 shards, 256x16 readers", 6_144, 256, 16, "index", target=True),
         ]
     return [
+        Scenario("index, 1e5 shards, 4096x16 readers", 100_000, 4096, 16, "index", target=True),
+        Scenario("index, 1e6 shards, 4096x16 readers", 1_000_000, 4096, 16, "index", target=True),
+        Scenario("index, 1e3 shards, 4096x16 readers", 1_000, 4096, 16, "index"),
         Scenario("lognormal, 1e5 shards, 4096x16 readers", 100_000, 4096, 16, "lognormal", target=True),
         Scenario("writer sizes, 1e5 shards, 4096x16 readers", 100_000, 4096, 16, "writer"),
         Scenario("unknown sizes (by count), 1e5 shards, 4096x16", 100_000, 4096, 16, "unknown"),
@@ -152,6 +241,14 @@ def scenarios(quick: bool) -> list[Scenario]:
 
 
 def to_row(r: dict) -> dict:
+    if r["sizes"] == "index":
+        note = (
+            f"{r['readers']:,} readers, {r['shards_per_reader']:.2f} shards/reader (shards touched per reader "
+            f"{r['shards_per_reader_min_max'][0]}-{r['shards_per_reader_min_max'][1]}); plan {1e3 * r['plan_s_median']:.0f} ms/reader "
+            f"(max {1e3 * r['plan_s_max']:.0f}); imbalance {r['imbalance']:.4f} max/mean tokens (min/mean {r['min_over_mean']:.4f}); "
+            "each byte read once (disjoint byte ranges)"
+        )
+        return {"bench": NAME, "method": r["label"], "label": r["label"], "kind": "plan", "status": "ok", "note": note, **r}
     note = (
         f"{r['readers']:,} readers, {r['shards_per_reader']:.1f} shards/reader ({r['shards_per_reader_min_max'][0]}-"
         f"{r['shards_per_reader_min_max'][1]}); plan {1e3 * r['plan_s_median']:.0f} ms/reader (max {1e3 * r['plan_s_max']:.0f}); "
@@ -166,7 +263,9 @@ def checks_for(results: list[dict]) -> list[dict]:
     for r in results:
         judged = 1.0 if r["target"] else None
         checks.append(common.value_check(NAME, f"{r['label']}: plan time per reader, max s", r["plan_s_max"], judged, "<="))
-        if r["sizes"] != "unknown":
+        if r["sizes"] == "index":
+            checks.append(common.value_check(NAME, f"{r['label']}: imbalance max/mean tokens", r["imbalance"], 1.05 if r["target"] else None, "<="))
+        elif r["sizes"] != "unknown":
             checks.append(
                 common.value_check(NAME, f"{r['label']}: imbalance max/mean bytes", r["imbalance"], 1.05 if r["target"] else None, "<=")
             )
@@ -195,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shards", type=float, default=1e5)
     p.add_argument("--ranks", type=int, default=4096)
     p.add_argument("--workers", type=int, default=16)
-    p.add_argument("--sizes", choices=("lognormal", "writer", "unknown"), default="lognormal")
+    p.add_argument("--sizes", choices=("lognormal", "writer", "unknown", "index"), default="lognormal")
     p.add_argument("--sigma", type=float, default=0.5, help="lognormal sigma of the shard sizes")
     p.add_argument("--timed-readers", type=int, default=5)
     opts = p.parse_args(argv)

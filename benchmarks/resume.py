@@ -145,16 +145,17 @@ def measure(shards: common.ShardSet, num_workers: int, rounds: int, max_tokens: 
 def reread_span(state: dict[str, Any]) -> dict[str, float]:
     """What restoring ``state`` reads again, about: per (reader, source, shard), the runs of buffered
     offsets that mixer.reread.reread reads through (neighbours closer than its gap), summed."""
+    from mixer.checkpoint import readable
     from mixer.reread import _REREAD_GAP, _runs
 
     span = 0
     for reader in state["readers"]:
-        saved = reader["snapshot"] or {"streams": [], "batchers": []}
+        saved = readable(reader["snapshot"]) if reader["snapshot"] else {"streams": [], "batchers": []}
         for stream, bucketer in zip(saved["streams"], saved["batchers"]):
             by_shard: dict[int, list[int]] = {}
             for shard, offset in stream["buffer"]:
                 by_shard.setdefault(int(shard), []).append(int(offset))
-            for group in (*bucketer["ready"], *bucketer["buffers"]):
+            for group in (*bucketer["ready"], bucketer["items"]):
                 for shard, offset in group:
                     by_shard.setdefault(int(shard), []).append(int(offset))
             span += sum(run[-1] - run[0] for o in by_shard.values() for run in _runs(sorted(set(o)), _REREAD_GAP))

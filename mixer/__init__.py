@@ -14,6 +14,7 @@ from .loader import Loader, make_loader
 from .mixture import Mixture
 from .config import MixtureConfig, build_mixture, load_config, parse_config
 from .hierarchical import Hierarchical
+from .index import build_index, load_index
 from .schedule import Curriculum, Floored, Phase, Schedule, SourceInfo, Static, Temperature, Weights
 from .source import Source
 from .stats import log_every
@@ -47,8 +48,10 @@ __all__ = [
     "Temperature",
     "TokenBudget",
     "Weights",
+    "build_index",
     "build_mixture",
     "load_config",
+    "load_index",
     "log_every",
     "make_loader",
     "parse_config",

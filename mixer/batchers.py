@@ -17,7 +17,7 @@ import bisect
 import heapq
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 from .errors import SampleError, StateError
 from .budget import Packed
@@ -28,23 +28,30 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+# The least padding efficiency (estimated at bucket edges) of a batch a bucketer releases early
+# because a reader's buffer budget caps it (see Bucketer.release).
+RELEASE_EFFICIENCY = 0.95
+
 
 class Batcher(Protocol[T]):
     """Level 2, as the mixing loops use it (:class:`Bucketer` and :class:`Packer`). Items are
     samples, or ``(source, sample)`` pairs when one batcher serves every source (``mix="sample"``).
 
     ``ready`` holds the batches that may leave, oldest first (a batch is a list of items); ``held``
-    is what the buffers hold in padded tokens. ``add`` buffers an item and says whether a batch is
-    ready; ``release(hold)`` makes one ready early when the buffers hold more than ``hold``;
+    is what the buffers hold in padded tokens, ``count`` how many items (``ready`` aside). ``add``
+    buffers an item and says whether a batch is ready; ``release(hold, items)`` makes one ready early
+    when the buffers hold more than ``hold`` padded tokens or more than ``items`` items;
     ``drain`` yields every batch left at the end of a finite pass. State: see
     :class:`~mixer.checkpoint.Rereads` (``load_state_dict``, then ``locations`` and ``attach``)."""
 
     ready: deque[Any]
     held: int
+    count: int
+    STATE_DEPTHS: ClassVar[dict[str, int]]
 
     def add(self, item: T, length: int) -> bool: ...
 
-    def release(self, hold: int) -> bool: ...
+    def release(self, hold: int, items: int = ...) -> bool: ...
 
     def drain(self) -> Iterator[list[T]]: ...
 
@@ -86,10 +93,12 @@ class Bucketer(Generic[T]):
         # Per bucket: batches emitted when its oldest item arrived.
         self._opened = [0] * len(self.edges)
         self.held = 0
+        self.count = 0  # items in the buffers (a reader's buffer budget caps it)
         self._restoring: dict[str, Any] | None = None  # a loaded state waiting for its samples
 
     def add(self, item: T, length: int) -> bool:
         """Buffer ``item``; returns whether a batch is ready."""
+        self.count += 1
         b = bisect.bisect_left(self.edges, length)
         buf = self.buffers[b]
         if not buf:
@@ -106,45 +115,58 @@ class Bucketer(Generic[T]):
                 self._take(old)
         return bool(self.ready)
 
-    def release(self, hold: int) -> bool:
-        """When the buffers hold more than ``hold`` padded tokens and no batch is ready, put the
-        largest batch they can make on ``ready``: for some bucket ``b``, up to ``capacity[b]``
-        items from ``b`` and then from the buckets below it (shorter samples, padded to ``b``'s
-        edge; oldest first), ``b`` chosen for the most real tokens times padding efficiency (both
-        estimated at bucket edges; the shortest of equals). Returns whether a batch is ready."""
-        if self.held <= hold or self.ready:
+    def release(self, hold: int, items: int = 1 << 62) -> bool:
+        """When the buffers hold more than ``hold`` padded tokens (or ``items`` items) and no batch
+        is ready, put the largest batch they can make on ``ready``: for some bucket ``b``, up to
+        ``capacity[b]`` items from ``b`` and then from the buckets below it (shorter samples, padded
+        to ``b``'s edge; oldest first), ``b`` chosen for the most real tokens times padding
+        efficiency (both estimated at bucket edges; the shortest of equals). When only ``items`` is
+        exceeded (a reader's buffer budget, shared by many sources, leaves this one a few dozen
+        samples, and buckets then rarely fill), the buckets below top the batch up only while its
+        estimated padding efficiency stays at least :data:`RELEASE_EFFICIENCY`: a smaller batch
+        rather than one padded to a longer bucket's edge. Returns whether a batch is ready."""
+        if (self.held <= hold and self.count <= items) or self.ready:
             return bool(self.ready)
-        best, best_b = -1.0, 0
+        floor = RELEASE_EFFICIENCY if self.held <= hold else 0.0
+        best, best_b, best_plan = -1.0, 0, []
         for b in range(len(self.buffers)):
             if not self.buffers[b]:
                 continue
-            room, value = self.capacity[b], 0
-            for k in range(b, -1, -1):
-                t = min(len(self.buffers[k]), room)
-                value += t * self.edges[k]
-                room -= t
-                if not room:
-                    break
+            plan = self._top_up(b, floor)
+            value = sum(t * self.edges[k] for k, t in plan)
             score = value * value / (self.capacity[b] * self.edges[b])  # real tokens x padding efficiency
             if score > best:
-                best, best_b = score, b
+                best, best_b, best_plan = score, b, plan
         batch: list[T] = []
-        room = self.capacity[best_b]
-        for k in range(best_b, -1, -1):
+        for k, t in best_plan:
             buf = self.buffers[k]
-            t = min(len(buf), room)
             batch += buf[:t]
             self.buffers[k] = buf[t:]
             self.held -= t * self.edges[k]
-            room -= t
-            if not room:
-                break
+            self.count -= t
         self.ready.append(batch)
         self.emitted += 1
         return True
 
+    def _top_up(self, b: int, floor: float) -> list[tuple[int, int]]:
+        """How many items to take from bucket ``b`` and the ones below it, ``[(bucket, count)]``:
+        up to ``capacity[b]``, keeping ``real / (count * edges[b]) >= floor`` (at bucket edges)."""
+        room, value, n, eb = self.capacity[b], 0, 0, self.edges[b]
+        plan = []
+        for k in range(b, -1, -1):
+            t, ek = min(len(self.buffers[k]), room), self.edges[k]
+            if ek < floor * eb:  # (value + t ek) / ((n + t) eb) >= floor bounds t
+                t = min(t, max(int((value - floor * n * eb) // (floor * eb - ek)), 0))
+            if t:
+                plan.append((k, t))
+                value, n, room = value + t * ek, n + t, room - t
+            if not room or ek < floor * eb:
+                break
+        return plan
+
     def _take(self, b: int) -> None:
         self.held -= len(self.buffers[b]) * self.edges[b]
+        self.count -= len(self.buffers[b])
         self.ready.append(self.buffers[b])
         self.buffers[b] = []
         self.emitted += 1
@@ -161,38 +183,56 @@ class Bucketer(Generic[T]):
     def __len__(self) -> int:
         return sum(len(b) for b in self.buffers) + sum(len(r) for r in self.ready)
 
-    STATE_KEYS = ("buffers", "ready", "emitted", "opened", "waiting")
+    # How deep each field's lists go (locations are lists of ints), as mixer.compact packs them.
+    STATE_DEPTHS: ClassVar[dict[str, int]] = {"buckets": 2, "items": 2, "ready": 3, "emitted": 0, "waiting": 2}
 
     def state_dict(self) -> dict[str, Any]:
+        """Only the buckets that hold items: ``buckets`` ``[bucket, opened, count]`` and their
+        ``items`` one after the other (a reader has a bucketer per source with dozens of buckets,
+        nearly all empty; an empty bucket's ``opened`` is never read again)."""
         locate = self.locate
+        if not self.count:
+            buckets: list[list[int]] = []
+            items: list[Location] = []
+        else:
+            full = [b for b, buf in enumerate(self.buffers) if buf]
+            buckets = [[b, self._opened[b], len(self.buffers[b])] for b in full]
+            items = [locate(x) for b in full for x in self.buffers[b]]
         return {
-            "buffers": [list(map(locate, buf)) for buf in self.buffers],
+            "buckets": buckets,
+            "items": items,
             "ready": [list(map(locate, batch)) for batch in self.ready],
             "emitted": self.emitted,
-            "opened": list(self._opened),
             "waiting": [list(w) for w in self._waiting],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        expect_keys("bucketer", state, self.STATE_KEYS)
-        if len(state["buffers"]) != len(self.edges):
-            raise StateError(f"bucketer state: 'buffers' has {len(state['buffers'])} buckets, this mixture {len(self.edges)}")
+        expect_keys("bucketer", state, tuple(self.STATE_DEPTHS))
+        buckets = [(int(b), int(o), int(n)) for b, o, n in state["buckets"]]
+        if any(not 0 <= b < len(self.edges) for b, _, _ in buckets) or sum(n for _, _, n in buckets) != len(state["items"]):
+            raise StateError(f"bucketer state: 'buckets' {buckets[:3]}... do not fit {len(self.edges)} buckets and {len(state['items'])} items")
         self.emitted = int(state["emitted"])
-        self._opened = [int(x) for x in state["opened"]]
+        self._opened = [0] * len(self.edges)
+        for b, opened, _ in buckets:
+            self._opened[b] = opened
         self._waiting = [(int(a), int(b)) for a, b in state["waiting"]]
-        self._restoring = state
+        self._restoring = dict(state, buckets=buckets)
 
     def locations(self) -> Iterator[Location]:
         assert self._restoring is not None
-        for group in (*self._restoring["ready"], *self._restoring["buffers"]):
+        for group in (*self._restoring["ready"], self._restoring["items"]):
             for loc in group:
                 yield tuple(loc)
 
     def attach(self, lookup: Callable[[Location], T]) -> None:
         state, self._restoring = self._restoring, None
         assert state is not None
-        self.buffers = [[lookup(tuple(x)) for x in buf] for buf in state["buffers"]]
+        items = iter(state["items"])
+        self.buffers = [[] for _ in self.edges]
+        for b, _, n in state["buckets"]:
+            self.buffers[b] = [lookup(tuple(x)) for _, x in zip(range(n), items)]
         self.held = sum(len(buf) * e for buf, e in zip(self.buffers, self.edges))
+        self.count = sum(map(len, self.buffers))
         self.ready = deque([lookup(tuple(x)) for x in batch] for batch in state["ready"])
 
 
@@ -240,10 +280,14 @@ class Packer(Generic[T]):
         self.open: list[_Open[T]] = []
         self.ready: deque[PackedGroup[T]] = deque()
         self.emitted = 0
-        self.held = 0  # never more than open_batches batches: nothing for release() to cap
+        self.held = 0  # never more than open_batches batches: nothing for release() to cap in tokens
+        self.count = 0  # pieces in the open batches (a split document counts once per piece)
         self._restoring: dict[str, Any] | None = None  # a loaded state waiting for its samples
 
-    def release(self, hold: int) -> bool:
+    def release(self, hold: int, items: int = 1 << 62) -> bool:
+        """Over ``items`` pieces and no batch ready: the oldest open batch leaves, part-filled."""
+        if not self.ready and self.count > items and self.open:
+            self._emit(self.open.pop(0))
         return bool(self.ready)
 
     def add(self, item: T, length: int) -> bool:
@@ -293,6 +337,7 @@ class Packer(Generic[T]):
 
     def _place(self, batch: _Open[T], row: int, item: T, start: int, count: int) -> None:
         batch.pieces.append((item, row, self.row_len - batch.free[row], start, count))
+        self.count += 1
         batch.free[row] -= count
         batch.left -= count
 
@@ -311,6 +356,7 @@ class Packer(Generic[T]):
         return bool(self.ready)
 
     def _emit(self, batch: _Open[T]) -> None:
+        self.count -= len(batch.pieces)
         self.ready.append(self._group(batch.pieces))
         self.emitted += 1
 
@@ -332,7 +378,7 @@ class Packer(Generic[T]):
     def __len__(self) -> int:
         return sum(len(b.pieces) for b in self.open) + sum(len(g) for g in self.ready)
 
-    STATE_KEYS = ("ready", "buffers", "emitted")
+    STATE_DEPTHS: ClassVar[dict[str, int]] = {"ready": 3, "buffers": 3, "emitted": 0}
 
     def state_dict(self) -> dict[str, Any]:
         """Groups of pieces ``[*locate(item), row, col, start, count]``: ``ready`` (batches) and
@@ -349,7 +395,7 @@ class Packer(Generic[T]):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        expect_keys("packer", state, self.STATE_KEYS)
+        expect_keys("packer", state, tuple(self.STATE_DEPTHS))
         for p in (p for g in (*state["ready"], *state["buffers"]) for p in g):
             r, c, s, k = (int(x) for x in p[-4:])
             if not (0 <= r < self.rows and 0 <= c and c + k <= self.row_len):
@@ -380,3 +426,4 @@ class Packer(Generic[T]):
                 batch.free[piece[1]] -= piece[4]
                 batch.left -= piece[4]
             self.open.append(batch)
+        self.count = sum(len(b.pieces) for b in self.open)

@@ -3,7 +3,7 @@ mixture's composed fingerprint, reader snapshots, worker rotation and sample loc
 
 A loader state (version :data:`STATE_VERSION`) is plain JSON::
 
-    {"kind": "mixer.Loader", "version": 4, "fingerprint": "<32 hex>", "rank": r, "world_size": n,
+    {"kind": "mixer.Loader", "version": 5, "fingerprint": "<32 hex>", "rank": r, "world_size": n,
      "num_workers": w, "delivered": batches handed out,
      "readers": [{"snapshot": <reader snapshot> | None, "replay": k, "skips": [[source, epoch, slice, ...]]}],
      "adaptive": None | <mixer.feedback.Feedback state>}
@@ -12,8 +12,14 @@ Per reader: the last *snapshot* a batch carried (taken every ``state_every`` bat
 the reader made after it (``replay``: re-run in-process on resume) and the ``skips`` (shards given
 up under ``on_error="skip"``) it took since. A reader snapshot is::
 
-    {"batches", "tokens", "active", "counters", "selector", "streams": [SourceStream state],
-     "batchers": [Bucketer or Packer state (one, shared, in mix="sample")]}
+    {"batches", "tokens", "active", "counters", "selector", "streams": {field: column},
+     "batchers": {field: column}}
+
+where ``streams`` holds every SourceStream's state and ``batchers`` every Bucketer's or Packer's (one,
+shared, in mix="sample") as columns over the sources (:mod:`mixer.compact`: each field one
+compressed array over all sources, so a source never read costs a few bits, and a shuffle
+buffer's draws are one integer); ``active`` and ``counters`` likewise, the selector's floats as
+compressed float64 bytes. :func:`readable` expands a snapshot into one dict per source.
 
 The state never holds configuration: the mixture appears as its :func:`fingerprint`, composed of
 what each configuration class says decides the stream (their ``describe()``), and a state of
@@ -33,8 +39,10 @@ import json
 import operator
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from .compact import expect_keys as expect_keys  # re-exported: every stateful part checks its keys with it
+from .compact import pack, pack_parts, unpack, unpack_parts
 from .errors import StateError
 
 if TYPE_CHECKING:
@@ -42,12 +50,13 @@ if TYPE_CHECKING:
     from .budget import Field
     from .mixture import Mixture
 
-STATE_VERSION = 4  # 4: "adaptive" (feedback-driven mixing); 3: one checkpoint module, readers {"snapshot", "replay", "skips"}
+STATE_VERSION = 5  # 5: columnar reader snapshots; 4: "adaptive" (feedback-driven mixing); 3: one checkpoint module
 KIND = "mixer.Loader"
 _HISTORY = {
     1: "mixer before the PCG64 shuffle buffers (random.Random state)",
     2: "mixer before the checkpoint module (readers {'state', 'since', 'skips'})",
     3: "mixer before adaptive mixing (no 'adaptive' key)",
+    4: "mixer before the columnar reader state (one JSON object per source)",
 }
 
 Location = tuple[int, ...]  # (shard, offset), or (source, shard, offset) in a shared batcher
@@ -66,6 +75,13 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+class Columnar(Stateful, Protocol):
+    """A part kept once per source: its state is plain ints and lists of ints, ``STATE_DEPTHS``
+    deep per field, so that a reader stores the parts of all sources as columns."""
+
+    STATE_DEPTHS: ClassVar[dict[str, int]]
+
+
 class Rereads(Stateful, Protocol):
     """A stateful part that holds samples: its state lists them by location. After
     ``load_state_dict``, ``locations()`` are the samples to read again and ``attach(lookup)`` puts
@@ -74,19 +90,6 @@ class Rereads(Stateful, Protocol):
     def locations(self) -> Iterable[Location]: ...
 
     def attach(self, lookup: Callable[[Location], Any]) -> None: ...
-
-
-def expect_keys(part: str, state: Any, keys: Collection[str]) -> dict[str, Any]:
-    """``state`` if it is a dict with exactly ``keys``, else a StateError naming ``part`` and the key."""
-    if not isinstance(state, dict):
-        raise StateError(f"{part} state: expected a dict with keys {sorted(keys)} (got {type(state).__name__})")
-    unknown = sorted(k for k in state if k not in keys)
-    if unknown:
-        raise StateError(f"{part} state: unknown key {unknown[0]!r} (expected {sorted(keys)})")
-    missing = [k for k in keys if k not in state]
-    if missing:
-        raise StateError(f"{part} state: missing key {missing[0]!r} (expected {sorted(keys)})")
-    return state
 
 
 # ---- the fingerprint --------------------------------------------------------------------------
@@ -102,7 +105,7 @@ def fingerprint(mixture: Mixture, fields: Mapping[str, Field] | None) -> str:
         "batching": mixture.batching.describe(),
         "fields": None if fields is None else {name: f.describe() for name, f in fields.items()},
         "schedule": repr(mixture.schedule),
-        **{k: getattr(mixture, k) for k in ("selector", "unit", "mix", "stop", "seed", "shuffle_buffer", "pad_id", "dtype", "state_every")},
+        **{k: getattr(mixture, k) for k in ("selector", "unit", "mix", "stop", "seed", "shuffle_buffer", "pad_id", "dtype", "state_every", "buffer_budget")},
     }
     text = json.dumps(described, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
@@ -206,19 +209,82 @@ class Resume:
 # ---- reader snapshots -------------------------------------------------------------------------
 
 
-def with_skips(snapshot: dict[str, Any], skips: Iterable[Sequence[int]]) -> dict[str, Any]:
-    """A reader snapshot whose streams also hold the skip decisions ``[source, epoch, slice, ...]``
-    taken after it (later decisions win, as when they were taken)."""
+def pack_snapshot(*, batches: int, tokens: int, active: Any, counters: Sequence[Sequence[int]], selector: Stateful,
+                  streams: Sequence[Columnar], batchers: Sequence[Columnar]) -> dict[str, Any]:  # fmt: skip
+    """A reader snapshot (see the module docstring): per-source parts as columns."""
+    return {
+        "batches": batches,
+        "tokens": tokens,
+        "active": pack(active, 0),
+        "counters": pack(counters, 1),
+        "selector": selector.state_dict(),
+        "streams": pack_parts([st.state_dict() for st in streams], streams[0].STATE_DEPTHS),
+        "batchers": pack_parts([b.state_dict() for b in batchers], batchers[0].STATE_DEPTHS),
+    }
+
+
+@dataclass(frozen=True)
+class Unpacked:
+    """A reader snapshot's columns, back as one state per part."""
+
+    active: list[int]
+    counters: list[list[int]]
+    streams: list[dict[str, Any]]
+    batchers: list[dict[str, Any]]
+
+
+def unpack_snapshot(snapshot: Any, *, streams: Sequence[Columnar], batchers: Sequence[Columnar]) -> Unpacked:
+    """The per-part states of a reader snapshot for these parts (a StateError naming the part,
+    the key and the rule when it does not fit them)."""
+    snapshot = expect_keys("reader snapshot", snapshot, SNAPSHOT_KEYS)
+    n = len(streams)
+    return Unpacked(
+        active=unpack(snapshot["active"], 0, n, "reader snapshot state: 'active'"),
+        counters=unpack(snapshot["counters"], 1, n, "reader snapshot state: 'counters'"),
+        streams=unpack_parts(snapshot["streams"], streams[0].STATE_DEPTHS, n, "streams"),
+        batchers=unpack_parts(snapshot["batchers"], batchers[0].STATE_DEPTHS, len(batchers), "batchers"),
+    )
+
+
+def readable(snapshot: dict[str, Any]) -> dict[str, Any]:
+    """A reader snapshot with its columns expanded: ``streams`` and ``batchers`` as one dict per
+    part, ``active`` and ``counters`` as lists (for inspection and tests; not loadable)."""
+
+    def parts(columns: dict[str, Any], where: str) -> list[dict[str, Any]]:
+        cols = {k: unpack(v, None, None, f"{where} state: {k!r}") for k, v in columns.items()}
+        n = len(next(iter(cols.values()))) if cols else 0
+        return [{k: cols[k][i] for k in cols} for i in range(n)]
+
+    return dict(
+        snapshot,
+        active=unpack(snapshot["active"], 0, None, "reader snapshot state: 'active'"),
+        counters=unpack(snapshot["counters"], 1, None, "reader snapshot state: 'counters'"),
+        streams=parts(snapshot["streams"], "streams"),
+        batchers=parts(snapshot["batchers"], "batchers"),
+    )
+
+
+def buffered(snapshot: dict[str, Any]) -> tuple[int, int]:
+    """Samples a reader snapshot holds in shuffle buffers, and in its batchers (bucket items and
+    ready batches; a packer's pieces)."""
+    r = readable(snapshot)
+    shuffle = sum(len(s["buffer"]) for s in r["streams"])
+    batched = sum(len(b.get("items", ())) + sum(map(len, (*b["ready"], *b.get("buffers", ())))) for b in r["batchers"])
+    return shuffle, batched
+
+
+def with_skips(streams: list[dict[str, Any]], skips: Iterable[Sequence[int]]) -> list[dict[str, Any]]:
+    """Stream states that also hold the skip decisions ``[source, epoch, slice, ...]`` taken after
+    the snapshot (later decisions win, as when they were taken)."""
     skips = list(skips)
     if not skips:
-        return snapshot
-    expect_keys("reader snapshot", snapshot, SNAPSHOT_KEYS)
-    streams = [dict(s, skips=list(s["skips"])) for s in snapshot["streams"]]
+        return streams
+    streams = [dict(s, skips=list(s["skips"])) for s in streams]
     for source, *decision in skips:
         if not 0 <= int(source) < len(streams):
             raise StateError(f"loader reader state: a skip names source {source}, the snapshot has {len(streams)}")
         streams[int(source)]["skips"].append(decision)
-    return dict(snapshot, streams=streams)
+    return streams
 
 
 def group_locations(per_source: Sequence[Iterable[Location]], shared: Iterable[Location] = ()) -> list[list[tuple[int, int]]]:

@@ -2,7 +2,10 @@
 
 - ``mixer demo``: stream the built-in demo mixture (generated on first use) and report the mix;
 - ``mixer run CONFIG --steps N``: stream a config's mixture and report target vs realized shares;
-- ``mixer plan CONFIG``: print the schedule's target shares at chosen steps, reading no shard.
+- ``mixer plan CONFIG``: print the schedule's target shares at chosen steps, reading no shard;
+- ``mixer index SOURCES...``: build or refresh the shard index of shard patterns or of a config's
+  sources (only new or changed shards are read), so that mixtures read nothing up front and split
+  shards between readers by sample ranges (``Source(index=True)``).
 
 ``run`` and ``demo`` show a progress bar (batches, tokens/s) and end with a per-source table;
 ``--report FILE.json`` writes it as JSON and ``--plot FILE.png`` draws it (needs matplotlib:
@@ -261,6 +264,27 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------------------- index
+
+
+def _index(args: argparse.Namespace) -> int:
+    from .index import build_index
+
+    sources: list[Source | str] = []
+    for item in args.sources:
+        if os.path.isfile(item) and item.endswith((".yaml", ".yml", ".json")):
+            sources += _parse(item).sources  # a config: its sources, with their decode and length
+        else:
+            sources.append(item)  # a shard pattern, read with the default decode
+    for src in sources:
+        name = src.name if isinstance(src, Source) else src
+        idx = build_index(src, location=args.location, workers=args.workers, progress=not args.quiet)
+        where = ", ".join(idx.locations)
+        print(f"{name}: {len(idx.shards):,} shards, {int(idx.counts.sum()):,} samples, {int(idx.tokens.sum()):,} tokens; "
+              f"{len(idx.reindexed):,} shard(s) read, {len(idx.shards) - len(idx.reindexed):,} up to date -> {where}")  # fmt: skip
+    return 0
+
+
 # ---------------------------------------------------------------------------------------- parser
 
 
@@ -321,6 +345,20 @@ def build_parser() -> argparse.ArgumentParser:
                       help="tokens seen per global step, over all ranks (default: batching.max_tokens)")  # fmt: skip
     plan.add_argument("--plot", default=None, metavar="FILE.png", help="draw the schedule over training (needs matplotlib)")
     plan.set_defaults(func=_plan)
+
+    index = sub.add_parser(
+        "index", help="build or refresh shard indexes (sample offsets and token lengths), reading only new or changed shards",
+        description="Index shards: per shard its size, validator, sample count, and each sample's byte range and token "
+        "length. Written next to the shards (<dir>/mixer-index.json.gz) or to --location. Use it with Source(index=True) "
+        "(config: 'index: true'): nothing is read up front, and readers split shards by sample ranges.",
+    )  # fmt: skip
+    index.add_argument("sources", nargs="+", metavar="SOURCE",
+                       help="a shard pattern (brace pattern, folder, glob or remote prefix; default decode) or a config file (its sources)")  # fmt: skip
+    index.add_argument("--location", default=None, metavar="PATH_OR_URL",
+                       help="the index file (local or fsspec URL; sources decoded alike may share one; default: mixer-index.json.gz in each shard directory)")  # fmt: skip
+    index.add_argument("--workers", type=_positive, default=8, metavar="N", help="shards read at once (default 8)")
+    index.add_argument("--quiet", action="store_true", help="no progress bar")
+    index.set_defaults(func=_index)
     return parser
 
 

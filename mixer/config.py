@@ -26,6 +26,8 @@ commands). Beyond the obvious ones:
   so a restarted job reads no shard to start; ``profile_share``: whether rank 0 profiles for all.
 * ``sources[i].io_options``: :class:`mixer.IOOptions` keys (``timeout``, ``retries``, ``backoff``,
   ``block_size``, ``read_ahead``, ``max_connections``, ``max_open_shards``): how shards are read.
+* ``sources[i].index``: ``true`` (the index files next to the shards) or an index file's path or URL
+  (``Source(index=...)``; build one with ``mixer index``).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from .budget import Field, Packed, TokenBudget, check_fields
 from .errors import ConfigError
 from .storage import IOOptions
 from .nemo import NEMO_KEYS, apply_nemo, nemo_options, nemo_values
-from .options import check_options
+from .options import DEFAULT_BUFFER_BUDGET, check_options
 from .profiling import check_profile_cache, check_profile_share
 from .schedule import Schedule
 from .schedule_config import parse_schedule, schedule_to_dict
@@ -109,6 +111,7 @@ class MixtureConfig:
     pad_id: int = 0
     dtype: str = "int32"
     state_every: int = DEFAULT_STATE_EVERY
+    buffer_budget: int | None = DEFAULT_BUFFER_BUDGET
     fields: Mapping[str, Field] | None = None
     profile_cache: str | None = None
     profile_share: bool | None = None
@@ -141,7 +144,7 @@ class MixtureConfig:
         return out
 
 
-_OPTIONS = ("selector", "unit", "mix", "stop", "seed", "shuffle_buffer", "pad_id", "dtype", "state_every")
+_OPTIONS = ("selector", "unit", "mix", "stop", "seed", "shuffle_buffer", "pad_id", "dtype", "state_every", "buffer_budget")
 _PROFILE_OPTIONS = ("profile_cache", "profile_share")  # checked by mixer.profiling
 NATIVE_KEYS = tuple(f.name for f in dataclasses.fields(MixtureConfig))
 ROOT_KEYS = tuple(dict.fromkeys(NATIVE_KEYS + tuple(NEMO_KEYS) + tuple(NEMO_KEYS.values())))
@@ -170,6 +173,8 @@ def _source_to_dict(s: Source, i: int) -> dict[str, Any]:
         out["storage_options"] = dict(s.storage_options)
     if s.on_error != "raise":
         out["on_error"] = s.on_error
+    if s.index:
+        out["index"] = s.index
     given, default = _values(IOOptions.of(s.io_options)), _values(IOOptions())
     if given != default:
         out["io_options"] = {k: v for k, v in given.items() if v != default[k]}

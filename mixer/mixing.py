@@ -50,17 +50,19 @@ def mix_batches(
     *,
     probs: Callable[[], np.ndarray],
     holds: Sequence[int],
+    caps: Sequence[int],
     active: np.ndarray,
     retire: Callable[[int], bool],
     count_tokens: bool,
 ) -> Iterator[Cut]:
     """Batches, each from the source the selector picks, which is then told the real tokens
     (``count_tokens``) or the samples the batch delivered. ``holds[i]``: what source ``i``'s
-    batcher may hold, in padded tokens, before it releases a batch early."""
+    batcher may hold, in padded tokens, before it releases a batch early; ``caps[i]``: in items
+    (its part of the reader's buffer budget)."""
     while active.any():
         p = probs()
         i = selector.choose(p, active)
-        samples = _next_batch(streams[i], batchers[i], holds[i])
+        samples = _next_batch(streams[i], batchers[i], holds[i], caps[i])
         if samples is None:
             if not retire(i):
                 return
@@ -70,15 +72,17 @@ def mix_batches(
         yield Cut(samples, np.full(len(samples), i, dtype=np.int64), delivered)
 
 
-def _next_batch(stream: Iterator[Sample], batcher: Batcher[Sample], hold: int) -> list[Sample] | None:
+def _next_batch(stream: Iterator[Sample], batcher: Batcher[Sample], hold: int, cap: int) -> list[Sample] | None:
     """The source's next batch: one ready or released, else read until one is; at the end of the
-    source's data whatever its batcher still holds, then None."""
+    source's data whatever its batcher still holds, then None. ``ready`` is empty while reading,
+    so checking ``count`` after each add keeps buffers and ready batches within ``cap`` whenever
+    a batch leaves."""
     ready = batcher.ready
-    if ready or batcher.release(hold):
+    if ready or batcher.release(hold, cap):
         return ready.popleft()
     add = batcher.add
     for sample in stream:
-        if add(sample, sample.length) or (batcher.held > hold and batcher.release(hold)):
+        if add(sample, sample.length) or ((batcher.held > hold or batcher.count > cap) and batcher.release(hold, cap)):
             return ready.popleft()
     return next(batcher.drain(), None)
 
@@ -90,14 +94,16 @@ def mix_samples(
     layout: Layout,
     *,
     probs: Callable[[], np.ndarray],
+    caps: Sequence[int],
     active: np.ndarray,
     retire: Callable[[int], bool],
     count_tokens: bool,
     drain: bool,
 ) -> Iterator[Cut]:
     """Batches of samples whose sources the selector picks one sample at a time (and is told each
-    sample's length, or 1), cut by one shared ``batcher``. ``drain``: when the sources are done,
-    the batches still held follow (a finite pass delivering everything)."""
+    sample's length, or 1), cut by one shared ``batcher``, which releases a batch early when it
+    holds more than ``caps[0]`` items (its part of the reader's buffer budget). ``drain``: when
+    the sources are done, the batches still held follow (a finite pass delivering everything)."""
     while active.any():
         p = probs()
         i = selector.choose(p, active)
@@ -107,7 +113,7 @@ def mix_samples(
                 break
             continue
         selector.update(i, sample.length if count_tokens else 1, p)
-        if batcher.add((i, sample), sample.length):
+        if batcher.add((i, sample), sample.length) or (batcher.count > caps[0] and batcher.release(1 << 62, caps[0])):
             while batcher.ready:
                 yield _cut(batcher.ready.popleft(), layout)
     if drain:

@@ -8,7 +8,6 @@ random numbers and its share of the global step from it.
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -21,10 +20,10 @@ from .batchers import Batcher, make_batcher
 from .budget import Field, Packed, TokenBudget
 from .collate import Layout, count_delivered, make_layout
 from .edges import bucket_edges
-from .checkpoint import (READER_KEYS, SNAPSHOT_KEYS, Rereads, Resume, expect_keys, fingerprint, group_locations, locate_pair,
-                         pair_lookup, with_skips)
-from .errors import ConfigError, StateError
-from .options import MixMode, Stop, Unit, check_options
+from .checkpoint import (READER_KEYS, Rereads, Resume, expect_keys, fingerprint, group_locations, locate_pair, pack_snapshot,
+                         pair_lookup, unpack_snapshot, with_skips)
+from .errors import ConfigError
+from .options import DEFAULT_BUFFER_BUDGET, MixMode, Stop, Unit, check_options
 from .mixing import Cut, mix_batches, mix_samples
 from .schedule import Schedule, SourceInfo, Static, check_schedule
 from .selector import make_selector
@@ -41,6 +40,8 @@ log = logging.getLogger(__name__)
 
 MIN_SHUFFLE = 16  # the smallest shuffle buffer a rarely read source is cut down to
 HOLD_MIN_BATCHES = 2.0  # the least a rarely read source's buckets may hold, in batches of padded tokens
+BUDGET_FLOOR = 32  # the least of the buffer budget a source gets, in samples (when the budget allows)
+UNCAPPED = 1 << 62
 
 
 
@@ -70,6 +71,11 @@ class Mixture(IterableDataset[Batch]):
     group of several ranks is initialized; every rank of it must then build the mixture; False:
     every rank looks for itself).
 
+    ``buffer_budget``: the most samples a reader holds in shuffle buffers and buckets together, over
+    all sources (default 65,536, not reached by a few sources; None: none), apportioned by share
+    (:meth:`Reader._hold_ahead`). With hundreds of sources prefer ``mix="sample"`` (shared buckets):
+    in ``mix="batch"`` a source allotted a few dozen samples makes small batches.
+
     Each ``iter()`` starts the stream from the beginning: same seed, same batches. For exact resume
     use the loader's ``state_dict()`` / ``load_state_dict()``: every ``state_every`` batches a
     reader attaches its full state (where it reads, and the shard and byte offset of every buffered
@@ -95,6 +101,7 @@ class Mixture(IterableDataset[Batch]):
         world_size: int | None = None,
         dp_group: Any = None,
         state_every: int = 64,
+        buffer_budget: int | None = DEFAULT_BUFFER_BUDGET,
         fields: Mapping[str, Field] | None = None,
         profile_cache: str | os.PathLike[str] | None = None,
         profile_share: bool | None = None,
@@ -113,8 +120,14 @@ class Mixture(IterableDataset[Batch]):
         if not isinstance(batching, (TokenBudget, Packed)):
             raise ConfigError(f"batching: expected a mixer.TokenBudget or mixer.Packed (got {type(batching).__name__})")
         checked = check_options(selector=selector, unit=unit, mix=mix, stop=stop, seed=seed, shuffle_buffer=shuffle_buffer,
-                                pad_id=pad_id, dtype=dtype, state_every=state_every)  # fmt: skip
+                                pad_id=pad_id, dtype=dtype, state_every=state_every, buffer_budget=buffer_budget)  # fmt: skip
         seed, pad_id, shuffle_buffer, state_every = (checked[k] for k in ("seed", "pad_id", "shuffle_buffer", "state_every"))
+        self.buffer_budget: int | None = checked["buffer_budget"]
+        if self.buffer_budget is not None and self.buffer_budget < 2 * len(sources):
+            raise ConfigError(
+                f"Mixture.buffer_budget: must give each of the {len(sources)} sources at least 2 samples (shuffle and buckets), "
+                f"so >= {2 * len(sources)}, got {self.buffer_budget}; or None for no budget"
+            )
         self.sources = sources
         self.batching = batching
         self.schedule: Schedule = schedule if schedule is not None else Static()
@@ -201,7 +214,7 @@ class Mixture(IterableDataset[Batch]):
         world = World(rank=self.rank, world_size=self.world_size, worker=worker, num_workers=num_workers)
         if world.reader == 0:
             for s in self.listed:
-                if len(s.shards) < world.readers:
+                if len(s.shards) < world.readers and s.index is None:  # an index splits by byte ranges
                     log.warning(
                         "source %r has %d shard(s) for %d readers: readers share shards and each reads every byte of "
                         "its shard but keeps only its part of the samples (I/O amplified up to %dx); more, smaller "
@@ -261,6 +274,7 @@ class Reader:
         self._probs_key: tuple[int, int] | None = None
         self._probs_cache = np.zeros(n)
         self._holds = [0] * n
+        self._caps = [UNCAPPED] * n  # items each batcher may hold (all the same, the shared one's, in mix="sample")
         self._replay: int | None = None  # batches to re-run after a restore (None: not restored)
         self._resumed_counters: list[list[int]] | None = None
 
@@ -287,13 +301,28 @@ class Reader:
         0.5% share reads about what it delivers instead of filling every bucket first. Unchanged
         for the most wanted source: ``len(edges)`` buckets, each short of a full batch, never hold
         ``len(edges)`` batches.
+
+        Within ``buffer_budget``, source ``i`` gets ``a_i = f + floor((budget - n f) p_i)`` samples
+        (``f = min(BUDGET_FLOOR, budget // n)``, so a rare source still makes batches), at most half
+        for its shuffle buffer, the rest for its buckets (``mix="sample"``: the shared buckets get
+        what the shuffle buffers leave). The sum never exceeds the budget.
         A pure function of progress: resumed readers size them the same way at the same points."""
         top = float(probs.max())
         m = self.mixture
-        for i, (st, edges) in enumerate(zip(self.streams, m.edges)):
-            r = float(probs[i]) / top if top > 0 else 1.0
-            st.limit = max(math.ceil(r * m.shuffle_buffer), min(m.shuffle_buffer, MIN_SHUFFLE))
-            self._holds[i] = int(max(r * len(edges), HOLD_MIN_BATCHES) * m.batching.max_tokens)
+        r = probs / top if top > 0 else np.ones_like(probs)
+        limits = np.maximum(np.ceil(r * m.shuffle_buffer), min(m.shuffle_buffer, MIN_SHUFFLE)).astype(np.int64)
+        nbuckets = np.array([len(e) for e in m.edges], dtype=np.float64)
+        self._holds[:] = (np.maximum(r * nbuckets, HOLD_MIN_BATCHES) * m.batching.max_tokens).astype(np.int64).tolist()
+        budget = m.buffer_budget
+        if budget is not None:
+            n = len(probs)
+            floor = min(BUDGET_FLOOR, budget // n)
+            allot = floor + np.floor((budget - n * floor) * (probs / probs.sum())).astype(np.int64)
+            limits = np.minimum(limits, allot // 2)
+            caps = allot - limits
+            self._caps[:] = [int(budget - limits.sum())] * n if m.mix == "sample" else caps.tolist()
+        for st, limit in zip(self.streams, limits.tolist()):
+            st.limit = limit
 
     def _target_at(self, step: int) -> np.ndarray:
         """The adaptive shares in effect at ``step`` when there are any, else the schedule's target."""
@@ -318,12 +347,12 @@ class Reader:
         cuts: Iterator[Cut]
         if m.mix == "sample":
             cuts = mix_samples(
-                self.streams, self.batchers[0], self.selector, m.layout, probs=self._probs, active=self.active,
+                self.streams, self.batchers[0], self.selector, m.layout, probs=self._probs, caps=self._caps, active=self.active,
                 retire=self._retire, count_tokens=count_tokens, drain=m.stop == "all_exhausted",
             )
         else:
             cuts = mix_batches(
-                self.streams, self.batchers, self.selector, m.layout, probs=self._probs, holds=self._holds,
+                self.streams, self.batchers, self.selector, m.layout, probs=self._probs, holds=self._holds, caps=self._caps,
                 active=self.active, retire=self._retire, count_tokens=count_tokens,
             )
         if self._replay is not None:
@@ -340,15 +369,10 @@ class Reader:
 
     def _snapshot(self) -> dict[str, Any]:
         batchers = self.batchers[:1] if self.mixture.mix == "sample" else self.batchers
-        return {
-            "batches": self.batches,
-            "tokens": self.tokens,
-            "active": self.active.tolist(),
-            "counters": [c.as_list() for c in self.counters],
-            "selector": self.selector.state_dict(),
-            "streams": [st.state_dict() for st in self.streams],
-            "batchers": [b.state_dict() for b in batchers],
-        }
+        return pack_snapshot(
+            batches=self.batches, tokens=self.tokens, active=self.active, counters=[c.as_list() for c in self.counters],
+            selector=self.selector, streams=self.streams, batchers=batchers,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """This reader's state now, as a loader state lists its readers (:mod:`mixer.checkpoint`)."""
@@ -360,17 +384,15 @@ class Reader:
         the next iteration re-run the ``replay`` batches made after the snapshot."""
         expect_keys("reader", state, READER_KEYS)
         snapshot = self._snapshot() if state["snapshot"] is None else state["snapshot"]
-        snapshot = expect_keys("reader snapshot", with_skips(snapshot, state["skips"]), SNAPSHOT_KEYS)
         shared = self.mixture.mix == "sample"
         batchers = self.batchers[:1] if shared else self.batchers
-        if len(snapshot["streams"]) != len(self.streams) or len(snapshot["batchers"]) != len(batchers):
-            raise StateError(f"reader snapshot: {len(snapshot['streams'])} streams and {len(snapshot['batchers'])} batchers, this mixture {len(self.streams)} and {len(batchers)}")
+        saved = unpack_snapshot(snapshot, streams=self.streams, batchers=batchers)
         parts: list[Rereads] = [*self.streams, *batchers]
-        for part, saved in zip(parts, (*snapshot["streams"], *snapshot["batchers"])):
-            part.load_state_dict(saved)
+        for part, part_state in zip(parts, (*with_skips(saved.streams, state["skips"]), *saved.batchers)):
+            part.load_state_dict(part_state)
         self.selector.load_state_dict(snapshot["selector"])
-        self.active = np.asarray(snapshot["active"], dtype=bool)
-        for c, row in zip(self.counters, snapshot["counters"]):
+        self.active = np.asarray(saved.active, dtype=bool)
+        for c, row in zip(self.counters, saved.counters):
             for field, value in zip(Counters.FIELDS, row):
                 setattr(c, field, int(value))
         self.batches = int(snapshot["batches"])

@@ -57,7 +57,7 @@ FIRST_WINDOW = 1 << 20  # the most the first request for a source asks for, befo
 FIRST_BYTES_PER_SAMPLE = 2048  # ... sized for the samples wanted at this many bytes each (token samples are ~1-2 kB)
 SLACK = 1.15  # requests ask for this much more than the samples measured so far predict
 
-Origin = Literal["read", "cache", "given"]
+Origin = Literal["read", "cache", "given", "index"]
 
 
 @dataclass(frozen=True)
@@ -67,8 +67,9 @@ class Profile:
     samples read (shards whose byte size the listing did not give are assumed average-sized).
     ``skipped``: samples the look skipped under ``on_error="skip"`` (the readers meet them again,
     skip them again and count them in ``skipped_samples``); ``retries``: retried requests.
-    ``origin``: ``"read"`` from the shards, ``"cache"`` from the profile cache (nothing read), or
-    ``"given"`` (``Source.size`` given and no lengths needed: nothing read, ``lengths`` empty)."""
+    ``origin``: ``"read"`` from the shards, ``"cache"`` from the profile cache (nothing read),
+    ``"given"`` (``Source.size`` given and no lengths needed: nothing read, ``lengths`` empty), or
+    ``"index"`` (from the source's shard index: nothing read, the size exact)."""
 
     lengths: np.ndarray
     tokens_per_byte: float
@@ -210,12 +211,25 @@ def _look(
 
 
 def list_source(source: Source) -> ListedSource:
-    """List a source's shards, sorted: the I/O of building a mixture, done once in the main process."""
+    """List a source's shards, sorted: the I/O of building a mixture, done once in the main process
+    (with its shard index loaded and verified, when ``Source.index`` asks for one)."""
     try:
         listed = storage.expand_urls(list(source.urls), storage_options=dict(source.storage_options or {}))
     except MixerError as exc:
         raise type(exc)(f"source {source.name!r}: {exc}") from exc
+    if source.index:  # [index] exact sizes, and the sample ranges the readers split by
+        from .index import index_for
+
+        idx = index_for(source, listed)
+        return ListedSource(source, storage.ShardList(idx.shards), idx.sizes, idx)
     return ListedSource(source, storage.ShardList(url for url, _ in listed), tuple(nbytes for _, nbytes in listed))
+
+
+def _from_index(ls: ListedSource) -> Profile:
+    """[index] The profile an index gives without reading: exact size, lengths from the index."""
+    idx = ls.index
+    tokens = float(idx.tokens.sum())
+    return Profile(idx.length_sample(), tokens / max(sum(idx.sizes), 1), max(tokens, 1.0), False, origin="index")
 
 
 def profile_sources(
@@ -237,10 +251,12 @@ def profile_sources(
     process group ``group`` (None: the default group) when one with more than one rank is
     initialized; True requires one; False looks on every rank. Sharing is a collective: every rank
     of the group must build the mixture."""
-    todo = [i for i, ls in enumerate(listed) if needs_profile(ls.source, budget)]
+    todo = [i for i, ls in enumerate(listed) if needs_profile(ls.source, budget) and ls.index is None]
     out: list[Profile] = [
-        Profile(np.zeros(0, dtype=np.int64), math.nan, float(ls.source.size or 0.0), False, origin="given") for ls in listed
-    ]
+        _given(_from_index(ls), ls.source) if ls.index is not None and needs_profile(ls.source, budget)
+        else Profile(np.zeros(0, dtype=np.int64), math.nan, float(ls.source.size or 0.0), False, origin="given")
+        for ls in listed
+    ]  # fmt: skip
     if not todo:
         return out
     shared = _share_group(share, group)

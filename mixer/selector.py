@@ -14,6 +14,7 @@ from typing import Any, Literal
 import numpy as np
 
 from .checkpoint import expect_keys
+from .compact import pack_floats, unpack_floats
 from .errors import ConfigError
 from .world import rng_for
 
@@ -44,12 +45,14 @@ class Deficit:
         self.delivered[source] += amount
 
     def state_dict(self) -> dict[str, Any]:
-        return {"target": self.target.tolist(), "delivered": self.delivered.tolist()}
+        # Exact float64 bytes, compressed: a float per source, most of them alike or zero.
+        return {"target": pack_floats(self.target), "delivered": pack_floats(self.delivered)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         expect_keys("deficit selector", state, ("target", "delivered"))
-        self.target = np.asarray(state["target"], dtype=np.float64)
-        self.delivered = np.asarray(state["delivered"], dtype=np.float64)
+        n = len(self.target)
+        self.target = unpack_floats(state["target"], n, "deficit selector state: 'target'")
+        self.delivered = unpack_floats(state["delivered"], n, "deficit selector state: 'delivered'")
 
 
 class RandomPick:
@@ -83,13 +86,14 @@ class RandomPick:
         self.picks[source] += 1
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rng": self.rng.bit_generator.state, "amount": self.amount.tolist(), "picks": self.picks.tolist()}
+        return {"rng": self.rng.bit_generator.state, "amount": pack_floats(self.amount), "picks": pack_floats(self.picks)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         expect_keys("random selector", state, ("rng", "amount", "picks"))
         self.rng.bit_generator.state = state["rng"]
-        self.amount = np.asarray(state["amount"], dtype=np.float64)
-        self.picks = np.asarray(state["picks"], dtype=np.float64)
+        n = len(self.amount)
+        self.amount = unpack_floats(state["amount"], n, "random selector state: 'amount'")
+        self.picks = unpack_floats(state["picks"], n, "random selector state: 'picks'")
 
 
 class RoundRobin:

@@ -1,14 +1,16 @@
-"""Which reader reads what: a pure function of (shard list, world, seed, source-epoch).
+"""Which reader reads what: a pure function of (shard list, world, seed, source-epoch, index).
 
 Every reader computes the same plan independently, so no coordination is needed: within one
-source-epoch every sample is read by exactly one of the ``world.readers`` readers.
+source-epoch every sample is read by exactly one of the ``world.readers`` readers. Without a shard
+index the units are whole shards (or, with fewer shards than readers, every ``parts``-th sample of a
+shared shard); with one (:mod:`mixer.index`) they are sample ranges, balanced by tokens.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -19,12 +21,34 @@ from .world import World, rng_for
 class ShardSlice(NamedTuple):
     """Read shard ``shard`` (an index into the source's sorted shard list), keeping the samples whose
     index ``i`` inside the shard satisfies ``i % parts == part``. ``parts > 1`` only when a source has
-    fewer shards than there are readers: then several readers share a shard and each reads all of
-    its bytes (I/O amplification) but keeps a disjoint subset of its samples."""
+    fewer shards than there are readers and no index: then several readers share a shard and each
+    reads all of its bytes (I/O amplification) but keeps a disjoint subset of its samples.
+
+    With an index: samples ``start`` to ``stop`` (exclusive; ``stop`` is None without an index),
+    read from byte ``begin`` up to byte ``end`` (None: to the shard's end-of-archive block, for a
+    range that is the whole shard)."""
 
     shard: int
     part: int = 0
     parts: int = 1
+    start: int = 0
+    stop: int | None = None
+    begin: int = 0
+    end: int | None = None
+
+
+class Ranges(Protocol):
+    """What a plan by sample ranges needs from an index (:class:`mixer.shard_index.ShardIndex`):
+    per shard, the sample count and the weight (sum of ``max(length, 1)``: tokens, each sample
+    weighing at least one), and on demand one shard's token lengths and sample offsets."""
+
+    @property
+    def counts(self) -> np.ndarray: ...
+    @property
+    def weights(self) -> np.ndarray: ...
+    def lengths(self, shard: int) -> np.ndarray: ...
+    def offsets(self, shard: int) -> np.ndarray: ...
+    def whole(self, shard: int) -> bool: ...
 
 
 def shard_order(num_shards: int, *, seed: int, source: str, epoch: int) -> list[int]:
@@ -44,8 +68,11 @@ def plan(
     source: str,
     epoch: int,
     sizes: Sequence[int | None] | None = None,
+    index: Ranges | None = None,
 ) -> list[ShardSlice]:
     """This reader's part of one source-epoch, in reading order.
+
+    With an ``index``: sample ranges (:func:`range_bounds`), whatever the number of shards.
 
     With at least as many shards as readers, whole shards are assigned: by bytes (greedy
     longest-first onto the least-loaded reader, ties broken by the epoch's shuffled order) when every
@@ -56,6 +83,8 @@ def plan(
         return []
     order = _order(num_shards, seed=seed, source=source, epoch=epoch)
     readers, me = world.readers, world.reader
+    if index is not None:
+        return _range_slices(order, index, *range_bounds(order, index, readers, [me, me + 1]))
     if num_shards < readers:
         shard_pos = me % num_shards
         parts = len(range(shard_pos, readers, num_shards))
@@ -152,3 +181,59 @@ def _greedy(keys: np.ndarray | list[int], size: np.ndarray, shards: np.ndarray, 
         else:
             keys = heap
     return keys
+
+
+# ---- with an index: sample ranges balanced by tokens ---------------------------------------------
+
+
+def range_bounds(order: np.ndarray, index: Ranges, readers: int, ks: Sequence[int]) -> list[tuple[int, int]]:
+    """Where reader ``k`` (for each ``k`` of ``ks``, 0..readers) starts: a position ``(p, i)``,
+    sample ``i`` of the shard at place ``p`` of the epoch's ``order``. Reader ``k`` reads from its
+    position up to reader ``k + 1``'s.
+
+    The shards in the epoch's order are one sequence of samples, each weighing ``max(length, 1)``
+    tokens, cut into ``readers`` runs of equal weight: a sample goes to the reader whose share of the
+    total holds its midpoint. Loads differ by at most about one sample, whatever the number of
+    shards (1.5 shards per reader included), and each reader reads at most two partial shards. The
+    cost per reader: the order, a cumulative sum over the shards and the lengths of the (at most two)
+    shards it starts and ends in -- no reader computes anyone else's part.
+    """
+    n = len(order)
+    cum = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(index.weights[order], out=cum[1:])
+    total = int(cum[-1])
+    thr = [-(-2 * total * k // readers) for k in ks]  # sample j is reader k's from 2*mid(j) >= thr(k)
+    places = np.searchsorted(cum[:-1], np.asarray([t // 2 for t in thr], dtype=np.int64), side="right") - 1
+    out: list[tuple[int, int]] = []
+    keys: dict[int, np.ndarray] = {}
+    for k, t, p in zip(ks, thr, places.tolist()):
+        if k <= 0 or n == 0:
+            out.append((0, 0))
+        elif k >= readers:
+            out.append((n, 0))
+        else:
+            if p not in keys:  # twice each sample's midpoint, in tokens from the epoch's start
+                w = np.maximum(index.lengths(int(order[p])), 1)
+                keys[p] = 2 * int(cum[p]) + 2 * np.cumsum(w) - w
+            out.append((p, int(np.searchsorted(keys[p], t, side="left"))))
+    return out
+
+
+def _range_slices(order: np.ndarray, index: Ranges, first: tuple[int, int], last: tuple[int, int]) -> list[ShardSlice]:
+    """The slices from position ``first`` up to ``last`` (see :func:`range_bounds`)."""
+    (pa, ia), (pb, ib) = first, last
+    counts = index.counts
+    out = []
+    for p in range(pa, min(pb, len(order) - 1) + 1):
+        s = int(order[p])
+        count = int(counts[s])
+        start = ia if p == pa else 0
+        stop = min(ib, count) if p == pb else count
+        if stop <= start:
+            continue
+        if start == 0 and stop == count and index.whole(s):
+            out.append(ShardSlice(s, start=0, stop=count))
+        else:
+            offsets = index.offsets(s)
+            out.append(ShardSlice(s, start=start, stop=stop, begin=int(offsets[start]), end=int(offsets[stop])))
+    return out

@@ -41,6 +41,10 @@ class Source:
     ``io_options`` (a mapping or :class:`mixer.IOOptions`: ``timeout``, ``retries``, ``backoff``,
     ``block_size``, ``read_ahead``) set how remote shards are read. ``allow_pipe=True`` accepts
     ``pipe:`` URLs (shell commands): only code can pass it, a config file cannot.
+    ``index``: use a shard index (:mod:`mixer.index`, ``mixer index``): ``True`` for the index files
+    next to the shards, or the path or URL of one index file. With it nothing is read up front
+    (exact sizes and lengths) and readers split shards by sample ranges, reading only their bytes; a
+    stale index is re-indexed where it can be rewritten, else refused (:func:`mixer.load_index`).
 
     Frozen and I/O-free: ``urls`` is kept as a tuple of patterns, ``io_options`` as an
     :class:`~mixer.IOOptions`; the shards are listed by the mixture (:class:`ListedSource`).
@@ -58,6 +62,7 @@ class Source:
     group: str | None = None
     allow_pipe: bool = False
     io_options: Mapping[str, Any] | storage.IOOptions | None = None
+    index: bool | str | None = None
 
     def __post_init__(self) -> None:
         _check.string(self.name, "Source.name")
@@ -79,6 +84,8 @@ class Source:
         _set(self, "storage_options", dict(_check.mapping(self.storage_options, f"{w}.storage_options")) if self.storage_options is not None else {})
         _check.optional(self.group, _check.string, f"{w}.group")
         _check.boolean(self.allow_pipe, f"{w}.allow_pipe")
+        if self.index is not None and not isinstance(self.index, bool) and not (isinstance(self.index, str) and self.index):
+            _check.fail(f"{w}.index", f"must be true, false, None or the path or URL of an index file, got {_check.show(self.index)}")
         try:
             _set(self, "io_options", storage.IOOptions.of(self.io_options))
         except ConfigError as exc:  # IOOptions says "io_options: <rule>" or "io_options.<key>: <rule>"
@@ -94,20 +101,25 @@ class Source:
         """What decides this source's samples (for the mixture's fingerprint); not how they are
         fetched (``storage_options``, ``io_options``, ``allow_pipe``)."""
         length = self.length if isinstance(self.length, str) else qualname(self.length)
-        return {"name": self.name, "weight": self.weight, "size": self.size, "decode": qualname(self.decode),
-                "length": length, "on_error": self.on_error, "group": self.group}
+        out = {"name": self.name, "weight": self.weight, "size": self.size, "decode": qualname(self.decode),
+               "length": length, "on_error": self.on_error, "group": self.group}
+        if self.index:  # an index changes which reader reads what (sample ranges)
+            out["index"] = True
+        return out
 
 
 @dataclass(frozen=True)
 class ListedSource:
     """A source with its shards listed (sorted; byte sizes where the listing gave them), as the
-    mixture lists it once in the main process and hands it to every reader. ``shards`` is a
+    mixture lists it once in the main process and hands it to every reader; ``index``: its loaded
+    shard index (:class:`mixer.shard_index.ShardIndex`) when the source uses one. ``shards`` is a
     :class:`mixer.storage.ShardList` (a few bytes per shard, none for a brace range), so a source of
     1e5 shards does not cost every worker a tuple of 1e5 strings."""
 
     source: Source
     shards: Sequence[str]  # a storage.ShardList (compact), or any sequence of URLs
     shard_bytes: tuple[int | None, ...]
+    index: Any = None
 
     @property
     def name(self) -> str:

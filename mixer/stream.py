@@ -18,6 +18,7 @@ from .storage import codec_of
 from .decode import Sample, default_tokens
 from .errors import SampleError, ShardError
 from .decode import decoded_fields, field_length
+from .shard_index import open_slice, range_loss
 from .shards import ShardSlice, plan
 from .source import ListedSource, Source
 from .tario import read_samples
@@ -203,7 +204,7 @@ class SourceStream:
 
     def _plan(self, epoch: int) -> list[ShardSlice]:
         if epoch not in self._plans:
-            self._plans = {epoch: plan(len(self.listed.shards), self.world, seed=self.seed, source=self.source.name, epoch=epoch, sizes=self.listed.shard_bytes)}
+            self._plans = {epoch: plan(len(self.listed.shards), self.world, seed=self.seed, source=self.source.name, epoch=epoch, sizes=self.listed.shard_bytes, index=self.listed.index)}
         return self._plans[epoch]
 
     def _read(self) -> Sample | None:
@@ -259,6 +260,8 @@ class SourceStream:
         cut: list[str] = getattr(exc, "lost", [])  # samples the damage cut, in shard order from next_index
         mine = sum(1 for j in range(len(cut)) if (self.next_index + j) % sl.parts == sl.part)
         words = f"{mine} sample(s) cut by the damage"
+        if sl.stop is not None:  # [index] the slice's samples are known: what is lost is exact
+            return range_loss(sl, self.next_index, self.next_offset, self.listed.index)
         if sl.part != 0:  # the shard itself is counted by the reader of its first part
             return (mine, 0, 0, 0), words
         start = self.next_offset  # the first byte not delivered as a sample
@@ -303,15 +306,17 @@ class SourceStream:
             self.skips = {k: v for k, v in self.skips.items() if k[0] >= self.epoch}
         sl = self._plan(self.epoch)[self.slice_pos]
         url = self.listed.shards[sl.shard]
-        self.counters.shards_opened += self.next_offset == 0
-        self.counters.reopened += self.next_offset != 0 and self._suspended
-        self._suspended = False
+        fresh = self.next_offset == 0  # (a reopen after a suspension, or a resume, is not)
+        self.counters.shards_opened += fresh
+        self.counters.reopened += not fresh and self._suspended
         # Read ahead only for a source read steadily (not suspended since its last fresh shard).
-        ahead, self._cold = not self._cold, self._cold and self.next_offset != 0
+        ahead, self._cold, self._suspended = not self._cold, self._cold and not fresh, False
+        if self.next_index < sl.start:  # [index] a sample range: from its first sample's byte
+            self.next_index, self.next_offset = sl.start, sl.begin
         self._opened_at = self.next_offset
         try:
-            upcoming = (self.listed.shards[s.shard] for s in self._plan(self.epoch)[self.slice_pos + 1 :] if ahead)
-            self._handle = self._ahead.open(url, self.next_offset, upcoming, window=None if ahead else 2 * self._visit)
+            upcoming = (self.listed.shards[s.shard] for s in self._plan(self.epoch)[self.slice_pos + 1 :] if s.end is None and ahead)
+            self._handle = open_slice(self._ahead, url, sl, self.next_offset, upcoming, None if ahead else 2 * self._visit)  # [index] ranges end at sl.end
         except ShardError as exc:
             self.counters.retries += getattr(exc, "retries", 0)
             # Raised from inside the sample loop, where the on_error policy applies.
@@ -351,25 +356,26 @@ class SourceStream:
     # ---- state ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Where reading stands and where every buffered sample lives: small and JSON-able."""
+        """Where reading stands and where each buffered sample lives, in ints (columns: mixer.compact)."""
         return {
             "epoch": self.epoch,
             "slice_pos": self.slice_pos,
             "next_index": self.next_index,
             "next_offset": self.next_offset,
             "got_in_epoch": self.got_in_epoch,
-            "exhausted": self.exhausted,
+            "exhausted": int(self.exhausted),
             "buffer_size": self.buffer_size,
-            "rng": self.rng.state_dict(),
+            "draws": self.rng.taken,
             "buffer": list(map(locate_sample, self.buffer)),
             "skips": [[e, p, *d] for (e, p), d in sorted(self.skips.items())],
         }
 
-    STATE_KEYS = ("epoch", "slice_pos", "next_index", "next_offset", "got_in_epoch", "exhausted", "buffer_size", "rng", "buffer", "skips")
+    # How deep each field's lists go (0: an int), as mixer.compact packs them.
+    STATE_DEPTHS: ClassVar[dict[str, int]] = {**dict.fromkeys(("epoch", "slice_pos", "next_index", "next_offset", "got_in_epoch", "exhausted", "buffer_size", "draws"), 0), "buffer": 2, "skips": 2}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`; the buffer is back once :meth:`attach` got its samples."""
-        expect_keys(f"stream {self.source.name!r}", state, self.STATE_KEYS)
+        expect_keys(f"stream {self.source.name!r}", state, tuple(self.STATE_DEPTHS))
         self._close()
         self.epoch = int(state["epoch"])
         self.slice_pos = int(state["slice_pos"])
@@ -378,7 +384,7 @@ class SourceStream:
         self.got_in_epoch = int(state["got_in_epoch"])
         self.exhausted = bool(state["exhausted"])
         self.buffer_size = int(state["buffer_size"])
-        self.rng.load_state_dict(state["rng"])
+        self.rng.seek(int(state["draws"]))
         self._restoring = [(int(a), int(b)) for a, b in state["buffer"]]
         self.skips = {(int(e), int(p)): tuple(map(int, d)) for e, p, *d in state["skips"]}
 

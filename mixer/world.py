@@ -90,19 +90,22 @@ class Draws:
     """Uniform draws in [0, 1) from a private PCG64 generator, handed out one at a time from blocks.
 
     A scalar numpy draw costs ~10x reading a float from a list, and shuffle buffers draw once per
-    sample, so draws come in blocks of ``BLOCK``. The state is the generator's state at the start of
-    the current block plus the position in it (~120 bytes of JSON, whatever the block size): a
-    restore redraws that block and continues at the same position."""
+    sample, so draws come in blocks of ``BLOCK``. Each double takes exactly one 64-bit output of
+    PCG64, so the whole state is :attr:`taken`, the number of draws handed out: a restore seeds the
+    same generator (a Draws is always built from the same parts), jumps to the current block with
+    PCG64's ``advance`` (O(log n), not a replay) and redraws it."""
 
     BLOCK = 256
 
     def __init__(self, *parts: object) -> None:
-        self._gen = rng_for(*parts)
+        self._seed = seed_for(*parts)
+        self._gen = np.random.Generator(np.random.PCG64(self._seed))
+        self._blocks = 0  # blocks drawn so far
         self._refill()
 
     def _refill(self) -> None:
-        self._start = self._gen.bit_generator.state
         self._block: list[float] = self._gen.random(self.BLOCK).tolist()
+        self._blocks += 1
         self._pos = 0
 
     def random(self) -> float:
@@ -112,17 +115,26 @@ class Draws:
         self._pos += 1
         return x
 
+    @property
+    def taken(self) -> int:
+        """Draws handed out since the generator was seeded."""
+        return (self._blocks - 1) * self.BLOCK + self._pos
+
+    def seek(self, taken: int) -> None:
+        """Continue as a Draws of the same parts does after handing out ``taken`` draws."""
+        if isinstance(taken, bool) or not isinstance(taken, (int, np.integer)) or taken < 0:
+            raise StateError(f"draws state: 'taken' must be an integer >= 0 (got {taken!r})")
+        start = int(taken) // self.BLOCK
+        bits = np.random.PCG64(self._seed)
+        bits.advance(start * self.BLOCK)
+        self._gen = np.random.Generator(bits)
+        self._blocks = start
+        self._refill()
+        self._pos = int(taken) - start * self.BLOCK
+
     def state_dict(self) -> dict[str, Any]:
-        # PCG64's (state, increment): doubles never leave a buffered uint32 behind, so the rest of
-        # numpy's state dict is constant.
-        pcg = self._start["state"]
-        return {"block_start": [pcg["state"], pcg["inc"]], "pos": self._pos}
+        return {"taken": self.taken}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        expect_keys("draws", state, ("block_start", "pos"))
-        if not 0 <= int(state["pos"]) <= self.BLOCK:
-            raise StateError(f"draws state: 'pos' must be in [0, {self.BLOCK}] (got {state['pos']!r})")
-        start, inc = (int(x) for x in state["block_start"])
-        self._gen.bit_generator.state = {"bit_generator": "PCG64", "state": {"state": start, "inc": inc}, "has_uint32": 0, "uinteger": 0}
-        self._refill()
-        self._pos = int(state["pos"])
+        expect_keys("draws", state, ("taken",))
+        self.seek(state["taken"])

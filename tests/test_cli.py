@@ -407,7 +407,7 @@ def test_readme_synopsis_is_the_usage_of_every_command(capsys, monkeypatch):
     # 100-column terminal: an option added, renamed or dropped in one place fails here.
     monkeypatch.setenv("COLUMNS", "100")
     usages = []
-    for argv in ([], ["demo"], ["run"], ["plan"]):
+    for argv in ([], ["demo"], ["run"], ["plan"], ["index"]):
         with pytest.raises(SystemExit):
             cli.build_parser().parse_args([*argv, "--help"])
         usages.append(capsys.readouterr().out.split("\n\n")[0])

@@ -338,7 +338,7 @@ def test_resume_mid_shard_gives_the_uninterrupted_run(root: Path, http: FaultyHT
     )
     loader = mixer.make_loader(mix)
     reference = [batch_view(b) for b in take(loader, 7)]
-    stream = loader.state_dict()["readers"][0]["snapshot"]["streams"][0]
+    stream = mixer.checkpoint.readable(loader.state_dict()["readers"][0]["snapshot"])["streams"][0]
     assert stream["next_offset"] > 0 and stream["buffer"], "the cut at 7 should fall mid-shard, with buffered samples"
     reference = [batch_view(b) for b in take(mixer.make_loader(mix), 60)]
     assert_resumes_exactly(lambda: mixer.make_loader(mix), cuts=[1, 7, 23, 41], window=12, view=batch_view, reference=reference)

@@ -205,6 +205,7 @@ def test_to_dict_is_canonical():
         "pad_id": 0,
         "dtype": "int32",
         "state_every": 64,
+        "buffer_budget": 65536,
     }
 
 
@@ -326,7 +327,7 @@ ERRORS = [
     # root
     (_set("sourcs", []), "sourcs: unknown key; did you mean 'sources'?"),
     (_set("zzz", 1), "zzz: unknown key (expected one of: sources, batching, schedule, selector, unit, mix, stop, seed, "
-     "shuffle_buffer, pad_id, dtype, state_every, fields, profile_cache, profile_share, sampling_technique, sampling_temperature, sampling_probabilities, sampling_scale, "
+     "shuffle_buffer, pad_id, dtype, state_every, buffer_budget, fields, profile_cache, profile_share, sampling_technique, sampling_temperature, sampling_probabilities, sampling_scale, "
      "shuffle, concat_sampling_technique, concat_sampling_temperature, concat_sampling_probabilities, "
      "concat_sampling_scale, concat_shuffle, concat_sampling_seed)"),
     (_set("sources", DELETE), "sources: required"),
@@ -340,6 +341,8 @@ ERRORS = [
     (_set("seed", 1.5), "seed: must be an integer, got 1.5"),
     (_set("seed", "0"), "seed: must be an integer, got '0'"),
     (_set("shuffle_buffer", -5), "shuffle_buffer: must be >= 0, got -5"),
+    (_set("buffer_budget", 0), "buffer_budget: must be >= 1, got 0"),
+    (_set("buffer_budget", 2.5), "buffer_budget: must be an integer, got 2.5"),
     (_set("pad_id", True), "pad_id: must be an integer, got True"),
     (_set("dtype", "float32"), "dtype: must be one of 'int32', 'int64', got 'float32'"),
     (_set("state_every", 0), "state_every: must be >= 1, got 0"),

@@ -133,11 +133,13 @@ def test_state_is_plain_small_and_torch_saveable(shards, tmp_path):
     state = loader.state_dict()
     text = json.dumps(state)
     # Issue 6's target: under 1 MiB per worker with default buffers; here each reader holds a full
-    # shuffle buffer and bucket buffers after 40 batches.
+    # shuffle buffer and bucket buffers after 40 batches, and issue 14's columns keep it to a few
+    # bytes per buffered sample.
     per_reader = [mixer.checkpoint.size_bytes(r) for r in state["readers"]]
     assert len(per_reader) == 2 and all(r["snapshot"] is not None for r in state["readers"])
-    assert max(per_reader) < 1 << 20, per_reader
-    assert min(per_reader) > 10_000, per_reader  # the buffered locations really are in it
+    held = [sum(mixer.checkpoint.buffered(r["snapshot"])) for r in state["readers"]]
+    assert min(held) > 2000, held  # the buffered locations really are in it
+    assert all(size < 4 * n + 2000 for size, n in zip(per_reader, held)), (per_reader, held)
     torch.save({"data": state}, tmp_path / "ckpt.pt")
     back = torch.load(tmp_path / "ckpt.pt", weights_only=True)["data"]
     assert json.dumps(back) == text
@@ -147,7 +149,7 @@ def test_state_from_a_different_mixture_is_refused(shards):
     loader = mixer.make_loader(mixture(shards))
     take(loader, 5)
     state = loader.state_dict()
-    for other in (mixture(shards, seed=1), mixture(shards, shuffle_buffer=65), mixture(shards, selector="random")):
+    for other in (mixture(shards, seed=1), mixture(shards, shuffle_buffer=65), mixture(shards, selector="random"), mixture(shards, buffer_budget=600)):
         with pytest.raises(mixer.StateError, match="different mixture"):
             mixer.make_loader(other).load_state_dict(state)
 
@@ -165,8 +167,11 @@ def test_state_of_another_topology_or_version_is_refused(shards):
         mixer.make_loader(mix, num_workers=2).load_state_dict({"step": 3})
     # A state of the previous format says what it is and what this mixer reads.
     old = {**state, "version": 2, "readers": [{"state": None, "since": 0, "skips": []}] * 2}
-    with pytest.raises(mixer.StateError, match=r"version 2 \(mixer before the checkpoint module.*reads state version 4"):
+    with pytest.raises(mixer.StateError, match=r"version 2 \(mixer before the checkpoint module.*reads state version 5"):
         mixer.make_loader(mix, num_workers=2).load_state_dict(old)
+    # The state before the columnar reader snapshots (one JSON object per source) likewise.
+    with pytest.raises(mixer.StateError, match=r"version 4 \(mixer before the columnar reader state.*reads state version 5"):
+        mixer.make_loader(mix, num_workers=2).load_state_dict(dict(state, version=4))
 
 
 def test_the_fingerprint_is_computed_once_per_mixture(shards, monkeypatch):
@@ -185,20 +190,19 @@ def test_the_fingerprint_is_computed_once_per_mixture(shards, monkeypatch):
 
 def test_every_part_refuses_unknown_and_missing_keys(shards):
     """Each part restores only itself, and a key it does not know (or lacks) is a StateError that
-    names the part and the key."""
+    names the part and the key. The streams' and batchers' states are columns over the sources
+    (mixer.compact): their fields are checked as one part each, and a damaged column is refused."""
     for mix_mode, batching in (("batch", mixer.TokenBudget(max_tokens=2048)), ("sample", mixer.Packed(max_tokens=4096, seq_len=2048))):
         mix = mixture(shards, mix=mix_mode, batching=batching)
         loader = mixer.make_loader(mix)
         take(loader, 8)  # state_every=8: reader 0 holds a snapshot
         state = json.loads(json.dumps(loader.state_dict()))
         snapshot = state["readers"][0]["snapshot"]
-        batcher = "bucketer" if mix_mode == "batch" else "packer"
         parts = {
             "loader reader 0": lambda s: s["readers"][0],
             "reader snapshot": lambda s: s["readers"][0]["snapshot"],
-            "stream 'web'": lambda s: s["readers"][0]["snapshot"]["streams"][0],
-            "draws": lambda s: s["readers"][0]["snapshot"]["streams"][1]["rng"],
-            batcher: lambda s: s["readers"][0]["snapshot"]["batchers"][0],
+            "streams": lambda s: s["readers"][0]["snapshot"]["streams"],
+            "batchers": lambda s: s["readers"][0]["snapshot"]["batchers"],
             "deficit selector": lambda s: s["readers"][0]["snapshot"]["selector"],
         }
         assert snapshot is not None
@@ -214,6 +218,14 @@ def test_every_part_refuses_unknown_and_missing_keys(shards):
                 with pytest.raises(mixer.StateError, match=f"{part} state: {message}"):
                     resumed.load_state_dict(broken)
                     take(resumed, 1)  # readers restore themselves when the pass starts
+        for part, key in (("streams", "buffer"), ("batchers", "ready"), ("deficit selector", "delivered")):
+            broken = json.loads(json.dumps(state))
+            column = parts[part](broken)
+            column[key] = column[key][:-8] + "A" * 8  # a damaged column
+            resumed = mixer.make_loader(mix)
+            with pytest.raises(mixer.StateError, match=f"{part} state: '{key}'"):
+                resumed.load_state_dict(broken)
+                take(resumed, 1)
 
 
 @pytest.mark.parametrize("mix_mode", ["batch", "sample"])

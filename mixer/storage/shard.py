@@ -130,7 +130,7 @@ class ReadAhead:
     open at once, so the latency of each request and the first ``block_size`` bytes of each body
     overlap with the decoding of the shard before.
 
-    ``open(url, start_offset, upcoming)`` returns the shard's stream exactly as `open_shard` would
+    ``open(url, start_offset, upcoming, end_offset)`` returns the shard's stream exactly as `open_shard` would
     (raising what it would: a shard begun ahead that turned out missing is a `ShardError` here, at
     its turn, under its retry policy and the caller's error policy), using the download begun ahead
     when it starts at that offset; then it begins the first ``read_ahead`` of ``upcoming`` (the URLs
@@ -163,16 +163,19 @@ class ReadAhead:
         }
         self._begun: dict[str, RemoteStream] = {}
 
-    def open(self, url: str, start_offset: int = 0, upcoming: Iterable[str] = (), window: int | None = None) -> BinaryIO:
+    def open(
+        self, url: str, start_offset: int = 0, upcoming: Iterable[str] = (), end_offset: int | None = None, window: int | None = None
+    ) -> BinaryIO:
         codec = codec_of(url)  # a compressed shard is always read from its first byte
         if window is not None and codec is None and scheme_of(url) in PUMPED:
-            return self._windowed(url, start_offset, window)
+            return self._windowed(url, start_offset, end_offset, window)
         stream = self._begun.pop(url, None)
-        if stream is not None and start_offset != 0 and codec is None:
+        if stream is not None and (start_offset != 0 or end_offset is not None) and codec is None:
             stream.close()
             stream = None
         if stream is None:
-            stream = cast(RemoteStream, _new_stream(url, start_offset=0 if codec else start_offset, **self._kwargs))
+            start = 0 if codec else start_offset
+            stream = cast(RemoteStream, _new_stream(url, start_offset=start, end_offset=end_offset, **self._kwargs))
         nxt = [u for u in itertools.islice(upcoming, self.options.read_ahead) if u != url]
         for u in [u for u in self._begun if u not in nxt]:
             self._begun.pop(u).close()
@@ -189,7 +192,7 @@ class ReadAhead:
                     self._begin(u)
         return _decoded(cast(BinaryIO, stream), url, codec, start_offset)
 
-    def _windowed(self, url: str, start_offset: int, window: int) -> BinaryIO:
+    def _windowed(self, url: str, start_offset: int, end_offset: int | None, window: int) -> BinaryIO:
         """The shard as ranged requests of ``window`` bytes, doubling up to 4 x ``block_size``
         (`mixer.storage.windows`); nothing begun ahead."""
         self.close()
@@ -198,7 +201,7 @@ class ReadAhead:
         def open_range(start: int, end: int) -> BinaryIO:
             return open_shard(url, start_offset=start, end_offset=end, **kwargs)
 
-        stream = WindowedStream(open_range, want=window, start=start_offset, grow=2.0, max_want=4 * self.options.block_size)
+        stream = WindowedStream(open_range, want=window, start=start_offset, end=end_offset, grow=2.0, max_want=4 * self.options.block_size)
         try:
             return cast(BinaryIO, stream.open())
         except ShardError as exc:

@@ -30,17 +30,27 @@ OpenRange = Callable[[int, int], BinaryIO]
 
 class WindowedStream(ForwardStream):
     """The bytes of a shard from ``start`` to its end, as successive ranged requests of ``want`` bytes
-    (never less than :data:`MIN_WINDOW`), each made when the one before is used up; ``want`` may be
+    (never less than :data:`MIN_WINDOW`), each made when the one before is used up, ending before
+    byte ``end`` when given; ``want`` may be
     changed between reads (the profiler does), and is multiplied by ``grow`` after each request, up
     to ``max_want``. ``size`` is the shard's size once known (given, or told by a response); ``retries``
     counts the retries of every request; ``requests`` counts the requests."""
 
     def __init__(
-        self, open_range: OpenRange, *, want: int, size: int | None = None, start: int = 0, grow: float = 1.0, max_want: int | None = None
+        self,
+        open_range: OpenRange,
+        *,
+        want: int,
+        size: int | None = None,
+        start: int = 0,
+        end: int | None = None,
+        grow: float = 1.0,
+        max_want: int | None = None,
     ) -> None:
         super().__init__()
         self.want = want
         self.size = size
+        self.stop = end  # the stream ends before this byte (a reader's byte range), else at the shard's end
         self.requests = 0
         self._open_range = open_range
         self._grow = grow
@@ -67,11 +77,10 @@ class WindowedStream(ForwardStream):
             self._retries += int(getattr(self._cur, "retries", 0))
             self._cur.close()
             self._cur = None
-        if self.size is not None and self._pos >= self.size:
+        limit = min(x for x in (self.size, self.stop, 1 << 62) if x is not None)
+        if self._pos >= limit:
             return False
-        end = self._pos + max(self.want, MIN_WINDOW)
-        if self.size is not None:
-            end = min(end, self.size)
+        end = min(self._pos + max(self.want, MIN_WINDOW), limit)
         self._cur = self._open_range(self._pos, end)
         self._end = end
         self.requests += 1

@@ -182,3 +182,23 @@ def test_remote_streams_reopen_with_a_ranged_get_and_cold_ones_do_not_read_ahead
     # read ahead for every stream would begin 2 shards per fresh open, most of them closed unread by
     # the cap and asked for again (measured: 50 extra GETs for 35 shards opened; with the rule 13).
     assert len(fresh) - opened <= opened // 2, (len(fresh), opened)
+
+
+def test_compressed_shards_reopen_by_decompressing_again(tmp_path):
+    """A compressed shard has no byte to seek to: a reopen decompresses it from its start up to
+    where it stopped (counted as a reopen); the batches are those of a reader that kept it open."""
+    rng = np.random.default_rng(8)
+    names = [f"z{i}" for i in range(4)]
+    patterns = {n: write_token_shards(tmp_path, n, [rng.integers(20, 200, 40).tolist() for _ in range(2)], suffix=".tar.gz") for n in names}
+
+    def run(cap: int):
+        sources = [mixer.Source(n, patterns[n], io_options={"max_open_shards": cap}) for n in names]
+        mix = mixer.Mixture(sources, batching=mixer.TokenBudget(1024, buckets=[64, 128, 256]), seed=2, shuffle_buffer=4)
+        reader = mix.reader(World(rank=0, world_size=1, worker=0, num_workers=1))
+        return take(reader, 30), reader.open_shards
+
+    kept, _ = run(64)
+    capped, lru = run(1)
+    assert [tuple(b.keys) for b in capped] == [tuple(b.keys) for b in kept]
+    assert all(np.array_equal(a.tokens.numpy(), b.tokens.numpy()) for a, b in zip(capped, kept))
+    assert lru.peak == 1 and sum(row[REOPENED] for row in capped[-1].meta.counters) > 0

@@ -3,9 +3,9 @@
  *
  * Contract (see mixer/tario.py, `_read_native`): `scan` never decides anything the pure-Python
  * reader might decide differently. It handles plain ustar members with strictly octal numbers and
- * a valid unsigned checksum, optionally preceded by one local PAX header whose records parse
- * cleanly, and names that split by the fast rule. Anything else (a bad or signed checksum,
- * base-256 or odd numbers, GNU long names, global PAX headers, links, directories, sparse members,
+ * a valid unsigned checksum (ustar prefixes applied), optionally preceded by one local PAX header
+ * whose records parse cleanly or one GNU long-name header, and names that split by the fast rule. Anything else (a bad or signed checksum,
+ * base-256 or odd numbers, global PAX headers, several extension headers in a row, links, directories, sparse members,
  * meta or odd names, duplicate extensions) makes it stop *before* that member with FALLBACK, and
  * the Python reader takes over from that byte with the pending sample, so every error, message and
  * damage field comes from the one implementation the tests pin. It also stops (NEED) when the next
@@ -146,6 +146,8 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t need = 0;
     Py_ssize_t first = -1; /* buffer index of a pending PAX header */
     Pax pax = {NULL, 0, NULL, 0};
+    int longname = 0;            /* the pending extension header is a GNU long name, not PAX */
+    unsigned char joined[256];   /* ustar prefix + "/" + name: at most 155 + 1 + 100 bytes */
     char lowered[100];
 
     for (;;) {
@@ -185,9 +187,9 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             break;
         }
         unsigned char type = h[156];
-        if (type == 'x' || type == 'X') {
+        if (type == 'x' || type == 'X' || type == 'L') {
             int64_t span = BLOCK + ((size + 511) & ~(int64_t)511);
-            if (first >= 0) {
+            if (first >= 0) { /* a second extension header: their precedence is Python's to apply */
                 status = ST_FALLBACK;
                 p = rb;
                 break;
@@ -197,10 +199,17 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                 need = (Py_ssize_t)span;
                 break;
             }
-            if (!parse_pax(h + BLOCK, (Py_ssize_t)size, &pax)) {
+            if (type == 'L') { /* GNU long name: the payload up to its first NUL, as tarheader.nts */
+                const unsigned char *end = memchr(h + BLOCK, 0, (size_t)size);
+                pax.path = h + BLOCK;
+                pax.path_len = end ? end - (h + BLOCK) : (Py_ssize_t)size;
+                pax.size = NULL;
+                longname = 1;
+            } else if (!parse_pax(h + BLOCK, (Py_ssize_t)size, &pax)) {
                 status = ST_FALLBACK;
                 break;
-            }
+            } else
+                longname = 0;
             first = p;
             p += (Py_ssize_t)span;
             continue;
@@ -213,16 +222,25 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         const unsigned char *nm = h;
         const unsigned char *nul = memchr(h, 0, 100);
         Py_ssize_t nlen = nul ? nul - h : 100;
-        if ((type == 0 && nlen > 0 && nm[nlen - 1] == '/') || h[345] != 0) {
-            status = ST_FALLBACK; /* a V7 directory, or a ustar prefix */
+        if (type == 0 && nlen > 0 && nm[nlen - 1] == '/') {
+            status = ST_FALLBACK; /* a V7 directory */
             p = rb;
             break;
+        }
+        if (h[345] != 0) { /* ustar prefix: "prefix/name", whatever the magic says (as tarfile) */
+            const unsigned char *pend = memchr(h + 345, 0, 155);
+            Py_ssize_t plen = pend ? pend - (h + 345) : 155;
+            memcpy(joined, h + 345, (size_t)plen);
+            joined[plen] = '/';
+            memcpy(joined + plen + 1, h, (size_t)nlen);
+            nm = joined;
+            nlen += plen + 1;
         }
         if (first >= 0) {
             if (pax.path != NULL) {
                 nm = pax.path;
                 nlen = pax.path_len;
-                while (nlen > 0 && nm[nlen - 1] == '/')
+                while (!longname && nlen > 0 && nm[nlen - 1] == '/')
                     nlen--;
             }
             if (pax.size != NULL && !strict_decimal(pax.size, pax.size_len, &size)) {

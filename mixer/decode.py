@@ -206,9 +206,9 @@ try:
 except ImportError:  # built without a C compiler
     _tokens = None
 else:
-    # The dtypes np.save spells '<i4', '|u1', ... on this machine: native integer ones only.
+    # The dtypes np.save spells '<i4', '|u1', ... (their .str) on this machine: native integer ones only.
     _NATIVE_INTS = [np.dtype(c) for c in "bBhHiIqQ"]
-    _tarwalk.setup(np.frombuffer, [(np.lib.format.dtype_to_descr(d).encode(), d, d.itemsize) for d in _NATIVE_INTS])
+    _tarwalk.setup(np.frombuffer, [(d.str.encode(), d, d.itemsize) for d in _NATIVE_INTS])
     _tokens = _tarwalk.tokens
 
 NATIVE: bool = _tokens is not None

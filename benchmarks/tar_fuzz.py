@@ -249,6 +249,15 @@ class Stream:
         return out
 
 
+class StreamInto(Stream):
+    """The same stream with ``readinto`` (the compiled path then reads into one reused buffer)."""
+
+    def readinto(self, b: Any) -> int:
+        data = self.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+
 def _outcome(exc: BaseException) -> tuple[Any, ...]:
     fields = tuple(getattr(exc, f, None) for f in ("offset", "stop", "member", "truncated", "lost"))
     cause = exc.__cause__
@@ -268,10 +277,10 @@ def _tokens(sample: dict[str, Any], native: bool) -> tuple[Any, ...]:
     return (t.dtype.str, t.shape, t.flags.writeable, t.tobytes())
 
 
-def read_all(data: bytes, native: bool, opts: dict[str, Any], short: int, fail_at: int | None) -> list[Any]:
+def read_all(data: bytes, native: bool, opts: dict[str, Any], short: int, fail_at: int | None, into: bool = False) -> list[Any]:
     got: list[Any] = []
     try:
-        for sample in read_samples(Stream(data, short, fail_at), url=URL, native=native, **opts):
+        for sample in read_samples((StreamInto if into else Stream)(data, short, fail_at), url=URL, native=native, **opts):
             got.append(list(sample.items()))
             got.append(_tokens(sample, native))
     except Exception as exc:  # compared, not judged
@@ -288,8 +297,9 @@ def one_case(rng: np.random.Generator) -> str:
         opts["start_offset"] = int(rng.integers(0, max(len(data) // BLOCK, 1))) * BLOCK
     short = int(pick(rng, [0, 0, 1, 100, 700]))
     fail_at = int(rng.integers(0, len(data) + 1)) if rng.random() < 0.1 else None
-    want = read_all(data, False, opts, short, fail_at)
-    got = read_all(data, True, opts, short, fail_at)
+    into = rng.random() < 0.5
+    want = read_all(data, False, opts, short, fail_at, into)
+    got = read_all(data, True, opts, short, fail_at, into)
     if got != want:
         i = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
         raise AssertionError(

@@ -114,32 +114,40 @@ static int is_reserved(const char *s, Py_ssize_t n)
            (n == 10 && memcmp(s, "__offset__", 10) == 0) || (n == 7 && memcmp(s, "__end__", 7) == 0);
 }
 
-/* scan(buf, pos, base, url, sample, key, out) -> (status, pos, need, sample, key) */
+/* scan(buf, pos, end, base, url, sample, key, out) -> (status, pos, need, sample, key): walks
+ * buf[pos:end] (any contiguous buffer: bytes, or the bytearray the stream is read into). */
 static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 7 || !PyBytes_CheckExact(args[0]) || !PyList_CheckExact(args[6])) {
-        PyErr_SetString(PyExc_TypeError, "scan(buf: bytes, pos, base, url, sample, key, out: list)");
+    (void)self;
+    if (nargs != 8 || !PyList_CheckExact(args[7])) {
+        PyErr_SetString(PyExc_TypeError, "scan(buf, pos, end, base, url, sample, key, out: list)");
         return NULL;
     }
-    const unsigned char *buf = (const unsigned char *)PyBytes_AS_STRING(args[0]);
-    Py_ssize_t blen = PyBytes_GET_SIZE(args[0]);
     Py_ssize_t p = PyLong_AsSsize_t(args[1]);
     if (p == -1 && PyErr_Occurred())
         return NULL;
-    Py_ssize_t base = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t blen = PyLong_AsSsize_t(args[2]);
+    if (blen == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t base = PyLong_AsSsize_t(args[3]);
     if (base == -1 && PyErr_Occurred())
         return NULL;
-    if (p < 0 || p > blen || base < 0) {
-        PyErr_SetString(PyExc_ValueError, "scan: pos or base out of range");
-        return NULL;
-    }
-    PyObject *url = args[3], *out = args[6];
-    PyObject *sample = args[4] == Py_None ? NULL : args[4];
-    PyObject *key = args[5] == Py_None ? NULL : args[5];
+    PyObject *url = args[4], *out = args[7];
+    PyObject *sample = args[5] == Py_None ? NULL : args[5];
+    PyObject *key = args[6] == Py_None ? NULL : args[6];
     if ((sample != NULL && !PyDict_CheckExact(sample)) || (key != NULL && !PyUnicode_CheckExact(key))) {
         PyErr_SetString(PyExc_TypeError, "scan: sample must be a dict or None, key a str or None");
         return NULL;
     }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    if (p < 0 || blen < p || blen > view.len || base < 0) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "scan: need 0 <= pos <= end <= len(buf) and base >= 0");
+        return NULL;
+    }
+    const unsigned char *buf = (const unsigned char *)view.buf;
     Py_XINCREF(sample);
     Py_XINCREF(key);
     int status;
@@ -350,10 +358,12 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *result = Py_BuildValue("(innOO)", status, p, need, sample ? sample : Py_None, key ? key : Py_None);
     Py_XDECREF(sample);
     Py_XDECREF(key);
+    PyBuffer_Release(&view);
     return result;
 error:
     Py_XDECREF(sample);
     Py_XDECREF(key);
+    PyBuffer_Release(&view);
     return NULL;
 }
 
@@ -372,6 +382,7 @@ static PyObject *frombuffer;
 /* setup(np.frombuffer, [(descr: bytes, dtype, itemsize), ...]) */
 static PyObject *setup(PyObject *self, PyObject *args)
 {
+    (void)self;
     PyObject *fb, *table;
     if (!PyArg_ParseTuple(args, "OO!", &fb, &PyList_Type, &table))
         return NULL;
@@ -417,6 +428,7 @@ static int match(const unsigned char *d, Py_ssize_t end, Py_ssize_t *i, const ch
 /* tokens(sample) -> array, or None where mixer.decode must look (txt, other layouts, errors). */
 static PyObject *tokens(PyObject *self, PyObject *sample)
 {
+    (void)self;
     if (!PyDict_CheckExact(sample) || frombuffer == NULL)
         Py_RETURN_NONE;
     PyObject *data = PyDict_GetItemWithError(sample, s_tokens);

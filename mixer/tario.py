@@ -359,11 +359,14 @@ NATIVE: bool = _tarwalk is not None
 
 
 def _read_native(stream: BinaryIO, url: str, start_offset: int, chunk_size: int) -> Iterator[dict[str, Any]]:
-    """`read_samples` through ``_tarwalk.scan``, which walks and groups whole members of the buffer
-    and stops when it needs more bytes (read here, as `_refill` would) or meets anything it leaves
-    to Python (every error included): then `_walk` + `_group` go on from that member, with the
-    bytes read so far and the sample still pending."""
-    buf = _opening(stream, url, start_offset, chunk_size)
+    """`read_samples` through ``_tarwalk.scan``, which walks and groups whole members of
+    ``buf[pos:end]`` and stops when it needs more bytes (read here, as `_refill` reads them, but
+    into one reused buffer where the stream has ``readinto``) or meets anything it leaves to Python
+    (every error included): then `_walk` + `_group` go on from that member, with the bytes read so
+    far and the sample still pending."""
+    buf: bytes | bytearray = _opening(stream, url, start_offset, chunk_size)
+    end = len(buf)
+    readinto = getattr(stream, "readinto", None)
     scan = _tarwalk.scan
     base, pos = start_offset, 0
     sample: dict[str, Any] | None = None
@@ -372,7 +375,7 @@ def _read_native(stream: BinaryIO, url: str, start_offset: int, chunk_size: int)
     failure: ShardError | None = None
     eof = False
     while True:
-        status, pos, need, sample, key = scan(buf, pos, base, url, sample, key, out)
+        status, pos, need, sample, key = scan(buf, pos, end, base, url, sample, key, out)
         if out:
             yield from out
             out.clear()
@@ -383,24 +386,48 @@ def _read_native(stream: BinaryIO, url: str, start_offset: int, chunk_size: int)
             return
         if status == _tarwalk.FALLBACK:
             break
-        parts = [buf[pos:]]
-        have = len(parts[0])
+        have = end - pos
+        if readinto is None:
+            parts = [buf[pos:end]]
+        else:  # keep the unread tail, then read into the same buffer (no allocation, no join)
+            if isinstance(buf, bytearray) and len(buf) >= have + chunk_size:
+                buf[:have] = buf[pos:end]
+            else:
+                buf = bytearray(buf[pos:end]) + bytearray(chunk_size)
+            view = memoryview(buf)
+        base += pos
+        pos = 0
         while have < need:
             try:
-                block = stream.read(max(chunk_size, need - have))
+                if readinto is None:
+                    block = stream.read(max(chunk_size, need - have))
+                    got = len(block) if block else 0
+                    if got:
+                        parts.append(block)
+                else:
+                    # At most chunk_size at a time: a header may claim any size, and the buffer
+                    # grows only as the bytes arrive.
+                    if have == len(buf):  # full: a member larger than the buffer
+                        view.release()
+                        buf += bytearray(max(chunk_size, have))
+                        view = memoryview(buf)
+                    got = readinto(view[have : have + chunk_size]) or 0
             except ShardError as exc:
                 failure = exc
                 break
-            if not block:
+            if not got:
                 eof = True
                 break
-            parts.append(block)
-            have += len(block)
-        buf, base, pos = b"".join(parts), base + pos, 0
+            have += got
+        if readinto is None:
+            buf = b"".join(parts)
+        else:
+            view.release()
+        end = have
         if failure is not None or eof:
             break
     rest = _Replay(stream, failure, eof) if failure is not None or eof else stream
-    yield from _group(_walk(cast(BinaryIO, rest), buf[pos:], base + pos, url, chunk_size), url, sample or {}, key)
+    yield from _group(_walk(cast(BinaryIO, rest), bytes(buf[pos:end]), base + pos, url, chunk_size), url, sample or {}, key)
 
 
 class _Replay:

@@ -52,7 +52,7 @@ def test_writer_shards_are_read_by_the_compiled_core_alone(mtime: float | None) 
     data = _shard(mtime)
     assert (data[156:157] == b"x") == (mtime is None)  # webdataset's float default mtime -> a PAX header per member
     out: list[dict] = []
-    status, pos, need, sample, key = tario._tarwalk.scan(data, 0, 0, "u", None, None, out)
+    status, pos, need, sample, key = tario._tarwalk.scan(data, 0, len(data), 0, "u", None, None, out)
     assert status == tario._tarwalk.END and need == 0
     assert [s["__key__"] for s in out] + [key] == [f"doc/{i:05d}" for i in range(40)]
     sample["__end__"] = pos
@@ -72,11 +72,11 @@ def test_scan_stops_where_bytes_are_missing_and_resumes_with_the_pending_sample(
     # sample's json member ("{}") ends at 2048; cut inside its tokens.npy data.
     cut = 2048 + 1024 + 512 + 100
     out: list[dict] = []
-    status, pos, need, sample, key = tario._tarwalk.scan(data[:cut], 0, 0, "u", None, None, out)
+    status, pos, need, sample, key = tario._tarwalk.scan(data[:cut], 0, cut, 0, "u", None, None, out)
     assert (status, pos, out, key) == (tario._tarwalk.NEED, 2048, [], "doc/00000")  # back to the PAX header
     assert list(sample) == ["__key__", "__url__", "__offset__", "__end__", "json"] and sample["__end__"] is None
     assert need > cut - 2048  # the whole member, from its PAX header on
-    status, pos, need, sample, key = tario._tarwalk.scan(data[pos:], 0, pos, "u", sample, key, out)
+    status, pos, need, sample, key = tario._tarwalk.scan(data, pos, len(data), 0, "u", sample, key, out)
     assert status == tario._tarwalk.END and [s["__key__"] for s in out] == ["doc/00000", "doc/00001"] and key == "doc/00002"
     assert out == list(tario.read_samples(io.BytesIO(data), url="u", native=False))[:2]
 

@@ -114,6 +114,10 @@ static int is_reserved(const char *s, Py_ssize_t n)
            (n == 10 && memcmp(s, "__offset__", 10) == 0) || (n == 7 && memcmp(s, "__end__", 7) == 0);
 }
 
+#define N_SUFFIXES 8
+static PyObject *suffixes[N_SUFFIXES]; /* recently seen extensions (ASCII str), round robin */
+static int next_suffix;
+
 /* scan(buf, pos, end, base, url, sample, key, out) -> (status, pos, need, sample, key): walks
  * buf[pos:end] (any contiguous buffer: bytes, or the bytearray the stream is read into). */
 static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -304,7 +308,21 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             Py_DECREF(prefix);
             goto error;
         }
-        PyObject *suffix = PyUnicode_FromStringAndSize(lowered, slen);
+        /* A shard repeats a handful of extensions: reuse their str objects (and cached hashes). */
+        PyObject *suffix = NULL;
+        for (int c = 0; c < N_SUFFIXES && suffixes[c] != NULL; c++)
+            if (PyUnicode_GET_LENGTH(suffixes[c]) == slen && memcmp(PyUnicode_DATA(suffixes[c]), lowered, (size_t)slen) == 0) {
+                suffix = Py_NewRef(suffixes[c]);
+                break;
+            }
+        if (suffix == NULL) {
+            suffix = PyUnicode_FromStringAndSize(lowered, slen);
+            if (suffix != NULL) {
+                Py_XDECREF(suffixes[next_suffix]);
+                suffixes[next_suffix] = Py_NewRef(suffix);
+                next_suffix = (next_suffix + 1) % N_SUFFIXES;
+            }
+        }
         if (suffix == NULL) {
             Py_DECREF(prefix);
             goto error;

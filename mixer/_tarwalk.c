@@ -9,7 +9,7 @@
  * meta or odd names, duplicate extensions) makes it stop *before* that member with FALLBACK, and
  * the Python reader takes over from that byte with the pending sample, so every error, message and
  * damage field comes from the one implementation the tests pin. It also stops (NEED) when the next
- * header or data is not wholly in the buffer; I/O stays in Python.
+ * header or data is not wholly in the buffer (I/O stays in Python), and (MORE) after BATCH samples.
  *
  * Every read of `buf` is checked against its length before it happens.
  */
@@ -19,7 +19,8 @@
 #include <string.h>
 
 #define BLOCK 512
-enum { ST_NEED = 0, ST_END = 1, ST_FALLBACK = 2 };
+enum { ST_NEED = 0, ST_END = 1, ST_FALLBACK = 2, ST_MORE = 3 };
+#define BATCH 64 /* samples per call at most: the caller holds no more than these at once */
 
 static PyObject *s_key, *s_url, *s_offset, *s_end, *s_tokens, *s_input_ids;
 
@@ -365,6 +366,10 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(data);
         first = -1;
         p += (Py_ssize_t)span;
+        if (PyList_GET_SIZE(out) >= BATCH) {
+            status = ST_MORE;
+            break;
+        }
         continue;
     fail_member:
         Py_XDECREF(prefix);
@@ -526,7 +531,7 @@ PyMODINIT_FUNC PyInit__tarwalk(void)
     if (m == NULL)
         return NULL;
     if (PyModule_AddIntConstant(m, "NEED", ST_NEED) < 0 || PyModule_AddIntConstant(m, "END", ST_END) < 0 ||
-        PyModule_AddIntConstant(m, "FALLBACK", ST_FALLBACK) < 0) {
+        PyModule_AddIntConstant(m, "FALLBACK", ST_FALLBACK) < 0 || PyModule_AddIntConstant(m, "MORE", ST_MORE) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -386,6 +386,8 @@ def _read_native(stream: BinaryIO, url: str, start_offset: int, chunk_size: int)
             return
         if status == _tarwalk.FALLBACK:
             break
+        if status == _tarwalk.MORE:  # a batch of samples handed over; the buffer has more
+            continue
         have = end - pos
         if readinto is None:
             parts = [buf[pos:end]]

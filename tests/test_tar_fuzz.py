@@ -28,6 +28,7 @@ needs_core = pytest.mark.skipif(tario._tarwalk is None, reason="mixer._tarwalk w
 CASES_PER_SEED = 600  # 4 seeds: ~2,400 cases, ~15 s on a busy 2-core machine
 
 
+@pytest.mark.slow
 @needs_core
 @pytest.mark.parametrize("seed", range(4))
 def test_compiled_and_python_readers_agree_on_random_damaged_shards(seed: int) -> None:
@@ -49,16 +50,24 @@ def _shard(mtime: float | None, n: int = 40) -> bytes:
 @needs_core
 @pytest.mark.parametrize("mtime", [None, 1_700_000_000], ids=["pax-default", "integer-mtime"])
 def test_writer_shards_are_read_by_the_compiled_core_alone(mtime: float | None) -> None:
-    data = _shard(mtime)
+    data = _shard(mtime, n=150)
     assert (data[156:157] == b"x") == (mtime is None)  # webdataset's float default mtime -> a PAX header per member
     out: list[dict] = []
-    status, pos, need, sample, key = tario._tarwalk.scan(data, 0, len(data), 0, "u", None, None, out)
-    assert status == tario._tarwalk.END and need == 0
-    assert [s["__key__"] for s in out] + [key] == [f"doc/{i:05d}" for i in range(40)]
+    statuses, sizes = [], []
+    pos, sample, key = 0, None, None
+    while not statuses or statuses[-1] == tario._tarwalk.MORE:  # at most 64 samples per call
+        batch: list[dict] = []
+        status, pos, need, sample, key = tario._tarwalk.scan(data, pos, len(data), 0, "u", sample, key, batch)
+        statuses.append(status)
+        sizes.append(len(batch))
+        out += batch
+    assert statuses == [tario._tarwalk.MORE] * 2 + [tario._tarwalk.END] and sizes == [64, 64, 21] and need == 0
+    assert [s["__key__"] for s in out] + [key] == [f"doc/{i:05d}" for i in range(150)]
     sample["__end__"] = pos
     with_python = list(tario.read_samples(io.BytesIO(data), url="u", native=False))
     assert out + [sample] == with_python
     assert [list(s) for s in out] == [list(s) for s in with_python[:-1]]  # same key order too
+    assert list(tario.read_samples(io.BytesIO(data), url="u", chunk_size=4096)) == with_python
     for s in with_python:
         got = decode.default_tokens(s)
         want = decode.default_tokens(s, native=False)

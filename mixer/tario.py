@@ -6,7 +6,8 @@ damaged shard quietly loses its tail; and it costs ~40 µs per small sample. Her
 checksum is verified, the end-of-archive block is required, and the per-member work is a handful of
 slices on one large buffer.
 
-Pipeline: ``iter_members(stream) -> group_samples(members) -> samples``; `read_samples` chains them.
+Pipeline: ``iter_members(stream) -> group_samples(members) -> samples``; `read_samples` chains them,
+through the compiled core (`mixer._tarwalk`) where it was built, which defers to this code.
 """
 
 from __future__ import annotations

@@ -52,8 +52,7 @@ def iter_members(
     generator's return value is the offset of the end-of-archive block (`group_samples` uses it as
     the last sample's ``__end__``).
     """
-    buf = _opening(stream, url, start_offset, chunk_size)
-    return (yield from _walk(stream, buf, start_offset, url, chunk_size))
+    return _walk(stream, None, start_offset, url, chunk_size)  # one generator frame per member, not two
 
 
 def _opening(stream: BinaryIO, url: str, start_offset: int, chunk_size: int) -> bytes:
@@ -67,9 +66,11 @@ def _opening(stream: BinaryIO, url: str, start_offset: int, chunk_size: int) -> 
     return b""
 
 
-def _walk(stream: BinaryIO, buf: bytes, base: int, url: str, chunk_size: int) -> Generator[Member, None, int]:
+def _walk(stream: BinaryIO, buf: bytes | None, base: int, url: str, chunk_size: int) -> Generator[Member, None, int]:
     """`iter_members` from a member boundary: `buf` holds the stream's bytes from shard offset `base`
-    on (the compiled reader hands over here with what it had read)."""
+    on (the compiled reader hands over here with what it had read); None: open the shard here."""
+    if buf is None:
+        buf = _opening(stream, url, base, chunk_size)
     blen = len(buf)
     pos = 0
     first = -1  # shard offset of the first extension header of the member being assembled

@@ -111,8 +111,11 @@ class Bounded:
         waited = time.monotonic() - c.started
         size = dist.get_world_size(self.group)
         rank = dist.get_rank(self.group)
-        timed_out = "timed out" in str(exc).lower()
         silent = self._silent(c.seq, rank, size)
+        # A peer that gave up at its own timeout closes its connections a moment before this rank's
+        # timer fires, so the backend here may say "connection closed", not "timed out": with a rank
+        # that never arrived and about the timeout waited, it is the timeout all the same.
+        timed_out = "timed out" in str(exc).lower() or (bool(silent) and waited >= 0.9 * self.timeout)
         if silent is None:
             who = f"one or more of the other {size - 1} rank(s) of the {size} did not answer"
         elif silent:

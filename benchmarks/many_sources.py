@@ -11,9 +11,14 @@ measured on this machine:
 * samples buffered per reader, shuffle / buckets, counted from the saved state where it lists them
   (``—`` when the state format does not);
 * ``loader.state_dict()`` of the rank: pickled and JSON sizes, and the time to build it;
+* `Mixture` construction over those HTTP sources answered after ``TTFB_MS`` (an object store's time
+  to first byte), without a profile cache, then with one cold and warm (the warm one must send no GET);
 * over loopback HTTP at 100 sources (a server in its own process that counts the body bytes it
   sends): bytes sent / bytes delivered (tar bytes of the delivered samples) in the steady state
-  (from batch ``BATCHES // 4`` on), and the GETs made; the most concurrent connections seen.
+  (from batch ``BATCHES // 4`` on), split into the storage layer's part (bytes sent / tar bytes the
+  readers took from shards, ``Counters.bytes``) and the buffers' part (taken / delivered: samples
+  read into shuffle and bucket buffers ahead of delivery), and the GETs made; the most concurrent
+  connections seen.
 
 Read the figures with the mixing in mind: a ``TokenBudget(65536)`` batch comes from one source
 (``mix="source"``), so ``BATCHES`` batches over 2 workers touch at most ``BATCHES / 2`` sources per
@@ -32,22 +37,20 @@ import gc
 import io
 import json
 import math
-import multiprocessing
 import os
 import pickle
 import re
 import sys
 import tarfile
 import time
-import urllib.parse
-from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from . import common
+from .many_http import SLOW, TTFB_MS, counting_server
 
 NAME = "many_sources"
 COUNTS = {"full": (3, 20, 100, 1000), "quick": (3, 100)}
@@ -160,97 +163,6 @@ def _buffered(state: dict[str, Any]) -> tuple[float | None, float | None]:
 
 
 # --------------------------------------------------------------------------------------------------
-# a loopback HTTP server (own process) that counts the body bytes it sends and its connections
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    root: Path
-    sent: Any  # multiprocessing.Value
-    gets: Any
-    conns: Any
-    peak: Any
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-    def setup(self) -> None:
-        super().setup()
-        with self.conns.get_lock():
-            self.conns.value += 1
-            self.peak.value = max(self.peak.value, self.conns.value)
-
-    def finish(self) -> None:
-        with contextlib.suppress(OSError):
-            super().finish()
-        with self.conns.get_lock():
-            self.conns.value -= 1
-
-    def do_GET(self) -> None:
-        path = (self.root / urllib.parse.unquote(urllib.parse.urlsplit(self.path).path).lstrip("/")).resolve()
-        if self.root not in path.parents or not path.is_file():
-            self.send_response(404)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-            return
-        data = path.read_bytes()
-        m = re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range", ""))
-        start = int(m.group(1)) if m else 0
-        if start >= len(data) and m:
-            self.send_response(416)
-            self.send_header("Content-Range", f"bytes */{len(data)}")
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-            return
-        with self.gets.get_lock():
-            self.gets.value += 1
-        self.send_response(206 if m else 200)
-        self.send_header("Content-Length", str(len(data) - start))
-        self.send_header("Accept-Ranges", "bytes")
-        self.send_header("ETag", f'"{len(data)}"')
-        if m:
-            self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
-        if self.headers.get("Connection", "").lower() == "close":
-            self.send_header("Connection", "close")
-        self.end_headers()
-        view = memoryview(data)[start:]
-        try:
-            for i in range(0, len(view), 65536):
-                chunk = view[i : i + 65536]
-                self.wfile.write(chunk)
-                with self.sent.get_lock():
-                    self.sent.value += len(chunk)
-        except OSError:
-            self.close_connection = True
-
-
-def _serve(root: str, conn: Any, counters: tuple[Any, ...]) -> None:
-    sent, gets, conns, peak = counters
-    handler = type("Handler", (_Handler,), {"root": Path(root).resolve(), "sent": sent, "gets": gets, "conns": conns, "peak": peak})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    server.daemon_threads = True
-    server.request_queue_size = 1024
-    conn.send(server.server_address[1])
-    server.serve_forever(poll_interval=0.1)
-
-
-@contextlib.contextmanager
-def counting_server(root: Path) -> Iterator[tuple[int, tuple[Any, ...]]]:
-    ctx = multiprocessing.get_context("spawn")
-    counters = (ctx.Value("q", 0), ctx.Value("q", 0), ctx.Value("q", 0), ctx.Value("q", 0))
-    parent, child = ctx.Pipe()
-    process = ctx.Process(target=_serve, args=(str(root), child, counters), daemon=True, name="bench-many-http")
-    process.start()
-    try:
-        if not parent.poll(60):
-            raise RuntimeError("the benchmark HTTP server did not start within 60 s")
-        yield int(parent.recv()), counters
-    finally:
-        process.terminate()
-        process.join(10)
-
-
-# --------------------------------------------------------------------------------------------------
 # one measurement
 
 
@@ -269,7 +181,7 @@ def measure(n: int, root: Path, sizes: dict[str, int], batches: int, log: Callab
     fds: dict[int, int] = {}
     delivered = 0
     steady_from = batches // 4
-    sent0 = gets0 = 0
+    sent0 = gets0 = consumed0 = 0
     steady_delivered = 0
     t1 = time.perf_counter()
     first_batch_s = None
@@ -281,6 +193,7 @@ def measure(n: int, root: Path, sizes: dict[str, int], batches: int, log: Callab
         delivered += nbytes
         if counters is not None and done == steady_from:
             sent0, gets0 = counters[0].value, counters[1].value
+            consumed0 = _consumed(loader)
         elif done > steady_from:
             steady_delivered += nbytes
         if done % 10 == 0 or done == batches:
@@ -316,7 +229,11 @@ def measure(n: int, root: Path, sizes: dict[str, int], batches: int, log: Callab
     }
     if counters is not None:
         sent = counters[0].value - sent0
+        consumed = _consumed(loader) - consumed0
         row.update(
+            steady_consumed_bytes=consumed,
+            sent_over_consumed=sent / consumed if consumed else None,
+            consumed_over_delivered=consumed / steady_delivered if steady_delivered else None,
             steady_sent_bytes=sent,
             steady_delivered_bytes=steady_delivered,
             read_over_delivered=sent / steady_delivered if steady_delivered else None,
@@ -328,6 +245,35 @@ def measure(n: int, root: Path, sizes: dict[str, int], batches: int, log: Callab
     if counters is None:  # (with the HTTP server running, its process is a child too)
         common.reap_children()
     return row
+
+
+def _consumed(loader: Any) -> int:
+    """Tar bytes the readers took from shards (``Counters.bytes``, counted as each shard closes)."""
+    return sum(c["bytes"] for c in loader.counters().values())
+
+
+def startup(n: int, root: Path, port: int, counters: tuple[Any, ...], cache_dir: Path, log: Callable[[str], None]) -> dict[str, Any]:
+    """`Mixture` construction over ``n`` HTTP sources answered after ``TTFB_MS``: without a profile
+    cache, then with one twice (cold: profiles and writes it; warm: must read no shard)."""
+    import mixer
+
+    def build(cache: Path | None) -> tuple[float, int, int]:
+        sources = [mixer.Source(f"s{i:04d}", f"http://127.0.0.1:{port}/{SLOW}" + _pattern(i)) for i in range(n)]
+        gets0, sent0 = counters[1].value, counters[0].value
+        t0 = time.perf_counter()
+        mixer.Mixture(sources, batching=mixer.TokenBudget(MAX_TOKENS), seed=0, profile_cache=None if cache is None else str(cache))
+        return time.perf_counter() - t0, counters[1].value - gets0, counters[0].value - sent0
+
+    import shutil
+
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    plain = build(None)
+    cold = build(cache_dir)
+    warm = build(cache_dir)
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    log(f"start-up, {n} HTTP sources at {TTFB_MS} ms TTFB: {plain[0]:.2f} s ({plain[1]} GETs); cached: cold {cold[0]:.2f} s, warm {warm[0]:.2f} s ({warm[1]} GETs)")
+    return {"sources": n, "ttfb_ms": TTFB_MS, "build_s": plain[0], "build_gets": plain[1], "build_sent_bytes": plain[2],
+            "cold_s": cold[0], "warm_s": warm[0], "warm_gets": warm[1]}  # fmt: skip
 
 
 def _mb(x: float) -> str:
@@ -356,6 +302,24 @@ def table(rows: list[dict[str, Any]]) -> str:
     return common.markdown_table(header, body)
 
 
+def io_table(rows: list[dict[str, Any]], start: dict[str, Any] | None) -> str:
+    """The I/O rows: bytes the server sent per byte delivered, split into the storage layer's share
+    (sent / tar bytes the readers took) and the buffers' (taken / delivered); start-up at TTFB_MS."""
+    header = ["sources (HTTP)", "sent / delivered", "sent / taken (I/O)", "taken / delivered (buffers)", "GETs (steady)", "peak conns"]
+    body = [[f"{r['sources']:,}", f"{r['read_over_delivered']:.2f}", _ratio(r.get("sent_over_consumed")), _ratio(r.get("consumed_over_delivered")),
+             str(r["steady_gets"]), str(r["peak_connections"])] for r in rows if r.get("read_over_delivered") is not None]  # fmt: skip
+    out = common.markdown_table(header, body)
+    if start is not None:
+        out += (f"\n\n`Mixture()` over {start['sources']} HTTP sources at {start['ttfb_ms']} ms to first byte: {start['build_s']:.2f} s "
+                f"({start['build_gets']} GETs, {_mb(start['build_sent_bytes'])} sent); with a profile cache: cold {start['cold_s']:.2f} s, "
+                f"warm {start['warm_s']:.2f} s with {start['warm_gets']} GETs")  # fmt: skip
+    return out
+
+
+def _ratio(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}"
+
+
 def to_row(r: dict[str, Any]) -> dict[str, Any]:
     label = f"{r['sources']} sources ({r['transport']})"
     rss = r["worker_rss_mb"]
@@ -381,10 +345,26 @@ def checks_for(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     checks.append(common.value_check(NAME, f"state_dict() build ms at {hi} sources", 1e3 * local[hi]["state_s"], 50, "<="))
     if local[hi]["worker_fds"]:
         checks.append(common.value_check(NAME, f"open fds per worker at {hi} sources", max(local[hi]["worker_fds"]), 64, "<="))
+        if lo < hi and len(local[lo]["worker_fds"]) == len(local[hi]["worker_fds"]):
+            # What a worker holds besides shards (DataLoader pipes, shared memory, the interpreter;
+            # the workers differ by a few): its fds at `lo` sources less those `lo` shards, paired
+            # worker for worker in sorted order; the rest must stay within the cap.
+            own = [f - lo for f in sorted(local[lo]["worker_fds"])]
+            beyond = max(f - o for f, o in zip(sorted(local[hi]["worker_fds"]), own))
+            checks.append(common.value_check(NAME, f"open fds per worker at {hi} sources beyond a worker's own ({own})", beyond, 64, "<="))
     for r in rows:
         if r.get("read_over_delivered") is not None:
             checks.append(common.value_check(NAME, f"bytes read / delivered at {r['sources']} HTTP sources", r["read_over_delivered"], 1.2, "<="))
+        if r.get("sent_over_consumed") is not None:
+            checks.append(common.value_check(NAME, f"bytes sent / taken by readers at {r['sources']} HTTP sources", r["sent_over_consumed"], 1.2, "<="))
     return checks
+
+
+def startup_checks(start: dict[str, Any] | None) -> list[dict[str, Any]]:
+    if start is None:
+        return []
+    return [common.value_check(NAME, f"Mixture() s, {start['sources']} HTTP sources at {start['ttfb_ms']} ms TTFB", start["build_s"], 3.0, "<="),
+            common.value_check(NAME, "shard GETs of a Mixture() with the profile cache present", start["warm_gets"], 0, "<=")]  # fmt: skip
 
 
 def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchResult:
@@ -395,6 +375,7 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchRes
     http_n = HTTP_SOURCES if http_n is None else http_n
     root, sizes = ensure_sources(max((*counts, http_n)), opts.bench_dir, log)
     rows = []
+    start = None
     for n in counts:
         t0 = time.perf_counter()
         try:
@@ -415,12 +396,15 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchRes
             except Exception as exc:  # noqa: BLE001
                 log(f"{http_n} HTTP sources: failed: {type(exc).__name__}: {exc}")
                 rows.append({"bench": NAME, "method": f"{http_n} sources (http)", "label": f"{http_n} sources (http)", "status": "error", "note": str(exc)[:300]})
+            start = startup(http_n, root, port, counters, opts.bench_dir / f"{NAME}.profiles", log)
     good = [r for r in rows if r.get("status") != "error"]
-    log("\n" + table(good))
+    log("\n" + table(good) + "\n\n" + io_table(good, start))
     config = {"profile": opts.profile, "counts": counts, "shards_per_source": SHARDS, "samples_per_shard": SAMPLES, "batches": batches,
-              "max_tokens": MAX_TOKENS, "workers": WORKERS, "http_sources": http_n, "table": table(good)}  # fmt: skip
+              "max_tokens": MAX_TOKENS, "workers": WORKERS, "http_sources": http_n, "table": table(good),
+              "io_table": io_table(good, start), "startup": start}  # fmt: skip
     result_rows = [to_row(r) if r.get("status") != "error" else r for r in rows]
-    return common.BenchResult(NAME, result_rows, checks_for(good) if any(r["transport"] == "local" for r in good) else [], config)
+    checks = checks_for(good) if any(r["transport"] == "local" for r in good) else []
+    return common.BenchResult(NAME, result_rows, checks + startup_checks(start), config)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -435,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     res = run(opts, lambda m: print(f"[many_sources {time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True))
     common.write_json(res, opts.bench_dir / f"{NAME}{'.quick' if opts.quick else ''}.json")
     print(res.config["table"])
+    print()
+    print(res.config["io_table"])
     print()
     print(common.checks_table([res]))
     return 1 if res.failed else 0

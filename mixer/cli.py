@@ -29,6 +29,7 @@ import numpy as np
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from .adaptive import Adaptive
 from .batch import Batch
 from .budget import TokenBudget
 from .config import MixtureConfig, build_mixture, parse_config
@@ -137,6 +138,9 @@ def _describe(schedule: Schedule | None) -> str:
         return "static (the sources' weights)"
     if isinstance(schedule, Floored):
         return f"{_describe(schedule.schedule)}, min_prob {schedule.min_prob:g}"
+    if isinstance(schedule, Adaptive):  # the targets move only with loss from a training loop, which `mixer run` has not
+        return (f"adaptive ({schedule.policy}, an update every {schedule.update_every} steps) over {_describe(schedule.schedule)}; "
+                "no training loop reports loss here, so its targets stay the prior's")  # fmt: skip
     if isinstance(schedule, Curriculum):
         t = f" with temperature {schedule.temperature.start:g}" if schedule.temperature is not None else ""
         return f"curriculum of {len(schedule.phases)} phases over {schedule.unit}{t}"

@@ -25,7 +25,7 @@ commands). Beyond the obvious ones:
 * ``profile_cache``: a directory for the sources' up-front profiles (``Mixture(profile_cache=)``),
   so a restarted job reads no shard to start; ``profile_share``: whether rank 0 profiles for all.
 * ``sources[i].io_options``: :class:`mixer.IOOptions` keys (``timeout``, ``retries``, ``backoff``,
-  ``block_size``, ``read_ahead``, ``max_connections``) for remote shards.
+  ``block_size``, ``read_ahead``, ``max_connections``, ``max_open_shards``): how shards are read.
 * ``sources[i].index``: ``true`` (the index files next to the shards) or an index file's path or URL
   (``Source(index=...)``; build one with ``mixer index``).
 """

@@ -42,10 +42,9 @@ collective of the sync carries that timeout itself (gloo ends the operation with
 passes, so nothing is left pending and the process can exit), and the wait for it is bounded too.
 A rank that froze (SIGSTOP, a partition, a hung step) or died (its connections closed) then makes
 the others raise :class:`~mixer.errors.MixerError` naming the collective, how long this rank waited
-and, where the process group's store can tell, the ranks that never reached the collective: a rank
-that has waited ``ARRIVED_AFTER_S`` notes its arrival in the store (nothing is written while
-collectives complete promptly), and a rank that gives up waits a moment for the others' notes. The
-error replaces the 30 minutes of gloo's default timeout and gloo's bare ``RuntimeError``.
+and, where the process group's store can tell, the ranks that never reached the collective (see
+:mod:`mixer.collective`, which adaptive mixing's feedback all-reduce uses too). The error replaces
+the 30 minutes of gloo's default timeout and gloo's bare ``RuntimeError``.
 
 DataLoader workers forked after the process group was made inherit its sockets, so a killed rank's
 connections stay open until its workers end too; their parent-death watchdog ends them within
@@ -56,19 +55,15 @@ would let a later file reuse a number that those objects then close.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
-import pickle
-import threading
-import time
 from collections.abc import Iterable, Iterator
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
 
+from .collective import ARRIVED_AFTER_S, Bounded, _Collective  # noqa: F401 (ARRIVED_AFTER_S: documented here)
 from .errors import ConfigError, MixerError
 
 if TYPE_CHECKING:
@@ -81,8 +76,7 @@ HAVE, ENDED, FAILED = 1, 0, -1
 SyncEnd = Literal["pad", "drop"]
 SYNC_ENDS = ("pad", "drop")
 DEFAULT_SYNC_TIMEOUT = 600.0
-ARRIVED_AFTER_S = 1.0  # a wait this long notes this rank's arrival in the store (never on the fast path)
-_instances = itertools.count()  # loaders built in this process: the same sequence on every rank
+AGREE = "the all_reduce that agrees on the next batch"
 
 
 def stop_sync(
@@ -144,17 +138,14 @@ def _handles_cpu(group: Any) -> bool:
     return any(name in backend for name in ("gloo", "mpi", "ucc"))
 
 
-class StopSync:
+class StopSync(Bounded):
     """Hands out batches so that every rank of ``group`` hands out the same number (see the module
     docstring); :meth:`report` counts the fillers handed out or the batches dropped."""
 
     def __init__(self, group: Any, names: tuple[str, ...], *, end: SyncEnd = "pad", timeout: float = DEFAULT_SYNC_TIMEOUT) -> None:
-        self.group = group
+        super().__init__(group, timeout=timeout, label="rank sync")
         self.names = names
         self.end: SyncEnd = end
-        self.timeout = timeout
-        self._instance = next(_instances)
-        self._collectives = 0  # started so far, over every iteration: the same count on every rank
         self.reset()
 
     def reset(self) -> None:
@@ -188,7 +179,7 @@ class StopSync:
 
         def post(value: int) -> _Collective:
             flag.fill_(value)
-            return self._all_reduce(flag, dist.ReduceOp.MIN)
+            return self._all_reduce(flag, dist.ReduceOp.MIN, AGREE)
 
         pending, error = self._fetch(it)
         work = post(_flag(pending, error))
@@ -227,7 +218,7 @@ class StopSync:
             flags[1] = int(error is not None)
             flags[2] = int(pending is None and template is None)
             flags[3] = -rank if pending is not None else -world
-            return self._all_reduce(flags, dist.ReduceOp.MAX)
+            return self._all_reduce(flags, dist.ReduceOp.MAX, AGREE)
 
         pending, error = self._fetch(it)
         work = post(pending, error)
@@ -261,62 +252,6 @@ class StopSync:
                 "(batch.filler is True: weigh their loss by 0) while the other ranks finished theirs", self.fillers,
             )
 
-    # ---- bounded collectives ----------------------------------------------------------------
-
-    def _all_reduce(self, tensor: torch.Tensor, op: Any) -> _Collective:
-        import torch.distributed as dist
-
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = op
-        opts.timeout = timedelta(seconds=self.timeout)
-        return self._started("the all_reduce that agrees on the next batch", lambda: self.group.allreduce([tensor], opts))
-
-    def _broadcast_object(self, obj: Any, src: int) -> Any:
-        """``obj`` from group rank ``src`` to every rank (pickled, as ``broadcast_object_list``
-        does), each of the two broadcasts bounded by the timeout."""
-        import torch.distributed as dist
-
-        opts = dist.BroadcastOptions()
-        opts.rootRank = src
-        opts.timeout = timedelta(seconds=self.timeout)
-        what = f"the broadcast of a batch to copy as filler from rank {src}"
-        mine = dist.get_rank(self.group) == src
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if mine else None
-        size = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64)
-        self._wait(self._started(what, lambda: self.group.broadcast([size], opts)))
-        buf = data if data is not None else torch.empty(int(size.item()), dtype=torch.uint8)
-        self._wait(self._started(what, lambda: self.group.broadcast([buf], opts)))
-        return obj if mine else pickle.loads(buf.numpy().tobytes())
-
-    def _started(self, what: str, start: Any) -> _Collective:
-        self._collectives += 1
-        seq, t0 = self._collectives, time.monotonic()
-        try:
-            return _Collective(start(), what, seq, t0)
-        except RuntimeError as exc:  # a peer already known to be gone
-            raise self._error(_Collective(None, what, seq, t0), exc) from exc
-
-    def _wait(self, c: _Collective) -> None:
-        """Waits for ``c`` to complete, at most the timeout after it started (the operation's own
-        timeout normally ends it first, with an error)."""
-        deadline = c.started + self.timeout + 1.0
-        note_at = c.started + ARRIVED_AFTER_S
-        noted: threading.Thread | None = None
-        while True:
-            until = deadline if noted else min(deadline, note_at)
-            try:
-                c.work.wait(timedelta(seconds=max(until - time.monotonic(), 0.001)))
-                if noted is not None:  # all answered after all: the note is not needed any more
-                    threading.Thread(target=self._unnote, args=(c.seq, noted), name="mixer-sync-note", daemon=True).start()
-                return
-            except RuntimeError as exc:
-                if c.work.is_completed() or time.monotonic() >= deadline:
-                    raise self._error(c, exc) from exc
-            if noted is None and time.monotonic() >= note_at:
-                # slow: say in the store that this rank got here, for the error of whoever gives up
-                noted = threading.Thread(target=self._note, args=(c.seq,), name="mixer-sync-note", daemon=True)
-                noted.start()
-
     def _finish(self, c: _Collective, error: Exception) -> None:
         """This rank's own reading failed: let the others know (they raise their MixerError), then
         re-raise the reading error, never masked by a failure of the sync itself."""
@@ -325,87 +260,6 @@ class StopSync:
         except MixerError as exc:
             log.warning("while stopping after a reading error on this rank: %s", exc)
         raise error
-
-    def _error(self, c: _Collective, exc: RuntimeError) -> MixerError:
-        import torch.distributed as dist
-
-        waited = time.monotonic() - c.started
-        size = dist.get_world_size(self.group)
-        rank = dist.get_rank(self.group)
-        timed_out = "timed out" in str(exc).lower()
-        silent = self._silent(c.seq, rank, size)
-        if silent is None:
-            who = f"one or more of the other {size - 1} rank(s) of the {size} did not answer"
-        elif silent:
-            who = f"rank(s) {', '.join(map(str, silent))} of the {size} in the group never reached it"
-        else:
-            who = f"all {size} ranks reached it"
-        if timed_out:
-            what = f"{c.what} (collective #{c.seq} of this loader) got no answer within sync_timeout={self.timeout:g} s"
-            hint = "a rank frozen (stopped, swapped out, partitioned) or busy elsewhere for longer; raise make_loader(sync_timeout=...) if that is expected"
-        else:
-            what = f"{c.what} (collective #{c.seq} of this loader) failed"
-            hint = "a rank died or its connection broke"
-        return MixerError(f"rank sync on rank {rank}: {what}; waited {waited:.1f} s; {who} ({hint}); backend: {exc}")
-
-    def _key(self, seq: int, rank: int) -> str:
-        return f"mixer-sync/{self._instance}/{seq}/{rank}"
-
-    def _store(self) -> Any:
-        try:
-            return self.group.get_group_store()
-        except (AttributeError, RuntimeError):
-            return None
-
-    def _note(self, seq: int) -> None:
-        import torch.distributed as dist
-
-        store = self._store()
-        if store is not None:
-            try:
-                store.set(self._key(seq, dist.get_rank(self.group)), "1")
-            except Exception:  # the store is best effort: the error says less, nothing else changes
-                log.debug("mixer sync: could not note the arrival at collective %d in the store", seq, exc_info=True)
-
-    def _unnote(self, seq: int, noting: threading.Thread) -> None:
-        import torch.distributed as dist
-
-        noting.join()
-        store = self._store()
-        if store is not None:
-            try:
-                store.delete_key(self._key(seq, dist.get_rank(self.group)))
-            except Exception:  # best effort, as in _note
-                log.debug("mixer sync: could not remove the note of collective %d from the store", seq, exc_info=True)
-
-    def _silent(self, seq: int, rank: int, size: int) -> list[int] | None:
-        """The ranks that never noted their arrival at collective ``seq``, or None when the store
-        cannot tell. Every rank still waiting has noted it within ``ARRIVED_AFTER_S``, so this waits
-        a little longer than that; a store that does not answer in time tells nothing."""
-        store = self._store()
-        if store is None:
-            return None
-        found: list[list[int]] = []
-
-        def ask() -> None:
-            self._note(seq)
-            deadline = time.monotonic() + ARRIVED_AFTER_S + 0.5
-            missing = [r for r in range(size) if r != rank]
-            try:
-                while True:
-                    missing = [r for r in missing if not store.check([self._key(seq, r)])]
-                    if not missing or time.monotonic() >= deadline:
-                        break
-                    time.sleep(0.05)
-            except Exception:  # best effort, as in _note
-                log.debug("mixer sync: could not ask the store who reached collective %d", seq, exc_info=True)
-                return
-            found.append(missing)
-
-        asking = threading.Thread(target=ask, name="mixer-sync-ask", daemon=True)
-        asking.start()
-        asking.join(ARRIVED_AFTER_S + 3.0)
-        return found[0] if found else None
 
     @staticmethod
     def _fetch(it: Iterator[Batch]) -> tuple[Batch | None, Exception | None]:
@@ -431,16 +285,6 @@ class StopSync:
                 self.dropped_batches, int(d[:, 0].sum()), int(d[:, 1].sum()),
                 ", ".join(f"{name} {int(s)}" for name, s in zip(self.names, d[:, 0]) if s),
             )
-
-
-class _Collective:
-    """One started collective of the sync: its work handle, what it is (for errors), its sequence
-    number (the same on every rank) and when this rank started it."""
-
-    __slots__ = ("work", "what", "seq", "started")
-
-    def __init__(self, work: Any, what: str, seq: int, started: float) -> None:
-        self.work, self.what, self.seq, self.started = work, what, seq, started
 
 
 def _other_failed() -> MixerError:

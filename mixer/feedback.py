@@ -4,7 +4,10 @@ The main process owns a :class:`Feedback`: ``Loader.feedback(batch, loss)`` adds
 to per-source sums and counts on the loss's device (``index_add_``, no synchronisation per step).
 Window ``j`` covers global steps ``j·U … (j+1)·U - 1`` (``U = update_every``); it closes when the
 loader hands out step ``(j+1)·U``: the sums and counts (and the tokens handed out) are copied to the
-host (one synchronisation per window), all-reduced over the data-parallel ranks, and the policy
+host (one synchronisation per window), all-reduced over the data-parallel ranks (on the CPU, bounded
+by the loader's ``sync_timeout``: a rank that stops handing out batches makes the others raise
+:class:`~mixer.errors.MixerError` naming it; a rank that only stops *reporting* loss holds no one
+up, its windows just count no samples), and the policy
 (:mod:`mixer.adaptive`) turns them into new shares, a pure function of the reduced statistics, its
 state and the prior's target, so every rank computes the same vector.
 
@@ -37,6 +40,7 @@ import torch
 from ._warn import warn
 from .adaptive import Adaptive, adapt, make_policy
 from .checkpoint import expect_keys
+from .collective import Bounded
 from .errors import ConfigError, MixerError, StateError
 
 if TYPE_CHECKING:
@@ -237,29 +241,51 @@ class Feedback:
         self.loss = [None if x is None else float(x) for x in state["loss"]]
 
 
-def _all_reduce(group: Any) -> Callable[[np.ndarray], np.ndarray]:
-    def reduce(values: np.ndarray) -> np.ndarray:
-        import torch.distributed as dist
+def format_adaptive(adaptive: dict[str, Any] | None) -> str:
+    """The adaptive part of a :func:`mixer.log_every` line, from ``Loader.stats()["adaptive"]``
+    (:meth:`Feedback.as_dict`): the updates so far, the step the latest takes effect from and the last
+    closed window's mean loss per source (``-``: no sample of it in that window); '' without."""
+    if adaptive is None:
+        return ""
+    loss = " ".join(f"{name} {'-' if v is None else format(v, '.4g')}" for name, v in adaptive["loss"].items())
+    since = f" (in effect from step {adaptive['from_step']})" if adaptive["updates"] else ""
+    return f" | adaptive: {adaptive['updates']} update(s){since}, last window's mean loss: {loss}"
 
-        t = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64))
-        if dist.get_backend(group) == "nccl":
-            t = t.cuda()
-        dist.all_reduce(t, group=group)
-        return t.cpu().numpy()
+
+def _all_reduce(group: Any, timeout: float) -> Callable[[np.ndarray], np.ndarray]:
+    """The window's statistics summed over ``group``'s ranks, on the CPU (a gloo group over the same
+    ranks when ``group``'s backend has no CPU collectives: NCCL), bounded by ``timeout``: a rank
+    that stopped handing out batches makes the others raise :class:`~mixer.errors.MixerError`
+    naming it (see :mod:`mixer.collective`), not wait for the process group's timeout."""
+    import torch.distributed as dist
+
+    from .distributed import _handles_cpu
+
+    if not _handles_cpu(group):
+        group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
+    bounded = Bounded(group, timeout=timeout, label="adaptive feedback")
+
+    def reduce(values: np.ndarray) -> np.ndarray:
+        t = torch.from_numpy(np.array(values, dtype=np.float64))
+        bounded.all_reduce(t, dist.ReduceOp.SUM, "the all_reduce of the per-source losses that closes an update window")
+        return t.numpy()
 
     return reduce
 
 
 def make_feedback(mixture: Mixture, *, num_workers: int, prefetch_factor: int | None, device_prefetch: int, synced: bool,
-                  forked: bool, persistent: bool, group: Any) -> Feedback | None:  # fmt: skip
-    """The loader's :class:`Feedback` when the mixture's schedule is :class:`~mixer.Adaptive`, else None."""
+                  forked: bool, persistent: bool, group: Any, timeout: float) -> Feedback | None:  # fmt: skip
+    """The loader's :class:`Feedback` when the mixture's schedule is :class:`~mixer.Adaptive`, else None.
+    ``timeout``: the loader's ``sync_timeout``, bounding each window's all-reduce over the ranks."""
     adaptive = mixture.schedule
     if not isinstance(adaptive, Adaptive):
         return None
     if num_workers > 0 and not forked:
-        raise ConfigError("schedule Adaptive: needs workers started by fork (the shares reach them through a mapping made before the fork)")
+        raise ConfigError("schedule Adaptive: needs DataLoader workers started by fork (the shares reach them through a mapping made "
+                          "before the fork); use multiprocessing_context='fork' (Linux) or num_workers=0")
     if persistent:
-        raise ConfigError("schedule Adaptive: persistent_workers=True is not supported (each pass maps its shares table before its workers fork)")
+        raise ConfigError("schedule Adaptive: persistent_workers=True is not supported (each pass maps its shares table before its "
+                          "workers fork, and persistent workers would keep the first pass's); leave persistent_workers=False")
     least = min_lag(num_workers=num_workers, prefetch_factor=prefetch_factor, device_prefetch=device_prefetch, synced=synced)
     if adaptive.lag is not None and adaptive.lag < least:
         raise ConfigError(
@@ -273,6 +299,6 @@ def make_feedback(mixture: Mixture, *, num_workers: int, prefetch_factor: int | 
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError(f"schedule Adaptive: {mixture.world_size} ranks need torch.distributed initialized, so that every rank "
                               "adapts to the same all-reduced losses")
-        reduce = _all_reduce(group if group is not None else dist.group.WORLD)
+        reduce = _all_reduce(group if group is not None else dist.group.WORLD, float(timeout))
     lag = least if adaptive.lag is None else int(adaptive.lag)
     return Feedback(mixture, adaptive, lag=lag, readers=max(num_workers, 1), reduce=reduce)

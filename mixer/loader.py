@@ -161,7 +161,7 @@ class Loader:
         )
         self._feedback = make_feedback(
             mixture, num_workers=num_workers, prefetch_factor=prefetch_factor, device_prefetch=device_prefetch if self.device is not None else 0,
-            synced=self.sync is not None, forked=self.pool is not None, persistent=self.persistent_workers, group=sync_group,
+            synced=self.sync is not None, forked=self.pool is not None, persistent=self.persistent_workers, group=sync_group, timeout=sync_timeout,
         )
 
     def __iter__(self) -> Iterator[Batch]:

@@ -30,6 +30,7 @@ from .selector import make_selector
 from .profiling import Profile, check_profile_cache, check_profile_share, list_source, profile_sources
 from .source import ListedSource, Source
 from .reread import reread
+from .storage import IOOptions, OpenShards
 from .stream import Counters, SourceStream
 from .transport import SlotPool
 from .feedback import SharesTable
@@ -242,10 +243,12 @@ class Reader:
         finite = mixture.stop != "never"
         self.counters = [Counters() for _ in range(n)]
         budget = mixture.batching
+        # One cap on open shards for all of this reader's streams (the smallest its sources ask for).
+        self.open_shards = OpenShards(min(IOOptions.of(s.io_options).max_open_shards for s in mixture.sources))
         self.streams = [
             SourceStream(
                 s, world, seed=mixture.seed, budget=budget, shuffle_buffer=mixture.shuffle_buffer,
-                finite=finite, counters=self.counters[i],
+                finite=finite, counters=self.counters[i], open_shards=self.open_shards,
             )
             for i, s in enumerate(mixture.listed)
         ]

@@ -9,8 +9,10 @@ A source that needs neither is not read at all. The others (:func:`profile_sourc
 * are read in parallel, at most :data:`MAX_CONCURRENT` sources at once, results in source order;
   an error is raised for the first failing source in source order, naming it, as a sequential look
   would, and the warnings are emitted in source order from the calling thread;
+* read at most :data:`MAX_TOTAL_SAMPLES` lengths over all sources (each at least :data:`MIN_SAMPLES`),
+  so a mixture of hundreds of sources does not read (and decode) 2,048 samples of each;
 * read only what they use: remote shards as ranged requests with an end byte, sized from what the
-  samples read so far measure (:class:`_Windows`), stopping at ``max_samples``;
+  samples read so far measure (:class:`mixer.storage.windows.WindowedStream`), stopping at ``max_samples``;
 * under ``torch.distributed`` (``Mixture(profile_share=)``), are profiled by rank 0 of the group
   only, and the result (or the error) is broadcast to the other ranks, which read nothing.
 """
@@ -34,7 +36,7 @@ from .errors import ConfigError, MixerError, SampleError, ShardError
 from .profile_cache import ProfileCache, cache_key, lengths_of
 from .source import ListedSource, Source
 from .storage.compressed import codec_of
-from .storage.streams import ForwardStream
+from .storage.windows import MIN_WINDOW, WindowedStream  # noqa: F401 (MIN_WINDOW: the least a window asks for)
 from .storage.urls import is_local, scheme_of
 from .stream import Counters, _decoded, _fit, _skip_or_raise
 from .tario import read_samples
@@ -42,12 +44,17 @@ from .tario import read_samples
 log = logging.getLogger(__name__)
 
 MAX_SAMPLES = 2048  # lengths read per source (spread over its shards)
+MAX_TOTAL_SAMPLES = 65_536
+"""Lengths read over all the sources looked at together: beyond 32 sources each reads fewer than
+:data:`MAX_SAMPLES`, down to :data:`MIN_SAMPLES`, so start-up grows far slower than the source count
+(at 100 sources, 655 each: 16 equal-mass bucket edges still rest on ~40 lengths apiece)."""
+MIN_SAMPLES = 512
 MAX_SHARDS = 3  # shards read per source: the first, the middle and the last
 MAX_CONCURRENT = 16
 """Sources profiled at once (threads; each holds at most one open shard). Enough to hide 50-100 ms
 of time to first byte over a hundred sources, few enough not to stampede one object store."""
-FIRST_WINDOW = 1 << 20  # bytes the first request for a source asks for, before any sample is measured
-MIN_WINDOW = 64 << 10  # the least a request asks for
+FIRST_WINDOW = 1 << 20  # the most the first request for a source asks for, before any sample is measured
+FIRST_BYTES_PER_SAMPLE = 2048  # ... sized for the samples wanted at this many bytes each (token samples are ~1-2 kB)
 SLACK = 1.15  # requests ask for this much more than the samples measured so far predict
 
 Origin = Literal["read", "cache", "given", "index"]
@@ -83,78 +90,16 @@ def _picks(n: int, max_shards: int) -> list[int]:
     return sorted({round(i * (n - 1) / max(max_shards - 1, 1)) for i in range(min(max_shards, n))})
 
 
-class _Windows(ForwardStream):
-    """A remote shard from its start as successive ranged requests, each with an end byte, so the
-    server sends about what is read: ``want`` is the size of the next request (the profiler keeps it
-    at what the samples still wanted are measured to need), never less than :data:`MIN_WINDOW`."""
-
-    def __init__(self, url: str, open_kwargs: dict[str, Any], want: int, size: int | None) -> None:
-        super().__init__()
-        self.url = url
-        self.want = want
-        self.size = size
-        self.requests = 0
-        self._kwargs = open_kwargs
-        self._cur: BinaryIO | None = None
-        self._end = 0
-        self._retries = 0
-
-    @property
-    def retries(self) -> int:
-        return self._retries + int(getattr(self._cur, "retries", 0))
-
-    def _next(self) -> bool:
-        if self._cur is not None:
-            if self._pos < self._end:  # the last window ended early: so did the shard
-                return False
-            self._retries += int(getattr(self._cur, "retries", 0))
-            self._cur.close()
-            self._cur = None
-        if self.size is not None and self._pos >= self.size:
-            return False
-        end = self._pos + max(self.want, MIN_WINDOW)
-        if self.size is not None:
-            end = min(end, self.size)
-        self._cur = storage.open_shard(self.url, start_offset=self._pos, end_offset=end, **self._kwargs)
-        self._end = end
-        self.requests += 1
-        told = getattr(self._cur, "size", None)
-        if told is not None:
-            self.size = int(told)
-        return True
-
-    def read(self, size: int | None = -1) -> bytes:
-        if size is None or size < 0:
-            parts = []
-            while chunk := self.read(1 << 20):
-                parts.append(chunk)
-            return b"".join(parts)
-        while True:
-            if self._cur is not None:
-                data = self._cur.read(size)
-                if data or size == 0:
-                    self._pos += len(data)
-                    return data
-            if not self._next():
-                return b""
-
-    def read1(self, size: int = -1) -> bytes:
-        return self.read(size if size >= 0 else 1 << 20)
-
-    def _release(self) -> None:
-        if self._cur is not None:
-            self._retries += int(getattr(self._cur, "retries", 0))
-            self._cur.close()
-            self._cur = None
-
-
 def _open(url: str, source: Source, want: int, size: int | None) -> BinaryIO:
     kwargs = {"storage_options": dict(source.storage_options or {}), "allow_pipe": source.allow_pipe,
               **storage.IOOptions.of(source.io_options).open_kwargs()}  # fmt: skip
     scheme = scheme_of(url)
     if is_local(scheme) or scheme == "pipe" or codec_of(url) is not None:
         return storage.open_shard(url, **kwargs)  # local: no over-read to bound; compressed: from the start
-    return cast(BinaryIO, _Windows(url, kwargs, want, size))
+    def open_range(start: int, end: int) -> BinaryIO:
+        return storage.open_shard(url, start_offset=start, end_offset=end, **kwargs)
+
+    return cast(BinaryIO, WindowedStream(open_range, want=want, size=size))
 
 
 def _given(p: Profile, source: Source) -> Profile:
@@ -176,7 +121,8 @@ def _look(
     """Read up to ``max_samples`` samples from up to ``max_shards`` shards spread over the sorted
     list (the same number from each); the size is always the estimate. Runs once per job; the
     result travels to every reader with the mixture. Remote shards are read with ranged requests that end about where the last sample
-    wanted ends (the first request of a source asks for :data:`FIRST_WINDOW` bytes; later ones for
+    wanted ends (the first request of a source asks for :data:`FIRST_BYTES_PER_SAMPLE` per sample wanted, at most
+    :data:`FIRST_WINDOW` bytes; later ones for
     what the samples measured so far predict).
 
     Every sample read is judged as a reader judges it (:func:`make_sample`'s decode, length policy
@@ -209,7 +155,7 @@ def _look(
         got: list[int] = []
         stream = None
         bps = seen_bytes / seen_samples if seen_samples else 0.0
-        want = math.ceil((per_shard + 1) * bps * SLACK) if bps else FIRST_WINDOW
+        want = math.ceil((per_shard + 1) * bps * SLACK) if bps else min(FIRST_WINDOW, per_shard * FIRST_BYTES_PER_SAMPLE)
         try:
             with _open(url, source, want, listed.shard_bytes[shard]) as stream:
                 for raw in read_samples(stream, url=storage.redact(url)):
@@ -217,7 +163,7 @@ def _look(
                         start = raw["__offset__"]
                     end = raw["__end__"]
                     count += 1
-                    if isinstance(stream, _Windows):  # what the samples still wanted will take
+                    if isinstance(stream, WindowedStream):  # what the samples still wanted will take
                         stream.want = math.ceil((per_shard - count + 1) * (end - start) / count * SLACK)
                     try:
                         decoded = _decoded(source, raw, scratch)
@@ -275,8 +221,8 @@ def list_source(source: Source) -> ListedSource:
         from .index import index_for
 
         idx = index_for(source, listed)
-        return ListedSource(source, idx.shards, idx.sizes, idx)
-    return ListedSource(source, tuple(url for url, _ in listed), tuple(nbytes for _, nbytes in listed))
+        return ListedSource(source, storage.ShardList(idx.shards), idx.sizes, idx)
+    return ListedSource(source, storage.ShardList(url for url, _ in listed), tuple(nbytes for _, nbytes in listed))
 
 
 def _from_index(ls: ListedSource) -> Profile:
@@ -296,10 +242,12 @@ def profile_sources(
     max_samples: int = MAX_SAMPLES,
     max_shards: int = MAX_SHARDS,
     concurrency: int | None = None,
+    max_total: int = MAX_TOTAL_SAMPLES,
 ) -> list[Profile]:
     """The profile of every source, in source order (see the module docstring): ``"given"`` for a
     source that needs none (:func:`needs_profile`), else from ``cache`` (a directory, or None for
-    no cache) or read, ``concurrency`` (None: :data:`MAX_CONCURRENT`) sources at once. ``share``: None shares the look over the
+    no cache) or read, ``concurrency`` (None: :data:`MAX_CONCURRENT`) sources at once, each at most
+    ``max_samples`` lengths and together about ``max_total`` (see :data:`MAX_TOTAL_SAMPLES`). ``share``: None shares the look over the
     process group ``group`` (None: the default group) when one with more than one rank is
     initialized; True requires one; False looks on every rank. Sharing is a collective: every rank
     of the group must build the mixture."""
@@ -312,6 +260,7 @@ def profile_sources(
     if not todo:
         return out
     shared = _share_group(share, group)
+    max_samples = min(max_samples, max(MIN_SAMPLES, max_total // len(todo)))
 
     def look() -> list[Profile]:
         return _look_all([listed[i] for i in todo], budget, cache, max_samples, max_shards, concurrency or MAX_CONCURRENT)

@@ -205,13 +205,13 @@ class RangeStream(ForwardStream):
         self.inner.close()
 
 
-def open_slice(ahead: ReadAhead, url: str, sl: ShardSlice, offset: int, upcoming: Iterable[str]) -> BinaryIO:
+def open_slice(ahead: ReadAhead, url: str, sl: ShardSlice, offset: int, upcoming: Iterable[str], window: int | None = None) -> BinaryIO:
     """A reader's stream of slice ``sl`` from byte ``offset``: the whole shard as before, or a
     sample range that ends at ``sl.end`` (a ranged request with an end byte; a compressed shard is
-    decompressed from its start and cut there)."""
+    decompressed from its start and cut there). ``window``: see `mixer.storage.ReadAhead.open`."""
     if sl.end is None:
-        return ahead.open(url, offset, upcoming)
-    stream = ahead.open(url, offset, upcoming, end_offset=None if codec_of(url) else sl.end)
+        return ahead.open(url, offset, upcoming, window=window)
+    stream = ahead.open(url, offset, upcoming, end_offset=None if codec_of(url) else sl.end, window=window)
     return cast(BinaryIO, RangeStream(stream, offset, sl.end))
 
 

@@ -112,10 +112,12 @@ class Source:
 class ListedSource:
     """A source with its shards listed (sorted; byte sizes where the listing gave them), as the
     mixture lists it once in the main process and hands it to every reader; ``index``: its loaded
-    shard index (:class:`mixer.shard_index.ShardIndex`) when the source uses one."""
+    shard index (:class:`mixer.shard_index.ShardIndex`) when the source uses one. ``shards`` is a
+    :class:`mixer.storage.ShardList` (a few bytes per shard, none for a brace range), so a source of
+    1e5 shards does not cost every worker a tuple of 1e5 strings."""
 
     source: Source
-    shards: tuple[str, ...]
+    shards: Sequence[str]  # a storage.ShardList (compact), or any sequence of URLs
     shard_bytes: tuple[int | None, ...]
     index: Any = None
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .errors import ConfigError
+from .feedback import format_adaptive
 from .stream import Counters
 
 if TYPE_CHECKING:
@@ -236,14 +237,12 @@ def _unit_word(stats: dict[str, Any]) -> str:
 
 def format_line(stats: dict[str, Any]) -> str:
     """One compact line: step, throughput, padding, and per source realized/target share (in the
-    mixture's unit) over the window."""
+    mixture's unit) over the window; with adaptive mixing, the last window's mean loss per source."""
     w = stats["window"]
-    shares = " ".join(
-        f"{name} {s['window']['realized']:.3f}/{s['window']['target']:.3f}" for name, s in stats["sources"].items()
-    )
+    shares = " ".join(f"{name} {s['window']['realized']:.3f}/{s['window']['target']:.3f}" for name, s in stats["sources"].items())
     return (
         f"step {stats['step']} | {w['tokens_per_second']:,.0f} tok/s | pad eff {w['padding_efficiency']:.3f} | "
-        f"realized/target {_unit_word(stats)} share over {w['batches']} batches: {shares}"
+        f"realized/target {_unit_word(stats)} share over {w['batches']} batches: {shares}{format_adaptive(stats.get('adaptive'))}"
     )
 
 
@@ -288,7 +287,8 @@ TABLE_COLUMNS = (
 
 
 def report(stats: dict[str, Any]) -> dict[str, Any]:
-    """The end-of-run report: per source the table's columns (over the whole run), plus totals."""
+    """The end-of-run report: per source the table's columns (over the whole run), plus totals and
+    (``"adaptive"``, None without) the adaptive part of :meth:`~mixer.Loader.stats`."""
     t = stats["total"]
     return {
         "unit": stats["unit"],
@@ -303,6 +303,7 @@ def report(stats: dict[str, Any]) -> dict[str, Any]:
             name: {key: s["total"][key] for key, _, _ in TABLE_COLUMNS} | {"target_now": s["target_now"]}
             for name, s in stats["sources"].items()
         },
+        "adaptive": stats.get("adaptive"),
     }
 
 

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -90,11 +89,12 @@ class Counters:
     split: int = 0  # documents cut into pieces by a packed layout (mixer.Packed(split_documents=True))
     skipped_bytes: int = 0
     skipped_unknown: int = 0
+    reopened: int = 0  # shards closed by the open-shards cap and reopened at their byte (mixer.storage.open_shards)
 
     FIELDS: ClassVar[tuple[str, ...]] = (
         "samples", "tokens", "padded", "batches", "read", "bytes", "shards_opened", "shards_finished",
         "epochs", "truncated", "dropped", "skipped_samples", "skipped_shards", "retries", "split",
-        "skipped_bytes", "skipped_unknown",
+        "skipped_bytes", "skipped_unknown", "reopened",
     )
 
     def as_list(self) -> list[int]:
@@ -108,7 +108,8 @@ class SourceStream:
 
     The stream is an explicit state machine so that :meth:`state_dict` can capture it at any sample
     boundary as a few integers plus the locations (shard, byte offset) of the buffered samples;
-    :meth:`load_state_dict` seeks back there instead of replaying the epoch.
+    :meth:`load_state_dict` seeks back there instead of replaying the epoch. Its open shard counts
+    in the reader's ``open_shards`` (shared by its streams), which may :meth:`suspend` it.
     """
 
     def __init__(
@@ -121,6 +122,7 @@ class SourceStream:
         shuffle_buffer: int,
         finite: bool,
         counters: Counters,
+        open_shards: storage.OpenShards | None = None,
     ) -> None:
         self.listed = source  # the shards; self.source: the configuration
         self.source = source.source
@@ -160,7 +162,12 @@ class SourceStream:
         self._plans: dict[int, list[ShardSlice]] = {}
         self._samples: Iterator[dict[str, Any]] | None = None
         self._handle: Any = None
-        self._ahead = storage.ReadAhead(options=storage.IOOptions.of(self.source.io_options), storage_options=dict(self.source.storage_options or {}), allow_pipe=self.source.allow_pipe)
+        io = storage.IOOptions.of(self.source.io_options)
+        self._ahead = storage.ReadAhead(options=io, storage_options=dict(self.source.storage_options or {}), allow_pipe=self.source.allow_pipe)
+        self._shards = open_shards if open_shards is not None else storage.OpenShards(io.max_open_shards)
+        self._suspended = False  # closed by the cap mid-shard: the next open is a reopen
+        self._cold = False  # suspended since its last fresh shard: read too rarely to read ahead for
+        self._visit = 0  # bytes taken before the last suspension: a cold stream's requests ask for ~2x that
         self._opened_at = 0
         self._warned_shards: set[int] = set()
 
@@ -213,6 +220,7 @@ class SourceStream:
             sl = self._plan(self.epoch)[self.slice_pos]
             skip = self.skips.get((self.epoch, self.slice_pos))
             limit = None if skip is None else skip[0]
+            self._shards.used(self)
             try:
                 for raw in self._samples:  # type: ignore[union-attr]
                     i = self.next_index
@@ -266,7 +274,7 @@ class SourceStream:
         if getattr(exc, "truncated", False) and stop is not None:
             skipped = max(stop - start, 0)
             return (mine, 1, 0, skipped), f"{words}; the shard ends there, {skipped} bytes undelivered"
-        size = _stream_size(self._handle)
+        size = storage.stream_size(self._handle)
         if size is None and codec_of(self.listed.shards[sl.shard]) is None:
             size = self.listed.shard_bytes[sl.shard]
         end = size if size is not None and size >= start else stop
@@ -306,14 +314,17 @@ class SourceStream:
             self.skips = {k: v for k, v in self.skips.items() if k[0] >= self.epoch}
         sl = self._plan(self.epoch)[self.slice_pos]
         url = self.listed.shards[sl.shard]
-        if self.next_offset == 0:
-            self.counters.shards_opened += 1
+        fresh = self.next_offset == 0  # (a reopen after a suspension, or a resume, is not)
+        self.counters.shards_opened += fresh
+        self.counters.reopened += not fresh and self._suspended
+        # Read ahead only for a source read steadily (not suspended since its last fresh shard).
+        ahead, self._cold, self._suspended = not self._cold, self._cold and not fresh, False
         if self.next_index < sl.start:  # [index] a sample range: from its first sample's byte
             self.next_index, self.next_offset = sl.start, sl.begin
         self._opened_at = self.next_offset
         try:
-            upcoming = (self.listed.shards[s.shard] for s in self._plan(self.epoch)[self.slice_pos + 1 :] if s.end is None)
-            self._handle = open_slice(self._ahead, url, sl, self.next_offset, upcoming)  # [index] ranges end at sl.end
+            upcoming = (self.listed.shards[s.shard] for s in self._plan(self.epoch)[self.slice_pos + 1 :] if s.end is None and ahead)
+            self._handle = open_slice(self._ahead, url, sl, self.next_offset, upcoming, None if ahead else 2 * self._visit)  # [index] ranges end at sl.end
         except ShardError as exc:
             self.counters.retries += getattr(exc, "retries", 0)
             # Raised from inside the sample loop, where the on_error policy applies.
@@ -321,6 +332,7 @@ class SourceStream:
             self._samples = _raising(exc)
         else:
             self._samples = read_samples(self._handle, url=storage.redact(url), start_offset=self.next_offset)
+            self._shards.opened(self)  # may suspend the least recently read other stream
         return True
 
     def _close(self) -> None:
@@ -328,8 +340,17 @@ class SourceStream:
             self.counters.retries += getattr(self._handle, "retries", 0)
             self.counters.bytes += self.next_offset - self._opened_at
             self._handle.close()
+            self._shards.closed(self)
         self._handle = None
         self._samples = None
+
+    def suspend(self) -> None:
+        """Close the shard and its read-ahead, keeping the position (reopened at ``next_offset``)."""
+        if self._handle is not None:
+            self._visit = self.next_offset - self._opened_at
+            self._close()
+            self._ahead.close()
+            self._suspended = self._cold = True
 
     def close(self) -> None:
         self._close()
@@ -388,19 +409,6 @@ class SourceStream:
 
 class _SkipAgain(Exception):
     """Reading reached a point where the run being resumed gave the shard up."""
-
-
-def _stream_size(handle: Any) -> int | None:
-    """The size in tar bytes of an open shard stream, when it tells (None for compressed shards)."""
-    if handle is None:
-        return None
-    size = getattr(handle, "size", None)
-    if size is not None:
-        return int(size)
-    try:
-        return os.fstat(handle.fileno()).st_size
-    except (AttributeError, OSError, ValueError):
-        return None
 
 
 def _raising(exc: BaseException) -> Iterator[dict[str, Any]]:

@@ -6,14 +6,15 @@ damaged shard quietly loses its tail; and it costs ~40 µs per small sample. Her
 checksum is verified, the end-of-archive block is required, and the per-member work is a handful of
 slices on one large buffer.
 
-Pipeline: ``iter_members(stream) -> group_samples(members) -> samples``; `read_samples` chains them.
+Pipeline: ``iter_members(stream) -> group_samples(members) -> samples``; `read_samples` chains them,
+through the compiled core (`mixer._tarwalk`) where it was built, which defers to this code.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Generator, Iterable, Iterator
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 from zlib import adler32
 
 from .errors import ConfigError, SampleError, ShardError
@@ -21,7 +22,7 @@ from .tarheader import (
     TarDamage, BLOCK, EXTENSIONS, NO_DATA, REGULAR, SPARSE, ZERO_BLOCK, apply_extensions, checksum_ok, corrupt, extension, header_number, nts, signed_mismatch,
 )
 
-__all__ = ["TarDamage", "group_samples", "iter_members", "read_samples"]
+__all__ = ["NATIVE", "TarDamage", "group_samples", "iter_members", "read_samples"]
 
 Member = tuple[str, int, bytes]
 
@@ -51,19 +52,30 @@ def iter_members(
     generator's return value is the offset of the end-of-archive block (`group_samples` uses it as
     the last sample's ``__end__``).
     """
+    return _walk(stream, None, start_offset, url, chunk_size)  # one generator frame per member, not two
+
+
+def _opening(stream: BinaryIO, url: str, start_offset: int, chunk_size: int) -> bytes:
+    """The arguments checked, and the shard's first bytes when it is read from its start."""
     if start_offset < 0 or start_offset % BLOCK:
         raise ConfigError(f"{url}: start_offset must be a non-negative multiple of 512 (got {start_offset})")
     if chunk_size < BLOCK:
         raise ConfigError(f"{url}: chunk_size must be >= 512 (got {chunk_size})")
-    buf = b""
-    blen = pos = 0
-    base = start_offset  # shard offset of buf[0]
+    if start_offset == 0:  # once per shard: a clear word for files that are no tar at all
+        return _first_block(stream, chunk_size, url)
+    return b""
+
+
+def _walk(stream: BinaryIO, buf: bytes | None, base: int, url: str, chunk_size: int) -> Generator[Member, None, int]:
+    """`iter_members` from a member boundary: `buf` holds the stream's bytes from shard offset `base`
+    on (the compiled reader hands over here with what it had read); None: open the shard here."""
+    if buf is None:
+        buf = _opening(stream, url, base, chunk_size)
+    blen = len(buf)
+    pos = 0
     first = -1  # shard offset of the first extension header of the member being assembled
     exts: list[tuple[int, Any]] = []  # (typeflag, payload) of pending extension headers, in order
     global_pax: dict[str, str] = {}
-    if start_offset == 0:  # once per shard: a clear word for files that are no tar at all
-        buf = _first_block(stream, chunk_size, url)
-        blen = len(buf)
     while True:
         if pos + BLOCK > blen:
             buf, base = _refill(stream, buf, pos, base, BLOCK, chunk_size, url, "a tar header or end block", first if exts else -1)
@@ -243,9 +255,12 @@ def group_samples(members: Iterable[Member], *, url: str) -> Iterator[dict[str, 
     keys of the samples the damage cut (held back, or the damaged member's own) go into the error's
     ``lost`` before it is re-raised, after the samples before it.
     """
+    return _group(members, url, {}, None)
+
+
+def _group(members: Iterable[Member], url: str, sample: dict[str, Any], key: str | None) -> Iterator[dict[str, Any]]:
+    """`group_samples` with a sample already pending (`sample`, empty for none, and its `key`)."""
     it = iter(members)
-    sample: dict[str, Any] = {}  # empty until the first member
-    key = None
     split = _BASE_PLUS_EXT.match
     while True:
         try:
@@ -319,6 +334,118 @@ def _is_meta(name: str) -> bool:
     return _SKIP_META.match(name) is not None
 
 
-def read_samples(stream: BinaryIO, *, url: str, start_offset: int = 0, chunk_size: int = 1 << 20) -> Iterator[dict[str, Any]]:
-    """`iter_members` then `group_samples`: the samples of one shard stream (see both)."""
+def read_samples(
+    stream: BinaryIO, *, url: str, start_offset: int = 0, chunk_size: int = 1 << 20, native: bool | None = None
+) -> Iterator[dict[str, Any]]:
+    """`iter_members` then `group_samples`: the samples of one shard stream (see both).
+
+    With the compiled core (`NATIVE`; ``native=False`` or ``mixer.tario.NATIVE = False`` turns it
+    off) the common members are walked and grouped in C and the rest by the code above, from the
+    first member the C code declines on: the samples, errors and damage fields are the same.
+    """
+    if _tarwalk is not None and (NATIVE if native is None else native):
+        return _read_native(stream, url, start_offset, chunk_size)
     return group_samples(iter_members(stream, url=url, start_offset=start_offset, chunk_size=chunk_size), url=url)
+
+
+# ---------------------------------------------------------------------------------------------
+# the compiled core (mixer/_tarwalk.c): a pure parser over the bytes read here
+
+try:
+    from . import _tarwalk  # type: ignore[attr-defined]
+except ImportError:  # built without a C compiler: the pure-Python reader is the reader
+    _tarwalk = None
+
+NATIVE: bool = _tarwalk is not None
+"""Whether `read_samples` uses the compiled core by default (True when it was built)."""
+
+
+def _read_native(stream: BinaryIO, url: str, start_offset: int, chunk_size: int) -> Iterator[dict[str, Any]]:
+    """`read_samples` through ``_tarwalk.scan``, which walks and groups whole members of
+    ``buf[pos:end]`` and stops when it needs more bytes (read here, as `_refill` reads them, but
+    into one reused buffer where the stream has ``readinto``) or meets anything it leaves to Python
+    (every error included): then `_walk` + `_group` go on from that member, with the bytes read so
+    far and the sample still pending."""
+    buf: bytes | bytearray = _opening(stream, url, start_offset, chunk_size)
+    end = len(buf)
+    readinto = getattr(stream, "readinto", None)
+    scan = _tarwalk.scan
+    base, pos = start_offset, 0
+    sample: dict[str, Any] | None = None
+    key: str | None = None
+    out: list[dict[str, Any]] = []
+    failure: ShardError | None = None
+    eof = False
+    while True:
+        status, pos, need, sample, key = scan(buf, pos, end, base, url, sample, key, out)
+        if out:
+            yield from out
+            out.clear()
+        if status == _tarwalk.END:
+            if sample:
+                sample["__end__"] = base + pos
+                yield sample
+            return
+        if status == _tarwalk.FALLBACK:
+            break
+        if status == _tarwalk.MORE:  # a batch of samples handed over; the buffer has more
+            continue
+        have = end - pos
+        if readinto is None:
+            parts = [buf[pos:end]]
+        else:  # keep the unread tail, then read into the same buffer (no allocation, no join)
+            if isinstance(buf, bytearray) and len(buf) >= have + chunk_size:
+                buf[:have] = buf[pos:end]
+            else:
+                buf = bytearray(buf[pos:end]) + bytearray(chunk_size)
+            view = memoryview(buf)
+        base += pos
+        pos = 0
+        while have < need:
+            try:
+                if readinto is None:
+                    block = stream.read(max(chunk_size, need - have))
+                    got = len(block) if block else 0
+                    if got:
+                        parts.append(block)
+                else:
+                    # At most chunk_size at a time: a header may claim any size, and the buffer
+                    # grows only as the bytes arrive.
+                    if have == len(buf):  # full: a member larger than the buffer
+                        view.release()
+                        buf += bytearray(max(chunk_size, have))
+                        view = memoryview(buf)
+                    got = readinto(view[have : have + chunk_size]) or 0
+            except ShardError as exc:
+                failure = exc
+                break
+            if not got:
+                eof = True
+                break
+            have += got
+        if readinto is None:
+            buf = b"".join(parts)
+        else:
+            view.release()
+        end = have
+        if failure is not None or eof:
+            break
+    rest = _Replay(stream, failure, eof) if failure is not None or eof else stream
+    yield from _group(_walk(cast(BinaryIO, rest), bytes(buf[pos:end]), base + pos, url, chunk_size), url, sample or {}, key)
+
+
+class _Replay:
+    """The stream as `_walk` takes it over: its first read gives what the compiled path's last read
+    gave (end of stream, or the `ShardError`), so the damage is reported where Python finds it."""
+
+    def __init__(self, stream: BinaryIO, failure: ShardError | None, eof: bool) -> None:
+        self.stream, self.failure, self.eof = stream, failure, eof
+
+    def read(self, size: int) -> bytes:
+        failure, self.failure = self.failure, None
+        if failure is not None:
+            raise failure
+        if self.eof:
+            self.eof = False
+            return b""
+        return self.stream.read(size)

@@ -81,3 +81,29 @@ def test_many_sources_runs_at_tiny_sizes(tmp_path: Path) -> None:
     assert all(r["status"] == "ok" and r["batches"] == 6 for r in rows.values())
     assert all(len(r["worker_rss_mb_all"]) == 2 and len(r["worker_fds"]) == 2 for r in rows.values())  # both workers seen
     assert rows[(4, "http")]["steady_gets"] >= 0 and rows[(4, "http")]["peak_connections"] >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _mixture_importable(), reason="mixer.Mixture is not importable yet")
+def test_adaptive_runs_every_method_at_a_tiny_budget(tmp_path: Path, demo_shards: dict[str, str]) -> None:
+    # `python -m benchmarks.adaptive --quick` cut to 8 steps; every method trains, is evaluated and
+    # drawn; no figure is judged
+    cache = Path(demo_shards["prose"]).parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.adaptive", "--quick", "--steps", "8", "--bench-dir", str(tmp_path), "--demo-cache", str(cache)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.stdout.startswith("| method | prose held-out | code held-out | books held-out | dup held-out | worst (source) | mean |"), proc.stdout[:500]
+    result = json.loads((tmp_path / "adaptive.quick.json").read_text())
+    rows = {r["method"]: r for r in result["rows"]}
+    assert list(rows) == ["static", "temperature", "exp_gradient", "exp3", "exp_gradient_ref"]
+    for r in rows.values():
+        assert set(r["held_out"]) == {"prose", "code", "books", "dup"} and r["worst"] == max(r["held_out"].values())
+        assert r["tokens"] >= result["config"]["budget_tokens"] and abs(sum(r["realized"].values()) - 1) < 1e-9
+    # the adaptive runs reported loss and made updates (the budget is about 7 batches; updates every 5 steps)
+    assert rows["exp3"]["adaptive"]["updates"] >= 1 and rows["static"]["adaptive"] is None
+    assert (tmp_path / "adaptive.quick.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

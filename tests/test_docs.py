@@ -31,8 +31,9 @@ def test_readme_states_the_io_options_defaults():
     assert d.block_size == 1 << 20 and "`block_size` 1 MiB (`1 << 20`" in readme
     assert f"`read_ahead` {d.read_ahead} shards" in readme
     assert f"`max_connections` {d.max_connections} per process" in readme
+    assert f"`max_open_shards` {d.max_open_shards} per reader" in readme
     doc = " ".join((IOOptions.__doc__ or "").split())
-    for name, shown in (("timeout", f"{d.timeout:g}"), ("retries", d.retries), ("backoff", d.backoff), ("block_size", "1 MiB"), ("read_ahead", d.read_ahead), ("max_connections", d.max_connections)):
+    for name, shown in (("timeout", f"{d.timeout:g}"), ("retries", d.retries), ("backoff", d.backoff), ("block_size", "1 MiB"), ("read_ahead", d.read_ahead), ("max_connections", d.max_connections), ("max_open_shards", d.max_open_shards)):
         assert f"``{name}`` (default {shown})" in doc
 
 

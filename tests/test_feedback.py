@@ -166,3 +166,38 @@ def test_an_exhausted_source_keeps_its_weight_and_the_pass_delivers_everything_o
     after = [r for j, r in enumerate(rows) if j * 3 > last_tiny]
     assert len(after) >= 3
     assert len({r[2] for r in after}) == 1 and len({r[0] for r in after}) > 1
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"num_workers": 1, "persistent_workers": True}, r"^schedule Adaptive: persistent_workers=True is not supported .*leave persistent_workers=False$"),
+    ({"num_workers": 1, "multiprocessing_context": "spawn"}, r"^schedule Adaptive: needs DataLoader workers started by fork .*multiprocessing_context='fork' \(Linux\) or num_workers=0$"),
+    ({"num_workers": 1, "multiprocessing_context": "forkserver"}, r"^schedule Adaptive: needs DataLoader workers started by fork"),
+])  # fmt: skip
+def test_workers_that_cannot_see_the_shares_table_are_refused_when_the_loader_is_made(shards, options, message):
+    mix = mixture(shards, schedule=Adaptive(mixer.Weights(WEIGHTS)))
+    with pytest.raises(ConfigError, match=message):
+        mixer.make_loader(mix, **options)
+    # the same options without adaptive mixing are fine, and so is fork without persistence
+    mixer.make_loader(mixture(shards), **options)
+    mixer.make_loader(mix, num_workers=1, multiprocessing_context="fork")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run benchmarks/gpu_check.sh on a GPU machine)")
+def test_feedback_on_cuda_losses_adapts_as_on_the_cpu(shards):
+    # The loss stays on the GPU (accumulated there, copied once per window); the targets are those of
+    # the same run with CPU losses, up to the order of the GPU's float64 additions.
+    schedule = Adaptive(mixer.Weights(WEIGHTS), policy="exp_gradient", lr=3.0, update_every=4, smoothing=0.1, lag=9)
+    got = {}
+    for device in (None, "cuda"):
+        loader = mixer.make_loader(mixture(shards, schedule=schedule), num_workers=2, device=device)
+        rows = []
+        for batch in loader:
+            assert batch.source.device.type == ("cuda" if device else "cpu")
+            loader.feedback(batch, fake_loss(batch))
+            rows.append((list(batch.keys), batch.meta.target))
+            if len(rows) == 30:
+                break
+        got[device] = rows
+    assert [k for k, _ in got["cuda"]] == [k for k, _ in got[None]]
+    np.testing.assert_allclose([t for _, t in got["cuda"]], [t for _, t in got[None]], rtol=0, atol=1e-12)
+    assert got[None][0][1] != got[None][-1][1]

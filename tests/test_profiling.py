@@ -122,6 +122,21 @@ def test_remote_reads_are_ranged_with_an_end_byte_and_about_what_is_used(http: F
     assert unbounded.profiles[0].tokens_per_byte == mix.profiles[0].tokens_per_byte
 
 
+def test_many_sources_share_a_total_of_lengths(root: Path) -> None:
+    # Each source reads min(MAX_SAMPLES, max(MIN_SAMPLES, max_total // sources)) lengths, spread
+    # evenly over its 3 picked shards: 4 sources under a total of 2,400 read 600 each (200 a shard);
+    # under a total of 400 the floor of 512 holds (170 a shard, 510); one source alone reads 2,048.
+    pattern = str(root / "big" / "big-{000000..000002}.tar")
+    listed = [mixer.profiling.list_source(mixer.Source(f"b{i}", pattern)) for i in range(4)]
+    budget = mixer.TokenBudget(4096)
+    assert mixer.profiling.MIN_SAMPLES == 512 and mixer.profiling.MAX_SAMPLES == 2048
+    assert [p.lengths.size for p in mixer.profiling.profile_sources(listed, budget, max_total=2400)] == [600] * 4
+    assert [p.lengths.size for p in mixer.profiling.profile_sources(listed, budget, max_total=400)] == [510] * 4
+    assert [p.lengths.size for p in mixer.profiling.profile_sources(listed[:1], budget)] == [2046]
+    # The default total only bites beyond 32 sources.
+    assert mixer.profiling.MAX_TOTAL_SAMPLES // 32 == mixer.profiling.MAX_SAMPLES
+
+
 def test_end_offset_ends_the_stream_and_the_request(http: FaultyHTTPServer, root: Path) -> None:
     path = root / "big" / "big-000000.tar"
     data = path.read_bytes()

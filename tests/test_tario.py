@@ -1,4 +1,5 @@
-"""`mixer.tario` against webdataset/tarfile on real shards, and its failure modes.
+"""`mixer.tario` against webdataset/tarfile on real shards, and its failure modes (with and
+without the compiled core: the `reader` fixture runs each test both ways).
 
 Parity: on every shard here `read_samples` must give exactly what `webdataset.WebDataset(url,
 shardshuffle=False)` gives (same keys in the same order, same bytes per extension), and
@@ -23,6 +24,7 @@ import pytest
 import webdataset as wds
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
+from mixer import tario
 from mixer.errors import ConfigError, SampleError, ShardError
 from mixer.tario import TarDamage, group_samples, iter_members, read_samples
 
@@ -31,6 +33,16 @@ OURS_ONLY = {"__key__", "__url__", "__offset__", "__end__", "__local_path__"}
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture(autouse=True, params=["compiled", "python"])
+def reader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here runs against both readers: `read_samples` with the compiled core (the
+    default where it was built) and with the pure-Python one (`mixer.tario.NATIVE = False`)."""
+    if request.param == "compiled" and tario._tarwalk is None:
+        pytest.skip("mixer._tarwalk was not built (no C compiler at install)")
+    monkeypatch.setattr(tario, "NATIVE", request.param == "compiled")
+    return str(request.param)
 
 
 def ours(path: Path, **kw: Any) -> list[dict[str, Any]]:

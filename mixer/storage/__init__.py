@@ -7,12 +7,15 @@ One concern per module, from the bottom up:
 * `faults`: transient or permanent, and the one retry loop (backoff with jitter).
 * `options`: `IOOptions`, how a source reads its remote shards.
 * `filesystems`: the fsspec filesystems remote shards are read through.
-* `listing`: `expand_urls`, the shards of a pattern, folder or prefix.
+* `listing`: `expand_urls`, the shards of a pattern, folder or prefix; `shard_list`: `ShardList`,
+  the listed URLs held compactly (prefix, suffix, and a run of numbers or packed parts).
 * `streams`, `remote`, `pump`, `backends`: `RemoteStream`, which resumes at the byte after a fault;
   the async pump that reads a response ahead; HTTP, S3, other fsspec protocols and ``pipe:``.
+* `windows`: `WindowedStream`, a shard as ranged requests with an end byte (about what is read).
 * `pool`: `ConnectionPool`, at most ``max_connections`` open responses per process for all sources.
 * `compressed`: ``.tar.gz`` / ``.tgz`` / ``.tar.xz`` shards, decompressed as they stream.
 * `shard`: `open_shard` and `ReadAhead`, what the readers call.
+* `open_shards`: `OpenShards`, at most ``max_open_shards`` shards open per reader (an LRU).
 * `logsafe`: secrets out of the DEBUG logs of the libraries underneath.
 
 fsspec, s3fs and aiohttp are optional (the ``s3`` / ``http`` extras) and imported only when needed.
@@ -20,8 +23,10 @@ fsspec, s3fs and aiohttp are optional (the ``s3`` / ``http`` extras) and importe
 
 from .compressed import codec_of
 from .listing import expand_urls
+from .open_shards import OpenShards
 from .options import IOOptions
-from .shard import ReadAhead, open_shard
+from .shard import ReadAhead, open_shard, stream_size
+from .shard_list import ShardList
 from .urls import check_url, redact
 
-__all__ = ["IOOptions", "ReadAhead", "check_url", "codec_of", "expand_urls", "open_shard", "redact"]
+__all__ = ["IOOptions", "OpenShards", "ReadAhead", "ShardList", "check_url", "codec_of", "expand_urls", "open_shard", "redact", "stream_size"]

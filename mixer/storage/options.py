@@ -11,7 +11,7 @@ from typing import Any
 from .. import _check
 from ..errors import ConfigError
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_MAX_CONNECTIONS", "IO_OPTIONS", "IOOptions"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_MAX_CONNECTIONS", "DEFAULT_MAX_OPEN_SHARDS", "IO_OPTIONS", "IOOptions"]
 
 DEFAULT_BLOCK_SIZE = 1 << 20
 """Bytes asked of the network per read call; also the read-ahead an open HTTP stream buffers."""
@@ -19,10 +19,13 @@ DEFAULT_BLOCK_SIZE = 1 << 20
 DEFAULT_MAX_CONNECTIONS = 64
 """Remote responses one process (a DataLoader worker, or the main process) keeps open at once."""
 
+DEFAULT_MAX_OPEN_SHARDS = 64
+"""Shards one reader (a DataLoader worker, or the main process) keeps open at once, all sources together."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class IOOptions:
-    """How a source reads its remote shards (local files ignore these options).
+    """How a source reads its shards (local files use only ``max_open_shards``).
 
     ``timeout`` (default 60): seconds a request may wait for an answer, and a response for its next
     byte, before the attempt counts as a (transient) failure. ``retries`` (default 5): transient
@@ -37,7 +40,12 @@ class IOOptions:
     a timeout: a read fails only when no connection of the pool made progress for ``timeout`` + 5
     seconds), read-ahead waits its turn, and a stream whose reader is busy with other sources gives
     its connection to one whose reader waits (and lets it go after ``timeout`` seconds unread),
-    resuming later with a ranged GET at its next byte.
+    resuming later with a ranged GET at its next byte. ``max_open_shards`` (default 64): shards one
+    reader keeps open at once, all its sources together (the smallest value its sources give):
+    opening one more closes the least recently read one, which reopens later at the byte where it
+    stopped (a local file seeks, a remote shard sends a ranged GET, a compressed shard is decompressed
+    again from its start: see `mixer.storage.open_shards`), so open files do not grow with the
+    number of sources.
     """
 
     timeout: float = 60.0
@@ -46,6 +54,7 @@ class IOOptions:
     block_size: int = DEFAULT_BLOCK_SIZE
     read_ahead: int = 2
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS
 
     def __post_init__(self) -> None:
         # Messages read "io_options.<key>: <rule>, got <value>"; a Source puts its name in front.
@@ -56,6 +65,7 @@ class IOOptions:
             ("block_size", 1, False, True, None),
             ("read_ahead", 0, False, True, None),
             ("max_connections", 1, False, True, 4096),
+            ("max_open_shards", 1, False, True, 65536),
         ):
             value = _check.number(
                 getattr(self, name), f"io_options.{name}", minimum=lo, strict=strict, integer=integer, maximum=hi
@@ -90,4 +100,4 @@ class IOOptions:
         }
 
 
-IO_OPTIONS = ("timeout", "retries", "backoff", "block_size", "read_ahead", "max_connections")
+IO_OPTIONS = ("timeout", "retries", "backoff", "block_size", "read_ahead", "max_connections", "max_open_shards")

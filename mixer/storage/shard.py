@@ -15,9 +15,10 @@ from .filesystems import filesystem
 from .options import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_CONNECTIONS, IOOptions
 from .remote import RemoteStream
 from .streams import ForwardStream
+from .windows import WindowedStream
 from .urls import check_url, is_local, local_path, redact, scheme_of
 
-__all__ = ["ReadAhead", "open_shard"]
+__all__ = ["ReadAhead", "open_shard", "stream_size"]
 
 
 def open_shard(
@@ -141,6 +142,10 @@ class ReadAhead:
     `ShardError` from a remote open carries ``retries``, the retries made before it gave up.
     Not thread-safe; ``close()`` drops every download begun ahead (the streams handed out are the
     caller's to close).
+
+    ``window``: read the shard as ranged requests of that many bytes at first (doubling), not one
+    open-ended request, and begin nothing ahead: for a source read too rarely to keep its shard open
+    (see `mixer.storage.windows`). Remote shards only (HTTP, S3); others open as without it.
     """
 
     def __init__(
@@ -158,8 +163,12 @@ class ReadAhead:
         }
         self._begun: dict[str, RemoteStream] = {}
 
-    def open(self, url: str, start_offset: int = 0, upcoming: Iterable[str] = (), end_offset: int | None = None) -> BinaryIO:
+    def open(
+        self, url: str, start_offset: int = 0, upcoming: Iterable[str] = (), end_offset: int | None = None, window: int | None = None
+    ) -> BinaryIO:
         codec = codec_of(url)  # a compressed shard is always read from its first byte
+        if window is not None and codec is None and scheme_of(url) in PUMPED:
+            return self._windowed(url, start_offset, end_offset, window)
         stream = self._begun.pop(url, None)
         if stream is not None and (start_offset != 0 or end_offset is not None) and codec is None:
             stream.close()
@@ -182,6 +191,23 @@ class ReadAhead:
                 if u not in self._begun and scheme_of(u) in PUMPED:
                     self._begin(u)
         return _decoded(cast(BinaryIO, stream), url, codec, start_offset)
+
+    def _windowed(self, url: str, start_offset: int, end_offset: int | None, window: int) -> BinaryIO:
+        """The shard as ranged requests of ``window`` bytes, doubling up to 4 x ``block_size``
+        (`mixer.storage.windows`); nothing begun ahead."""
+        self.close()
+        kwargs = self._kwargs
+
+        def open_range(start: int, end: int) -> BinaryIO:
+            return open_shard(url, start_offset=start, end_offset=end, **kwargs)
+
+        stream = WindowedStream(open_range, want=window, start=start_offset, end=end_offset, grow=2.0, max_want=4 * self.options.block_size)
+        try:
+            return cast(BinaryIO, stream.open())
+        except ShardError as exc:
+            exc.retries = stream.retries  # type: ignore[attr-defined]
+            stream.close()
+            raise
 
     def _begin(self, url: str) -> None:
         try:
@@ -221,6 +247,19 @@ class _LocalRange(ForwardStream):
 
     def _release(self) -> None:
         self._f.close()
+
+
+def stream_size(handle: Any) -> int | None:
+    """The size in tar bytes of an open shard stream, when it tells (None for compressed shards)."""
+    if handle is None:
+        return None
+    size = getattr(handle, "size", None)
+    if size is not None:
+        return int(size)
+    try:
+        return os.fstat(handle.fileno()).st_size
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 def _open_local(path: str, start_offset: int) -> BinaryIO:

@@ -284,3 +284,29 @@ def test_torchrun_two_ranks_saved_three_resume_every_sample_once(shards, tmp_pat
     assert [len(k) > 0 for k in saved] == [True, True] and all(resumed)
     seen = Counter(k for keys in (*saved, *resumed) for k in keys)
     assert set(seen) == every_key(shards) and max(seen.values()) == 1
+
+
+def test_the_merged_selectors_owe_what_the_old_readers_owed_together():
+    """Deficit: the new readers' (target - delivered) sum to the old readers' sum, per source, each
+    new reader on one reader's scale; random: the mean amount per pick is the whole run's."""
+    from mixer.selector import Deficit, RandomPick, RoundRobin
+
+    olds = []
+    for k, picks in enumerate([[0, 1, 1], [2, 2, 0, 1], [1]]):
+        d = Deficit(3)
+        for i in picks:
+            d.update(i, 100.0 + 10 * k, np.array([0.5, 0.3, 0.2]))
+        olds.append(d)
+    news = [elastic.merge_selector(olds, Deficit(3), 2) for _ in range(2)]
+    owed = sum(d.target - d.delivered for d in olds)
+    np.testing.assert_allclose(sum(d.target - d.delivered for d in news), owed)
+    np.testing.assert_allclose(news[0].delivered, sum(d.delivered for d in olds) / 2)
+    r_olds = [RandomPick(2, seed=0, stream=(k,)) for k in range(3)]
+    for k, r in enumerate(r_olds):
+        r.update(0, 10.0 * (k + 1), np.ones(2))
+        r.update(1, 4.0, np.ones(2))
+    merged = elastic.merge_selector(r_olds, RandomPick(2, seed=0, stream=(9,)), 4)
+    np.testing.assert_allclose(merged.amount / merged.picks, [60.0 / 3, 4.0])
+    rr = RoundRobin(3)
+    rr.next = 2
+    assert elastic.merge_selector([rr], RoundRobin(3), 5).next == 2

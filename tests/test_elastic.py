@@ -88,7 +88,7 @@ def every_key(shards):
 # (old world, old workers, new world, new workers, batches each old rank hands out)
 SHAPES = [
     pytest.param(2, 2, 3, 1, [5, 4], id="2x2-3x1"),
-    pytest.param(3, 1, 2, 3, [4, 6, 3], id="3x1-2x3"),
+    pytest.param(3, 1, 2, 3, [30, 25, 20], id="3x1-2x3"),
     pytest.param(1, 0, 2, 2, [7], id="1x0-2x2"),
     pytest.param(2, 1, 3, 0, [7, 0], id="2x1-3x0-rank1-before-its-first-batch"),
 ]
@@ -164,7 +164,7 @@ def planned(shards, world, epoch, name, index):
 
 
 @pytest.mark.parametrize("index", [False, True], ids=["no-index", "index"])
-@pytest.mark.parametrize("w, n, w2, n2, cuts", [pytest.param(2, 2, 3, 1, [38, 33], id="2x2-3x1"), pytest.param(1, 0, 2, 2, [40], id="1x0-2x2")])
+@pytest.mark.parametrize("w, n, w2, n2, cuts", [pytest.param(2, 2, 3, 1, [38, 33], id="2x2-3x1"), pytest.param(3, 1, 2, 3, [30, 25, 20], id="3x1-2x3"), pytest.param(1, 0, 2, 2, [40], id="1x0-2x2")])
 def test_every_sample_once_per_source_epoch_with_stop_never(shards, w, n, w2, n2, cuts, index):
     name = "tiny"
     counts = Counter(int(k.split("-")[1]) for k in shards[name][1])

@@ -3,7 +3,7 @@ mixture's composed fingerprint, reader snapshots, worker rotation and sample loc
 
 A loader state (version :data:`STATE_VERSION`) is plain JSON::
 
-    {"kind": "mixer.Loader", "version": 5, "fingerprint": "<32 hex>", "rank": r, "world_size": n,
+    {"kind": "mixer.Loader", "version": 6, "fingerprint": "<32 hex>", "rank": r, "world_size": n,
      "num_workers": w, "delivered": batches handed out,
      "readers": [{"snapshot": <reader snapshot> | None, "replay": k, "skips": [[source, epoch, slice, ...]]}],
      "adaptive": None | <mixer.feedback.Feedback state>}
@@ -18,7 +18,8 @@ up under ``on_error="skip"``) it took since. A reader snapshot is::
 where ``streams`` holds every SourceStream's state and ``batchers`` every Bucketer's or Packer's (one,
 shared, in mix="sample") as columns over the sources (:mod:`mixer.compact`: each field one
 compressed array over all sources, so a source never read costs a few bits, and a shuffle
-buffer's draws are one integer); ``active`` and ``counters`` likewise, the selector's floats as
+buffer's draws are one integer; after an elastic resume a stream also lists the slices it inherited,
+see :mod:`mixer.elastic`); ``active`` and ``counters`` likewise, the selector's floats as
 compressed float64 bytes. :func:`readable` expands a snapshot into one dict per source.
 
 The state never holds configuration: the mixture appears as its :func:`fingerprint`, composed of
@@ -50,13 +51,14 @@ if TYPE_CHECKING:
     from .budget import Field
     from .mixture import Mixture
 
-STATE_VERSION = 5  # 5: columnar reader snapshots; 4: "adaptive" (feedback-driven mixing); 3: one checkpoint module
+STATE_VERSION = 6  # 6: a stream's inherited slices (elastic resume); 5: columnar reader snapshots; 4: "adaptive" (feedback-driven mixing); 3: one checkpoint module
 KIND = "mixer.Loader"
 _HISTORY = {
     1: "mixer before the PCG64 shuffle buffers (random.Random state)",
     2: "mixer before the checkpoint module (readers {'state', 'since', 'skips'})",
     3: "mixer before adaptive mixing (no 'adaptive' key)",
     4: "mixer before the columnar reader state (one JSON object per source)",
+    5: "mixer before elastic resume (no inherited slices in a stream's state)",
 }
 
 Location = tuple[int, ...]  # (shard, offset), or (source, shard, offset) in a shared batcher
@@ -123,6 +125,25 @@ def qualname(fn: Any) -> str | None:
 
 def check(state: Any, mixture: Mixture, *, num_workers: int) -> dict[str, Any]:
     """Validate a loader state against this mixture and topology; returns it."""
+    check_saved(state, mixture)
+    readers = max(num_workers, 1)
+    saved = (state["rank"], state["world_size"], state["num_workers"])
+    if saved != (mixture.rank, mixture.world_size, readers):
+        raise StateError(
+            f"loader state was saved with rank {saved[0]} of {saved[1]} and {saved[2]} reader(s) per rank; this loader "
+            f"is rank {mixture.rank} of {mixture.world_size} with {readers}: one rank's state resumes the same num_workers "
+            "or world_size only (another shape would repeat or lose samples of the current source-epochs); for an elastic "
+            "resume pass the list of the states of all the saved ranks (see mixer.elastic)"
+        )
+    if not isinstance(state["readers"], list) or len(state["readers"]) != readers:
+        raise StateError(f"loader state: 'readers' must list {readers} reader state(s)")
+    for i, r in enumerate(state["readers"]):
+        expect_keys(f"loader reader {i}", r, READER_KEYS)
+    return state
+
+
+def check_saved(state: Any, mixture: Mixture) -> dict[str, Any]:
+    """Validate a loader state's kind, version, keys and fingerprint (not its topology); returns it."""
     if not isinstance(state, dict) or state.get("kind") != KIND:
         got = f"a dict with keys {sorted(map(str, state))}" if isinstance(state, dict) else f"a {type(state).__name__}"
         raise StateError(f"not a mixer loader state: got {got}; expected a dict with kind={KIND!r} (Loader.state_dict())")
@@ -139,18 +160,6 @@ def check(state: Any, mixture: Mixture, *, num_workers: int) -> dict[str, Any]:
             "loader state was saved from a different mixture (sources, shards, weights, seed, batching, schedule or "
             "other options differ); resume with the same configuration"
         )
-    readers = max(num_workers, 1)
-    saved = (state["rank"], state["world_size"], state["num_workers"])
-    if saved != (mixture.rank, mixture.world_size, readers):
-        raise StateError(
-            f"loader state was saved with rank {saved[0]} of {saved[1]} and {saved[2]} reader(s) per rank; this loader "
-            f"is rank {mixture.rank} of {mixture.world_size} with {readers}: resuming with a different num_workers or "
-            "world_size is not supported (it would repeat or lose samples of the current source-epochs)"
-        )
-    if not isinstance(state["readers"], list) or len(state["readers"]) != readers:
-        raise StateError(f"loader state: 'readers' must list {readers} reader state(s)")
-    for i, r in enumerate(state["readers"]):
-        expect_keys(f"loader reader {i}", r, READER_KEYS)
     return state
 
 

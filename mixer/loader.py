@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from .batch import Batch
 from .device import DeviceLike, to_device
 from .mixture import Mixture
-from . import checkpoint
+from . import checkpoint, elastic
 from .checkpoint import ReaderLog, Resume
 from .errors import ConfigError, StateError
 from .feedback import SharesTable, make_feedback
@@ -237,9 +237,13 @@ class Loader:
             "adaptive": None if self._feedback is None else self._feedback.state_dict(),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
         """Continue from ``state`` on the next iteration. Refused (``StateError``) for a state of another
-        mixture, version or topology (rank, world_size, num_workers)."""
+        mixture, version or topology (rank, world_size, num_workers). Elastic resume: ``state`` is the
+        list of the states of all the saved ranks (any world_size and num_workers; see
+        :mod:`mixer.elastic`); every rank of the new run passes the same list."""
+        if isinstance(state, (list, tuple)):
+            state = elastic.resume_state(self.mixture, state, num_workers=self.num_workers)
         checkpoint.check(state, self.mixture, num_workers=self.num_workers)
         if self.persistent_workers and self._started:
             raise StateError("load_state_dict must come before the first iteration when persistent_workers=True (the workers already run)")

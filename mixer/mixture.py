@@ -35,6 +35,7 @@ from .stream import Counters, SourceStream
 from .transport import SlotPool
 from .feedback import SharesTable
 from .world import World, resolve_rank, worker_place
+from .shards import warn_shared_shards
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,6 @@ MIN_SHUFFLE = 16  # the smallest shuffle buffer a rarely read source is cut down
 HOLD_MIN_BATCHES = 2.0  # the least a rarely read source's buckets may hold, in batches of padded tokens
 BUDGET_FLOOR = 32  # the least of the buffer budget a source gets, in samples (when the budget allows)
 UNCAPPED = 1 << 62
-
-
 
 
 class Mixture(IterableDataset[Batch]):
@@ -213,13 +212,7 @@ class Mixture(IterableDataset[Batch]):
             worker = resume.reader_for(worker)
         world = World(rank=self.rank, world_size=self.world_size, worker=worker, num_workers=num_workers)
         if world.reader == 0:
-            for s in self.listed:
-                if len(s.shards) < world.readers and s.index is None:  # an index splits by byte ranges
-                    log.warning(
-                        "source %r has %d shard(s) for %d readers: readers share shards and each reads every byte of "
-                        "its shard but keeps only its part of the samples (I/O amplified up to %dx); more, smaller "
-                        "shards avoid it", s.name, len(s.shards), world.readers, -(-world.readers // len(s.shards)),
-                    )
+            warn_shared_shards(self.listed, world, log)
         in_worker = get_worker_info() is not None
         reader = self.reader(world, pool=pool if in_worker else None, table=table)
         if resume is not None:
@@ -341,7 +334,8 @@ class Reader:
             return self.active / self.active.sum()
         return p / total
 
-    def __iter__(self) -> Iterator[Batch]:
+    def _cuts(self) -> Iterator[Cut]:
+        """The mixing loop, past the ``replay`` batches of a restore (re-run for bookkeeping only)."""
         m = self.mixture
         count_tokens = m.unit == "tokens"
         cuts: Iterator[Cut]
@@ -356,14 +350,21 @@ class Reader:
                 active=self.active, retire=self._retire, count_tokens=count_tokens,
             )
         if self._replay is not None:
-            # Re-run the batches made after the restored snapshot (bookkeeping only: no collate).
             for _, cut in zip(range(self._replay), cuts):
                 self._meta(cut)
             self._replay = None
             # Statistics count from the resume: the first batch tells the loader where counters stood.
             self._resumed_counters = [c.as_list() for c in self.counters]
-        for cut in cuts:
+        return cuts
+
+    def __iter__(self) -> Iterator[Batch]:
+        for cut in self._cuts():
             yield self._collate(cut, self._meta(cut))
+
+    def settle(self) -> dict[str, Any]:
+        """After ``load_state_dict``: the state where the saved reader stood after its replay (:mod:`mixer.elastic`)."""
+        self._cuts()
+        return self.state_dict()
 
     # ---- state (the format is mixer.checkpoint's) -------------------------------------------
 
@@ -379,9 +380,8 @@ class Reader:
         return {"snapshot": self._snapshot(), "replay": 0, "skips": []}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue where ``state`` says: restore its snapshot (each part restores itself; every
-        buffered sample is read again by location), take the later skip decisions again, and on
-        the next iteration re-run the ``replay`` batches made after the snapshot."""
+        """Continue where ``state`` says: restore its snapshot (each part restores itself; buffered
+        samples are read again by location), take the later skips again, re-run ``replay`` batches."""
         expect_keys("reader", state, READER_KEYS)
         snapshot = self._snapshot() if state["snapshot"] is None else state["snapshot"]
         shared = self.mixture.mix == "sample"

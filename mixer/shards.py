@@ -9,12 +9,13 @@ shared shard); with one (:mod:`mixer.index`) they are sample ranges, balanced by
 from __future__ import annotations
 
 import heapq
+import logging
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from .errors import ShardError
+from .errors import ShardError, StateError
 from .world import World, rng_for
 
 
@@ -35,6 +36,19 @@ class ShardSlice(NamedTuple):
     stop: int | None = None
     begin: int = 0
     end: int | None = None
+
+
+def slice_row(sl: ShardSlice) -> list[int]:
+    """A slice as a state stores it: its fields, -1 for a None ``stop`` or ``end``."""
+    return [-1 if v is None else v for v in sl]
+
+
+def slice_of(row: Sequence[int], where: str) -> ShardSlice:
+    """The slice of :func:`slice_row` (a StateError naming ``where`` when it is not one)."""
+    if len(row) != len(ShardSlice._fields) or min(row[:4], default=0) < 0:
+        raise StateError(f"{where} state: a slice is {len(ShardSlice._fields)} ints {list(ShardSlice._fields)} (got {list(row)})")
+    shard, part, parts, start, stop, begin, end = map(int, row)
+    return ShardSlice(shard, part, parts, start, None if stop < 0 else stop, begin, None if end < 0 else end)
 
 
 class Ranges(Protocol):
@@ -93,6 +107,29 @@ def plan(
         return [ShardSlice(s) for s in order[me::readers].tolist()]
     mine = order[_owners_by_size(order, sizes, readers)[order] == me]  # in the shuffled order
     return [ShardSlice(s) for s in mine.tolist()]
+
+
+def plan_all(num_shards: int, readers: int, *, seed: int, source: str, epoch: int, sizes: Sequence[int | None] | None = None,
+             index: Ranges | None = None) -> list[list[ShardSlice]]:  # fmt: skip
+    """Every reader's :func:`plan` of one source-epoch at once (reader ``k``'s is ``plan`` with
+    ``world.reader == k``): one order and one assignment instead of one per reader, for whoever needs
+    the whole world's plans (an elastic resume settles every old reader)."""
+    if num_shards <= 0:
+        return [[] for _ in range(readers)]
+    order = _order(num_shards, seed=seed, source=source, epoch=epoch)
+    if index is not None:
+        bounds = range_bounds(order, index, readers, list(range(readers + 1)))
+        return [_range_slices(order, index, bounds[k], bounds[k + 1]) for k in range(readers)]
+    if num_shards < readers:
+        return [[ShardSlice(int(order[k % num_shards]), k // num_shards, len(range(k % num_shards, readers, num_shards)))] for k in range(readers)]
+    out: list[list[ShardSlice]] = [[] for _ in range(readers)]
+    if sizes is None or any(s is None for s in sizes):
+        owners = np.arange(num_shards) % readers
+    else:
+        owners = _owners_by_size(order, sizes, readers)[order]
+    for shard, owner in zip(order.tolist(), owners.tolist()):
+        out[owner].append(ShardSlice(shard))
+    return out
 
 
 # The greedy assignment works on one integer per reader, ``load * readers + reader``: its order is
@@ -237,3 +274,15 @@ def _range_slices(order: np.ndarray, index: Ranges, first: tuple[int, int], last
             offsets = index.offsets(s)
             out.append(ShardSlice(s, start=start, stop=stop, begin=int(offsets[start]), end=int(offsets[stop])))
     return out
+
+
+def warn_shared_shards(listed: Sequence[Any], world: World, log: logging.Logger) -> None:
+    """Say which sources have fewer shards than readers and no index (listed sources: ``name``,
+    ``shards``, ``index``): their readers share shards, each reading every byte of its shard."""
+    for s in listed:
+        if len(s.shards) < world.readers and s.index is None:  # an index splits by byte ranges
+            log.warning(
+                "source %r has %d shard(s) for %d readers: readers share shards and each reads every byte of "
+                "its shard but keeps only its part of the samples (I/O amplified up to %dx); more, smaller "
+                "shards avoid it", s.name, len(s.shards), world.readers, -(-world.readers // len(s.shards)),
+            )

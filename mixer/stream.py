@@ -19,7 +19,7 @@ from .decode import Sample, default_tokens
 from .errors import SampleError, ShardError
 from .decode import decoded_fields, field_length
 from .shard_index import open_slice, range_loss
-from .shards import ShardSlice, plan
+from .shards import ShardSlice, plan, slice_of, slice_row
 from .source import ListedSource, Source
 from .tario import read_samples
 from .world import Draws, World
@@ -156,6 +156,9 @@ class SourceStream:
         self.skips: dict[tuple[int, int], tuple[int, ...]] = {}
         self.new_skips: list[tuple[int, ...]] = []
         self._restoring: list[tuple[int, int]] = []  # buffer locations a restore waits for
+        # [elastic] epoch inherit_epoch (-1: none) is the slices inherited from a run of another shape
+        self.inherited: list[ShardSlice] = []
+        self.inherit_epoch = -1
         self._plans: dict[int, list[ShardSlice]] = {}
         self._samples: Iterator[dict[str, Any]] | None = None
         self._handle: Any = None
@@ -203,6 +206,8 @@ class SourceStream:
         return out
 
     def _plan(self, epoch: int) -> list[ShardSlice]:
+        if epoch == self.inherit_epoch:
+            return self.inherited
         if epoch not in self._plans:
             self._plans = {epoch: plan(len(self.listed.shards), self.world, seed=self.seed, source=self.source.name, epoch=epoch, sizes=self.listed.shard_bytes, index=self.listed.index)}
         return self._plans[epoch]
@@ -288,7 +293,8 @@ class SourceStream:
         """Open the shard of the current slice, moving to the next epoch at the end of one."""
         while self.slice_pos >= len(self._plan(self.epoch)):
             self.counters.epochs += 1
-            if self.finite or self.got_in_epoch == 0:
+            inherited = self.epoch == self.inherit_epoch  # an empty inheritance is no empty part
+            if self.finite or (self.got_in_epoch == 0 and not inherited):
                 if not self.finite:
                     # This reader's part of an epoch was empty (e.g. fewer samples in a shared
                     # shard than readers sharing it): stop rather than spin reopening shards; the
@@ -296,8 +302,10 @@ class SourceStream:
                     log.warning("source %r: reader %d got no samples in epoch %d", self.source.name, self.world.reader, self.epoch)
                 self.exhausted = True
                 return False
-            if len(self.buffer) < min(self.buffer_size, self.limit):
+            if len(self.buffer) < min(self.buffer_size, self.limit) and not inherited:
                 self.buffer_size = len(self.buffer)
+            if inherited:
+                self.inherited, self.inherit_epoch = [], -1
             self.epoch += 1
             self.slice_pos = 0
             self.next_index = 0
@@ -368,10 +376,12 @@ class SourceStream:
             "draws": self.rng.taken,
             "buffer": list(map(locate_sample, self.buffer)),
             "skips": [[e, p, *d] for (e, p), d in sorted(self.skips.items())],
+            "inherit": list(map(slice_row, self.inherited)),
+            "inherit_epoch": self.inherit_epoch,
         }
 
     # How deep each field's lists go (0: an int), as mixer.compact packs them.
-    STATE_DEPTHS: ClassVar[dict[str, int]] = {**dict.fromkeys(("epoch", "slice_pos", "next_index", "next_offset", "got_in_epoch", "exhausted", "buffer_size", "draws"), 0), "buffer": 2, "skips": 2}
+    STATE_DEPTHS: ClassVar[dict[str, int]] = {**dict.fromkeys(("epoch", "slice_pos", "next_index", "next_offset", "got_in_epoch", "exhausted", "buffer_size", "draws", "inherit_epoch"), 0), "buffer": 2, "skips": 2, "inherit": 2}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`; the buffer is back once :meth:`attach` got its samples."""
@@ -387,6 +397,8 @@ class SourceStream:
         self.rng.seek(int(state["draws"]))
         self._restoring = [(int(a), int(b)) for a, b in state["buffer"]]
         self.skips = {(int(e), int(p)): tuple(map(int, d)) for e, p, *d in state["skips"]}
+        self.inherited = [slice_of(row, f"stream {self.source.name!r}") for row in state["inherit"]]
+        self.inherit_epoch = int(state["inherit_epoch"])
 
     def locations(self) -> list[tuple[int, int]]:
         return self._restoring

@@ -94,3 +94,13 @@ def test_user_facing_text_builds_loaders_and_device_feeds_one_way():
         for line in path.read_text(encoding="utf-8").splitlines() if direct.search(line)
     ]  # fmt: skip
     assert found == ["mixer/device.py: return DeviceFeed(batches, device, prefetch=prefetch, timing=timing)"]
+
+
+def test_elastic_resume_is_load_state_dict_with_the_list_of_all_rank_states():
+    # One spelling: a new rank passes the list of every saved rank's state to load_state_dict
+    # (mixer.elastic re-splits it); there is no merge function to call first.
+    import inspect
+
+    annotation = str(inspect.signature(mixer.Loader.load_state_dict).parameters["state"].annotation)
+    assert annotation == "dict[str, Any] | list[dict[str, Any]]"
+    assert not hasattr(mixer, "merge_states") and not hasattr(mixer, "elastic_resume")

@@ -167,10 +167,10 @@ def test_state_of_another_topology_or_version_is_refused(shards):
         mixer.make_loader(mix, num_workers=2).load_state_dict({"step": 3})
     # A state of the previous format says what it is and what this mixer reads.
     old = {**state, "version": 2, "readers": [{"state": None, "since": 0, "skips": []}] * 2}
-    with pytest.raises(mixer.StateError, match=r"version 2 \(mixer before the checkpoint module.*reads state version 5"):
+    with pytest.raises(mixer.StateError, match=r"version 2 \(mixer before the checkpoint module.*reads state version 6"):
         mixer.make_loader(mix, num_workers=2).load_state_dict(old)
     # The state before the columnar reader snapshots (one JSON object per source) likewise.
-    with pytest.raises(mixer.StateError, match=r"version 4 \(mixer before the columnar reader state.*reads state version 5"):
+    with pytest.raises(mixer.StateError, match=r"version 4 \(mixer before the columnar reader state.*reads state version 6"):
         mixer.make_loader(mix, num_workers=2).load_state_dict(dict(state, version=4))
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .batch import Batch
 from .device import DeviceLike, to_device
@@ -27,9 +27,10 @@ from .mixture import Mixture
 from . import checkpoint
 from .checkpoint import ReaderLog, Resume
 from .errors import ConfigError, StateError
+from .adaptive import Adaptive
 from .feedback import SharesTable, make_feedback
 from .stream import Counters
-from .transport import SlotPool
+from .transport import SlotPool, group_size, grouped, ungrouped
 from .stats import DEFAULT_WINDOW, Stats
 from .world import seed_for
 from .distributed import DEFAULT_SYNC_TIMEOUT, StopSync, SyncEnd, stop_sync
@@ -87,21 +88,25 @@ def _frozen_heap() -> Iterator[None]:
         gc.unfreeze()
 
 
-class _LoaderDataset(IterableDataset[Batch]):
-    """What DataLoader iterates: the mixture's batches, with the shared slots the workers write into
-    and, for one iteration after ``load_state_dict``, where each reader resumes."""
+class _LoaderDataset(IterableDataset[Any]):
+    """What DataLoader iterates: the mixture's batches (in a worker, in groups of up to ``group``,
+    see :mod:`mixer.transport`), with the shared slots the workers write into and, for one
+    iteration after ``load_state_dict``, where each reader resumes."""
 
-    def __init__(self, mixture: Mixture, pool: SlotPool | None) -> None:
+    def __init__(self, mixture: Mixture, pool: SlotPool | None, group: int) -> None:
         self.mixture = mixture
         self.pool = pool
+        self.group = group
         self.resume: Resume | None = None
         self.table: SharesTable | None = None
 
-    def __iter__(self) -> Iterator[Batch]:
-        return self.mixture.batches(pool=self.pool, resume=self.resume, table=self.table)
+    def __iter__(self) -> Iterator[Any]:
+        batches = self.mixture.batches(pool=self.pool, resume=self.resume, table=self.table)
+        info = get_worker_info()
+        return batches if info is None else grouped(batches, info.id, self.group)
 
 
-def _slot_pool(mixture: Mixture, num_workers: int, prefetch_factor: int | None, context: Any) -> SlotPool | None:
+def _slot_pool(mixture: Mixture, num_workers: int, prefetch_factor: int | None, context: Any, group: int) -> SlotPool | None:
     """Shared slots for the workers' batches, when workers are forked (they inherit the mapping);
     other start methods fall back to pickling batches by value."""
     if num_workers <= 0:
@@ -113,8 +118,8 @@ def _slot_pool(mixture: Mixture, num_workers: int, prefetch_factor: int | None, 
     if context.get_start_method() != "fork":
         return None
     # Enough slots that a worker rarely finds none free (see mixer.transport: it then sends by value):
-    # DataLoader keeps about prefetch_factor requests per worker outstanding, two spare on top.
-    slots = (prefetch_factor if prefetch_factor is not None else 2) + 2
+    # DataLoader keeps about prefetch_factor requests (groups) per worker outstanding, two spare on top.
+    slots = ((prefetch_factor if prefetch_factor is not None else 2) + 2) * group
     return SlotPool(num_workers=num_workers, slots=slots, slot_elems=mixture.max_batch_elements, dtype=np.dtype(mixture.dtype))
 
 
@@ -151,7 +156,11 @@ class Loader:
     ) -> None:
         self.mixture = mixture
         self.num_workers = num_workers
-        self._pool_options = (num_workers, prefetch_factor, multiprocessing_context)
+        # Batches per DataLoader item (see mixer.transport). One under an Adaptive schedule: its lag
+        # counts the batches readers make ahead as prefetch_factor x num_workers (mixer.feedback).
+        adaptive = isinstance(mixture.schedule, Adaptive)
+        group = 1 if adaptive else group_size(mixture.max_batch_elements * np.dtype(mixture.dtype).itemsize)
+        self._pool_options = (num_workers, prefetch_factor, multiprocessing_context, group)
         self.pool = _slot_pool(mixture, *self._pool_options)
         # validated now (a ConfigError for "cuda" without CUDA); each iter() builds its own feed
         self.device = to_device((), device, prefetch=device_prefetch).device if device is not None else None
@@ -160,7 +169,7 @@ class Loader:
         generator = torch.Generator()
         generator.manual_seed(seed_for(mixture.seed, "dataloader", mixture.rank) % 2**63)
         self.dataloader = DataLoader(
-            _LoaderDataset(mixture, self.pool),
+            _LoaderDataset(mixture, self.pool, group),
             batch_size=None,
             num_workers=num_workers,
             pin_memory=pin_memory,
@@ -217,9 +226,11 @@ class Loader:
             if callable(shutdown) and not self.persistent_workers:
                 shutdown()
 
-    def _deliver(self, loader_iter: Iterator[Batch]) -> Iterator[Batch]:
+    def _deliver(self, loader_iter: Iterator[Any]) -> Iterator[Batch]:
+        # Workers send groups of batches (mixer.transport): one batch at a time from here on.
+        single: Iterator[Batch] = ungrouped(loader_iter, self.num_workers) if self.num_workers > 0 else loader_iter
         # Inside the device feed: a look-ahead batch the ranks agree to drop is never copied.
-        source = loader_iter if self.sync is None else self.sync.agreed(loader_iter)
+        source = single if self.sync is None else self.sync.agreed(single)
         batches = source if self.device is None else to_device(source, self.device, prefetch=self.device_prefetch)
         for batch in batches:
             meta = batch.meta

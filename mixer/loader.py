@@ -329,9 +329,11 @@ def make_loader(mixture: Mixture, **options: Any) -> Loader:
 
     ``options`` (keyword-only): ``num_workers`` (0), ``pin_memory`` (False), ``prefetch_factor``,
     ``persistent_workers`` (False), ``timeout`` (0) and ``multiprocessing_context`` as for
-    ``torch.utils.data.DataLoader``. With ``device`` (``"cuda"``, ``"cuda:N"``, ``"cpu"``) batches
-    arrive on that device through :func:`mixer.to_device`, ``device_prefetch`` (2) batches copied
-    ahead; a CUDA device turns ``pin_memory`` on. ``stats_window``: batches in the sliding window of
+    ``torch.utils.data.DataLoader``; workers send their batches in groups of up to 8 (see
+    :mod:`mixer.transport`), so ``prefetch_factor`` counts groups and ``timeout`` bounds the wait
+    for a group. With ``device`` (``"cuda"``, ``"cuda:N"``, ``"cpu"``) batches arrive on that device
+    through :func:`mixer.to_device`, ``device_prefetch`` (2) batches copied ahead; a CUDA device
+    turns ``pin_memory`` on. ``stats_window``: batches in the sliding window of
     :meth:`Loader.stats` (and so of :func:`mixer.log_every`). ``sync_stop`` (default None: on when the
     mixture is finite, has several ranks and a process group is initialized) makes every
     data-parallel rank hand out the same number of batches, with one ``all_reduce`` per batch over

@@ -106,6 +106,11 @@ class _LoaderDataset(IterableDataset[Any]):
         return batches if info is None else grouped(batches, info.id, self.group)
 
 
+#: Batches per worker the main process may hold past their hand-out without the worker sending by
+#: value: the training step's, the device feed's look-ahead (2 by default) and the rank sync's.
+HELD = 4
+
+
 def _slot_pool(mixture: Mixture, num_workers: int, prefetch_factor: int | None, context: Any, group: int) -> SlotPool | None:
     """Shared slots for the workers' batches, when workers are forked (they inherit the mapping);
     other start methods fall back to pickling batches by value."""
@@ -118,8 +123,10 @@ def _slot_pool(mixture: Mixture, num_workers: int, prefetch_factor: int | None, 
     if context.get_start_method() != "fork":
         return None
     # Enough slots that a worker rarely finds none free (see mixer.transport: it then sends by value):
-    # DataLoader keeps about prefetch_factor requests (groups) per worker outstanding, two spare on top.
-    slots = ((prefetch_factor if prefetch_factor is not None else 2) + 2) * group
+    # DataLoader keeps about prefetch_factor requests (groups) per worker outstanding, two groups
+    # spare on top (the one being made, the one being handed out), and HELD batches that the
+    # training loop may still hold after they were handed out (a batch's slot is freed with it).
+    slots = ((prefetch_factor if prefetch_factor is not None else 2) + 2) * group + HELD
     return SlotPool(num_workers=num_workers, slots=slots, slot_elems=mixture.max_batch_elements, dtype=np.dtype(mixture.dtype))
 
 
@@ -212,7 +219,7 @@ class Loader:
             # This pass forks new workers; an earlier pass's workers may still be writing into the
             # old slots (its iterator is alive), so the new ones get slots of their own.
             self.pool = dataset.pool = _slot_pool(self.mixture, *self._pool_options)
-        # Held for as long as this pass runs: its batches are copied out of this mapping.
+        # Held for as long as this pass runs: its batches are views of this mapping.
         pool = self.pool  # noqa: F841
         self._started = True
         with _frozen_heap():

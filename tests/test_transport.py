@@ -23,14 +23,23 @@ def batch_in_slot(pool, worker=0):
     return b
 
 
-def test_slot_round_trip_copies_the_batch_out():
-    pool = SlotPool(num_workers=2, slots=3, slot_elems=64, dtype=np.dtype(np.int32))
+def test_a_batch_read_from_a_slot_is_a_view_that_holds_the_slot_until_it_is_gone():
+    pool = SlotPool(num_workers=2, slots=1, slot_elems=64, dtype=np.dtype(np.int32))
     b = batch_in_slot(pool, worker=1)
     assert b.slot is not None
     c = pickle.loads(pickle.dumps(b))
-    assert c.slot is None  # a private copy, no longer tied to the slot
+    assert c.slot is None  # pickles by value from here on
     assert c.tokens.tolist() == [[1, 2, 3], [4, 0, 0]] and c.lengths.tolist() == [3, 1] and c.source.tolist() == [0, 1]
-    assert c.buffer.untyped_storage().data_ptr() != b.buffer.untyped_storage().data_ptr()
+    assert c.buffer.untyped_storage().data_ptr() == b.buffer.untyped_storage().data_ptr()  # no copy
+    # While any tensor of the batch lives, its worker's only slot stays taken: the next batch
+    # travels by value instead of overwriting what the training loop still reads.
+    lengths = c.lengths
+    del c
+    assert batch_in_slot(pool, worker=1).slot is None
+    assert lengths.tolist() == [3, 1]
+    del lengths
+    again = batch_in_slot(pool, worker=1)
+    assert again.slot is not None and again.slot[2] == b.slot[2] and again.slot[3] > b.slot[3]
 
 
 def test_a_sealed_slot_is_never_reused_before_it_is_read():

@@ -47,7 +47,7 @@ holds up to :func:`group_size` batches (1, 2, 4, ... at the start of a pass, so 
 is not held back), and the main process hands them out one at a time in the order DataLoader
 gives without groups (:func:`ungrouped`): one batch of each worker in turn, a worker that ended
 left out. ``prefetch_factor`` then counts groups, and the loader gives each worker ``(prefetch_factor
-+ 2) x group`` slots.
++ 2) x group`` slots and a few for batches the training loop still holds.
 """
 
 from __future__ import annotations

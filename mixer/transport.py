@@ -22,10 +22,9 @@ Only the owning worker moves a slot from free to written to sealed, and only the
 it from sealed back to free, so no state word has two writers at once. A worker whose slots are all
 sealed (the main process is behind, or the training loop holds on to its batches) does not wait
 and does not overwrite: it sends that batch by value through its pipe, which is always correct,
-only slower. Nothing here trusts DataLoader's
-request accounting: when workers end early DataLoader gives their share of requests to the
-workers still running, which can then be ``prefetch_factor * num_workers`` batches ahead, more
-than any fixed ring would hold.
+only slower. Nothing here trusts DataLoader's request accounting: when workers end early
+DataLoader gives their share of requests to the workers still running, which can then be
+``prefetch_factor * num_workers`` items ahead, more than any fixed ring would hold.
 
 Ordering: a worker seals after writing and only then sends the message; the pipe's system calls
 order the data before the main process reads it. The main process releases from the finalizer

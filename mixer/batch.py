@@ -163,7 +163,7 @@ class Batch:
 
 
 def _from_slot(cls: type[Batch], pool_id: int, worker: int, slot: int, stamp: int, n: int, args: tuple[Any, ...], meta: tuple[Any, ...]) -> Batch:
-    data = transport.pool(pool_id).copy_out(worker, slot, stamp, n)
+    data = transport.pool(pool_id).view_out(worker, slot, stamp, n)
     return cls(torch.from_numpy(data), *args, meta=BatchMeta(*meta))
 
 

@@ -6,7 +6,7 @@ same number of real tokens. CPU is user+system time of this process plus its chi
 once it has been waited for, so each run drops its loader and joins the exited workers
 (`multiprocessing.active_children()`) before the clock stops. Worker start-up and shutdown are
 included (they are part of the price), and so are the batches the workers prefetched but nobody
-consumed (a few out of hundreds). Target: CPU-µs/sample with 2 workers <= 1.3x that with 0.
+consumed (a few out of hundreds). Target: CPU-µs/sample with 2 workers <= 1.2x that with 0 (the target of the worker-overhead work; it was 1.3 before).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchRes
     rows = [common.summarize(NAME, outcomes[m.name], shards) for m in methods]
     w0, w2 = outcomes["mixer_w0"], outcomes["mixer_w2"]
     checks = [
-        common.ratio_check(NAME, "CPU-µs/sample, 2 workers / 0 workers", w2, w0, "cpu_us_per_sample", 1.3, "<="),
+        common.ratio_check(NAME, "CPU-µs/sample, 2 workers / 0 workers", w2, w0, "cpu_us_per_sample", 1.2, "<="),
         common.ratio_check(NAME, "wall samples/s, 2 workers / 0 workers", w2, w0, "samples_per_s", None),
     ]
     config = {

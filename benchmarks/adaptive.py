@@ -335,14 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--png", type=Path, default=None, help="where to draw the target shares over steps (default <bench-dir>/adaptive[.quick].png)")
     p.add_argument("--bench-dir", type=Path, default=common.DEFAULT_BENCH_DIR)
     p.add_argument("--demo-cache", type=Path, default=None, help="where the demo shards are (made on first use; default: mixer demo's cache)")
-    opts = p.parse_args(argv)
-    opts.profile = "quick" if opts.quick else "full"
-    res = run(opts, lambda m: print(f"[adaptive {time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True))
-    common.write_json(res, opts.bench_dir / f"{NAME}{'.quick' if opts.quick else ''}.json")
-    print(res.config["table"])
-    print()
-    print(common.checks_table([res]))
-    return 1 if res.failed else 0
+    return common.standalone(NAME, p, run, argv, tables=("table",))
 
 
 if __name__ == "__main__":

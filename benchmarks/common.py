@@ -746,3 +746,18 @@ def select_methods(bench: str, table: dict[str, Any], names: list[str] | None) -
     if unknown:
         raise SystemExit(f"{bench}: unknown method(s) {unknown}; choose from {list(table)}")
     return [table[n] for n in names]
+
+
+def standalone(name: str, parser: Any, run: Callable[[Any, Callable[[str], None]], BenchResult], argv: list[str] | None, tables: Sequence[str] = ("table",)) -> int:
+    """``python -m benchmarks.NAME``: parse, run with a timestamped log on stderr, write
+    ``<bench-dir>/NAME[.quick].json``, print the benchmark's tables (keys of its config) and checks;
+    the exit status says whether a check missed. ``parser`` must define ``--quick`` and ``--bench-dir``."""
+    opts = parser.parse_args(argv)
+    opts.profile = "quick" if opts.quick else "full"
+    res = run(opts, lambda m: print(f"[{name} {time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True))
+    write_json(res, opts.bench_dir / f"{name}{'.quick' if opts.quick else ''}.json")
+    for key in tables:
+        print(res.config[key])
+        print()
+    print(checks_table([res]))
+    return 1 if res.failed else 0

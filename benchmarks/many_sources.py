@@ -414,16 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, default=None)
     p.add_argument("--http-sources", type=int, default=None, help="sources of the HTTP run (0: none)")
     p.add_argument("--bench-dir", type=Path, default=common.DEFAULT_BENCH_DIR)
-    opts = p.parse_args(argv)
-    opts.profile = "quick" if opts.quick else "full"
-    res = run(opts, lambda m: print(f"[many_sources {time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True))
-    common.write_json(res, opts.bench_dir / f"{NAME}{'.quick' if opts.quick else ''}.json")
-    print(res.config["table"])
-    print()
-    print(res.config["io_table"])
-    print()
-    print(common.checks_table([res]))
-    return 1 if res.failed else 0
+    return common.standalone(NAME, p, run, argv, tables=("table", "io_table",))
 
 
 if __name__ == "__main__":

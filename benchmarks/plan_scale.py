@@ -39,6 +39,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -114,19 +115,28 @@ class SyntheticIndex:
         return True
 
 
-def simulate_index(sc: Scenario, *, timed_readers: int = 5, seed: int = 0) -> dict:
-    from mixer.shards import plan, range_bounds, shard_order
+def _timed_plans(sc: Scenario, timed_readers: int, make_plan: Any) -> tuple[list[int], list[float], dict[int, Any]]:
+    """The plans of ``timed_readers`` readers spread over the world (first, last and some in
+    between), each timed: (the readers, seconds each, reader -> its plan)."""
     from mixer.world import World
 
-    index = SyntheticIndex(sc.shards, seed=seed)
     readers = sc.readers
     picks = sorted({round(i * (readers - 1) / max(timed_readers - 1, 1)) for i in range(timed_readers)})
     times, plans = [], {}
     for reader in picks:
         world = World(rank=reader // sc.workers, world_size=sc.ranks, worker=reader % sc.workers, num_workers=sc.workers)
         t0 = time.perf_counter()
-        plans[reader] = plan(sc.shards, world, seed=seed, source="web", epoch=0, index=index)
+        plans[reader] = make_plan(world)
         times.append(time.perf_counter() - t0)
+    return picks, times, plans
+
+
+def simulate_index(sc: Scenario, *, timed_readers: int = 5, seed: int = 0) -> dict:
+    from mixer.shards import plan, range_bounds, shard_order
+
+    index = SyntheticIndex(sc.shards, seed=seed)
+    readers = sc.readers
+    picks, times, plans = _timed_plans(sc, timed_readers, lambda world: plan(sc.shards, world, seed=seed, source="web", epoch=0, index=index))
     # every reader's start at once, for the loads: reader r reads from bounds[r] up to bounds[r + 1]
     order = np.asarray(shard_order(sc.shards, seed=seed, source="web", epoch=0), dtype=np.int64)
     bounds = range_bounds(order, index, readers, list(range(readers + 1)))
@@ -163,21 +173,13 @@ def simulate(sc: Scenario, *, timed_readers: int = 5, seed: int = 0) -> dict:
 
     if sc.sizes == "index":
         return simulate_index(sc, timed_readers=timed_readers, seed=seed)
-    from mixer.world import World
 
     sizes = shard_sizes(sc.sizes, sc.shards, sigma=sc.sigma, seed=seed)
     known = sc.sizes != "unknown"
     size_arr = np.asarray(sizes, dtype=np.int64)
     readers = sc.readers
-    # spread the timed readers over the world: first, last and some in between
-    picks = sorted({round(i * (readers - 1) / max(timed_readers - 1, 1)) for i in range(timed_readers)})
-    times, plans = [], {}
-    for reader in picks:
-        world = World(rank=reader // sc.workers, world_size=sc.ranks, worker=reader % sc.workers, num_workers=sc.workers)
-        t0 = time.perf_counter()
-        slices = plan(sc.shards, world, seed=seed, source="web", epoch=0, sizes=sizes if known else None)
-        times.append(time.perf_counter() - t0)
-        plans[reader] = [s.shard for s in slices]
+    picks, times, whole = _timed_plans(sc, timed_readers, lambda world: plan(sc.shards, world, seed=seed, source="web", epoch=0, sizes=sizes if known else None))
+    plans = {reader: [s.shard for s in slices] for reader, slices in whole.items()}
     # the whole assignment once, for the imbalance; the timed plans must agree with it
     order = np.asarray(shard_order(sc.shards, seed=seed, source="web", epoch=0), dtype=np.int64)
     if sc.shards < readers:

@@ -144,6 +144,10 @@ def checks(bench: str, get: Callable[[str], Outcome | None], by: dict[str, dict]
             bench, "mixer / torchdata.nodes (token-corrected), real tokens/s", get("mixer"), get("torchdata_tokprobs"), "tokens_per_s", None
         ),
         common.ratio_check(bench, "mixer / torchdata.nodes, real tokens per CPU-s", get("mixer"), get("torchdata"), "tokens_per_cpu_s", None),
+        common.ratio_check(
+            bench, "mixer / torchdata.nodes (token-corrected), real tokens per CPU-s", get("mixer"), get("torchdata_tokprobs"),
+            "tokens_per_cpu_s", 4.0,  # issue 17
+        ),
         common.ratio_check(bench, "CPU-µs/sample, mixer 2 workers / 0 workers", get("mixer_w2"), get("mixer"), "cpu_us_per_sample", 1.3, "<="),
         common.ratio_check(bench, "CPU-µs/sample, mixer 1 worker / 0 workers", get("mixer_w1"), get("mixer"), "cpu_us_per_sample", None, "<="),
         common.ratio_check(bench, "wall real tokens/s, mixer 2 workers / 0 workers", get("mixer_w2"), get("mixer"), "tokens_per_s", None),

@@ -20,6 +20,10 @@ Methods (alternating within each round, order rotated per round):
   stop="never" (default), stopped after the same number of real tokens as `randommix`.
 * `mixer_all_exhausted` — the same with stop="all_exhausted": one pass over everything.
 * `torchdata`, `torchdata_tokprobs`, `mixer_w1`, `mixer_w2` — see `benchmarks/peers.py`.
+* `raw_pax`, `mixer_reader_pax`, `randommix_tokprobs_pax`, `torchdata_tokprobs_pax`, `mixer_pax` — the
+  same on the same samples as `webdataset.ShardWriter` writes them with its defaults (`TarWriter`'s
+  float mtime makes Python's tarfile put a PAX header before every member): the shards users have.
+  Written once beside the shard set (`shards/<profile>-pax`).
 
 Mixing methods stop after `--budget` x (all tokens in the shard set) real tokens; readers read every
 shard once and must see every sample. Beside each wall-clock ratio the checks give the same ratio per
@@ -29,9 +33,13 @@ CPU-second, which a noisy neighbour disturbs much less.
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import tarfile
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 
@@ -45,7 +53,11 @@ warnings.filterwarnings("ignore", message="The given NumPy array is not writable
 NAME = "throughput"
 BATCH_SIZE = 32
 MAX_TOKENS = 65_536
-METHODS = ("raw", "wds", "randommix", "randommix_tokprobs", "mixer_reader", "mixer", "mixer_all_exhausted", *peers.METHODS)
+PAX_METHODS = ("raw", "mixer_reader", "randommix_tokprobs", "torchdata_tokprobs", "mixer")
+METHODS = (
+    "raw", "wds", "randommix", "randommix_tokprobs", "mixer_reader", "mixer", "mixer_all_exhausted", *peers.METHODS,
+    *(f"{m}_pax" for m in PAX_METHODS),
+)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
@@ -199,9 +211,66 @@ def mixer_all_exhausted(shards: ShardSet) -> Callable[[Tally], None]:
 
 
 # --------------------------------------------------------------------------------------------------
+# the same samples as ShardWriter writes them by default (a PAX header before every member)
 
 
-def build_methods(shards: ShardSet, opts: argparse.Namespace) -> list[Method]:
+def pax_shards(shards: ShardSet, log: Callable[[str], None] | None = None) -> ShardSet:
+    """`shards` rewritten shard by shard with `webdataset.TarWriter`'s defaults (what `ShardWriter`
+    uses): same keys, same member bytes, same shard boundaries; cached in `<root>-pax`, reused while
+    every file has its recorded size."""
+    import webdataset as wds
+
+    root = shards.root.with_name(shards.root.name + "-pax")
+    manifest_path = root / "manifest.json"
+    names = [Path(u).name for u in shards.urls]
+    try:
+        sizes = json.loads(manifest_path.read_text())
+        if sorted(sizes) == sorted(names) and all((root / f).stat().st_size == sizes[f] for f in names):
+            return _pax_set(shards, root, sizes)
+    except (OSError, ValueError, TypeError):
+        pass
+    if log:
+        log(f"writing ShardWriter-default (PAX) copies of {len(names)} shards to {root} (once) ...")
+    root.mkdir(parents=True, exist_ok=True)
+    for url, name in zip(shards.urls, names):
+        with tarfile.open(url) as src, wds.TarWriter(str(root / name)) as sink:
+            sample: dict[str, object] = {}
+            for member in src:
+                key, ext = member.name.split(".", 1)
+                if sample and sample["__key__"] != key:
+                    sink.write(sample)
+                    sample = {}
+                f = src.extractfile(member)
+                assert f is not None, f"{url}: {member.name} is not a file"
+                sample["__key__"] = key
+                sample[ext] = f.read()
+            if sample:
+                sink.write(sample)
+    with open(root / names[0], "rb") as f:
+        if f.read(512)[156:157] != b"x":
+            raise RuntimeError(f"{root / names[0]}: the first member has no PAX header; TarWriter's default mtime changed?")
+    sizes = {f: (root / f).stat().st_size for f in names}
+    manifest_path.write_text(json.dumps(sizes, indent=1))
+    return _pax_set(shards, root, sizes)
+
+
+def _pax_set(shards: ShardSet, root: Path, sizes: dict[str, int]) -> ShardSet:
+    sources = tuple(
+        replace(
+            s,
+            pattern=s.pattern.replace(str(shards.root), str(root)),
+            urls=tuple(str(root / Path(u).name) for u in s.urls),
+            bytes=sum(sizes[Path(u).name] for u in s.urls),
+        )
+        for s in shards.sources
+    )
+    return replace(shards, root=root, profile=f"{shards.profile}, PAX", sources=sources)
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def build_table(shards: ShardSet, opts: argparse.Namespace) -> dict[str, Method]:
     decode = common.DECODERS[opts.decode]
     budget = int(opts.budget * shards.tokens)
     probs = [s.weight for s in shards.sources]
@@ -254,12 +323,22 @@ def build_methods(shards: ShardSet, opts: argparse.Namespace) -> list[Method]:
         ),
     }
     table.update(peers.methods(shards, opts, budget, BATCH_SIZE, MAX_TOKENS))  # issue 7: torchdata, 1-2 workers
+    return table
+
+
+def build_methods(shards: ShardSet, opts: argparse.Namespace, pax: ShardSet | None = None) -> list[Method]:
+    table = build_table(shards, opts)
+    if pax is not None:  # issue 17: the same on ShardWriter-default (PAX) shards
+        same = build_table(pax, opts)
+        table.update({f"{k}_pax": replace(same[k], name=f"{k}_pax", label=f"{same[k].label} [PAX shards]") for k in PAX_METHODS})
     return common.select_methods("throughput", table, opts.methods or list(METHODS))
 
 
 def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchResult:
     shards = common.prepare(opts, log)
-    methods = build_methods(shards, opts)
+    names = opts.methods or list(METHODS)
+    pax = pax_shards(shards, log) if any(n.endswith("_pax") for n in names) else None
+    methods = build_methods(shards, opts, pax)
     window = opts.window_tokens
     outcomes = common.run_rounds(methods, opts.rounds, shards.weights, window, log)
     rows = [common.summarize(NAME, outcomes[m.name], shards) for m in methods]
@@ -297,14 +376,16 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchRes
             get("mixer"),
             get("randommix_tokprobs"),
             "tokens_per_cpu_s",
-            None,
+            5.0,  # issue 17
         ),
         common.ratio_check(NAME, "webdataset / raw read, samples/s", get("wds"), get("raw"), "samples_per_s", None),
         common.ratio_check(NAME, "mixer reader / raw read, samples/s", get("mixer_reader"), get("raw"), "samples_per_s", None),
         common.ratio_check(NAME, "mixer / RandomMix pipeline, samples/s", get("mixer"), get("randommix"), "samples_per_s", None),
         *peers.checks(NAME, get, by, window),
+        *pax_checks(get, by, window),
     ]
     config = {
+        "pax_shards": pax.describe() if pax is not None else None,
         "profile": opts.profile,
         "rounds": opts.rounds,
         "decode": opts.decode,
@@ -318,3 +399,23 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchRes
         "shards": shards.describe(),
     }
     return common.BenchResult(NAME, rows, checks, config)
+
+
+def pax_checks(get: Callable[[str], common.Outcome | None], by: dict[str, dict], window: int) -> list[dict]:
+    """Issue 17's targets on ShardWriter-default (PAX) shards."""
+    row = by.get("mixer_pax", {})
+    return [
+        common.ratio_check(
+            NAME, "PAX shards: mixer / RandomMix (token-corrected), real tokens per CPU-s", get("mixer_pax"), get("randommix_tokprobs_pax"),
+            "tokens_per_cpu_s", 5.0,
+        ),
+        common.ratio_check(
+            NAME, "PAX shards: mixer / torchdata.nodes (token-corrected), real tokens per CPU-s", get("mixer_pax"),
+            get("torchdata_tokprobs_pax"), "tokens_per_cpu_s", 4.0,
+        ),
+        common.ratio_check(NAME, "PAX shards: mixer reader / raw read, CPU-µs/sample", get("mixer_reader_pax"), get("raw_pax"), "cpu_us_per_sample", 4.0, "<="),
+        common.value_check(NAME, "PAX shards: mixer padding efficiency", row.get("pad_eff"), 0.95),
+        common.value_check(
+            NAME, f"PAX shards: mixer worst windowed token-share error (windows of {window / 1e6:g}M tokens)", row.get("window_err"), 0.005, "<="
+        ),
+    ]

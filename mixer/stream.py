@@ -17,12 +17,18 @@ from .decode import Sample
 from .errors import ShardError
 from .sample import _decode, _decoded, _fit, _length_of, _skip_or_raise, make_sample  # noqa: F401 (imported from here too)
 from .shard_index import open_slice, range_loss
+from .storage.windows import growing_reads
 from .shards import ShardSlice, plan, slice_of, slice_row
 from .source import ListedSource
 from .tario import read_samples
 from .world import Draws, World
 
 log = logging.getLogger(__name__)
+
+REFILL_BURST = 64
+"""The most samples a shuffle buffer reads per refill (half its size when smaller): see `SourceStream.__next__`."""
+READ_CHUNK = 1 << 20  # the most a stream's reads ask for (mixer.tario.read_samples)
+FIRST_READ = 8 << 10  # a stream's first read of a local shard; doubling (mixer.storage.windows.GrowingReads)
 
 
 @dataclass(slots=True)
@@ -150,24 +156,24 @@ class SourceStream:
 
     def __next__(self) -> Sample:
         buf = self.buffer
-        while True:
-            size = min(self.buffer_size, self.limit)
-            if len(buf) > (size if size > 1 else 0):  # the cap went down: hand out the excess first
-                return self._pop()
+        size = min(self.buffer_size, self.limit)
+        if size <= 1 and not buf:
             sample = self._read()
             if sample is None:
-                if not buf:
-                    raise StopIteration
-                # The pass is over: hand out what the buffer holds, in random order.
-                return self._pop()
-            if size <= 1:
-                return sample
-            if len(buf) < size:
+                raise StopIteration
+            return sample
+        # Refill in bursts: once the buffer is down by `burst`, read it full in one go, then hand
+        # out one at random. A rarely read source whose shard the open-shards cap closed between
+        # visits then reopens it once per `burst` samples, not once per sample. A function of the
+        # buffer's length and size only (both in the checkpoint), never of whether the shard
+        # happens to be open, so a resumed run refills at the same points. When the cap went down,
+        # the excess is handed out first; when the pass is over, what the buffer holds.
+        if len(buf) <= size - min(max(size // 2, 1), REFILL_BURST):
+            while len(buf) < min(self.buffer_size, self.limit) and (sample := self._read()) is not None:  # (shrunk at a small epoch's end)
                 buf.append(sample)
-                continue
-            j = int(self.rng.random() * size)
-            out, buf[j] = buf[j], sample
-            return out
+        if not buf:
+            raise StopIteration
+        return self._pop()
 
     def _pop(self) -> Sample:
         buf = self.buffer
@@ -274,7 +280,8 @@ class SourceStream:
                     log.warning("source %r: reader %d got no samples in epoch %d", self.source.name, self.world.reader, self.epoch)
                 self.exhausted = True
                 return False
-            if len(self.buffer) < min(self.buffer_size, self.limit) and not inherited:
+            size = min(self.buffer_size, self.limit)
+            if len(self.buffer) < size and self.got_in_epoch < size and not inherited:  # (not a burst cut by the epoch's end)
                 self.buffer_size = len(self.buffer)
             if inherited:
                 self.inherited, self.inherit_epoch = [], -1
@@ -303,7 +310,12 @@ class SourceStream:
             self._handle = None
             self._samples = _raising(exc)
         else:
-            self._samples = read_samples(self._handle, url=storage.redact(url), start_offset=self.next_offset)
+            # Reads start small and grow (what is read and not taken before the cap closes the shard
+            # is read again); a cold stream takes about what it took at its last visit: reads of no
+            # more than that (not a 1 MiB buffer each reopen), until its next fresh shard.
+            chunk = READ_CHUNK if ahead else min(READ_CHUNK, max(FIRST_READ, self._visit))
+            reads = growing_reads(self._handle, FIRST_READ)
+            self._samples = read_samples(reads, url=storage.redact(url), start_offset=self.next_offset, chunk_size=chunk)
             self._shards.opened(self)  # may suspend the least recently read other stream
         return True
 

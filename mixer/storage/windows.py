@@ -14,12 +14,13 @@ doubling while it keeps reading, so a source that turns busy is soon read in lar
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 from .streams import ForwardStream
 
-__all__ = ["MIN_WINDOW", "WindowedStream"]
+__all__ = ["MIN_WINDOW", "GrowingReads", "WindowedStream", "growing_reads"]
 
 MIN_WINDOW = 64 << 10
 """The least a request asks for."""
@@ -115,3 +116,41 @@ class WindowedStream(ForwardStream):
             self._retries += int(getattr(self._cur, "retries", 0))
             self._cur.close()
             self._cur = None
+
+
+class GrowingReads:
+    """A local shard file as the tar reader reads it (`mixer.tario.read_samples`): its reads ask for
+    ``first`` bytes, then twice as many each time, up to what the reader asks for (its chunk).
+
+    Why: what a reader has read of a shard and not yet parsed into samples is dropped when the
+    open-shards cap closes the shard (`mixer.storage.open_shards`), and read again when it reopens
+    there. Read in 1 MiB chunks, a rarely read source that takes a few samples per visit read the
+    rest of a small shard at every visit; read this way it reads about what it takes, while a
+    source read steadily reaches full chunks after a few reads. Reads may be short (the tar reader
+    reads on until it has what it needs)."""
+
+    def __init__(self, f: BinaryIO, first: int) -> None:
+        self._f = f
+        self._want = first
+
+    def _take(self, size: int) -> int:
+        want = self._want
+        if want >= size:
+            return size
+        self._want = 2 * want
+        return want
+
+    def read(self, size: int | None = -1) -> bytes:
+        if size is None or size < 0:
+            return self._f.read()
+        return self._f.read(self._take(size))
+
+    def readinto(self, b: memoryview) -> int:
+        n = self._take(len(b))
+        return self._f.readinto(b[:n] if n < len(b) else b)  # type: ignore[attr-defined]
+
+
+def growing_reads(stream: BinaryIO, first: int) -> BinaryIO:
+    """``stream`` read as `GrowingReads` when it is a local file (a remote shard read by a rarely
+    read source asks for windows already: `WindowedStream`), else ``stream`` itself."""
+    return cast(BinaryIO, GrowingReads(stream, first)) if isinstance(stream, io.BufferedReader) else stream

@@ -27,8 +27,9 @@ log = logging.getLogger(__name__)
 
 REFILL_BURST = 64
 """The most samples a shuffle buffer reads per refill (half its size when smaller): see `SourceStream.__next__`."""
-READ_CHUNK = 1 << 20  # the most a stream's reads ask for (mixer.tario.read_samples)
-FIRST_READ = 8 << 10  # a stream's first read of a local shard; doubling (mixer.storage.windows.GrowingReads)
+READ_CHUNK = 1 << 20  # what a stream's reads of a shard ask for (mixer.tario.read_samples)...
+SMALL_CHUNK = 64 << 10  # ... while the open-shards cap binds (see SourceStream._open_next),
+FIRST_READ = 8 << 10  # the first of them smaller still, doubling (mixer.storage.windows.GrowingReads)
 
 
 @dataclass(slots=True)
@@ -310,11 +311,12 @@ class SourceStream:
             self._handle = None
             self._samples = _raising(exc)
         else:
-            # Reads start small and grow (what is read and not taken before the cap closes the shard
-            # is read again); a cold stream takes about what it took at its last visit: reads of no
-            # more than that (not a 1 MiB buffer each reopen), until its next fresh shard.
-            chunk = READ_CHUNK if ahead else min(READ_CHUNK, max(FIRST_READ, self._visit))
-            reads = growing_reads(self._handle, FIRST_READ)
+            # While the cap binds (this stream was closed by it, or opening it closes another), what
+            # is read and not taken before the shard is closed is dropped and read again: read in
+            # small chunks, the first ones smaller still (mixer.storage.windows.GrowingReads).
+            small = not ahead or self._shards.full
+            chunk = SMALL_CHUNK if small else READ_CHUNK
+            reads = growing_reads(self._handle, FIRST_READ) if small else self._handle
             self._samples = read_samples(reads, url=storage.redact(url), start_offset=self.next_offset, chunk_size=chunk)
             self._shards.opened(self)  # may suspend the least recently read other stream
         return True

@@ -1,56 +1,35 @@
-"""``SourceStream``: one reader's samples of one source (shuffle buffer, cursor, source-epoch), its
-:class:`Counters`, and the per-sample decode and length policy (:func:`make_sample`)."""
+"""``SourceStream``: one reader's samples of one source (shuffle buffer, cursor, source-epoch) and its
+:class:`Counters`; the per-sample decode and length policy is `mixer.sample`."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
-
-import numpy as np
 
 from . import storage
 from ._warn import warn
 from .budget import Packed, TokenBudget
 from .checkpoint import expect_keys, locate_sample
 from .storage import codec_of
-from .decode import Sample, default_tokens
-from .errors import SampleError, ShardError
-from .decode import decoded_fields, field_length
+from .decode import Sample
+from .errors import ShardError
+from .sample import _decode, _decoded, _fit, _length_of, _skip_or_raise, make_sample  # noqa: F401 (imported from here too)
 from .shard_index import open_slice, range_loss
+from .storage.windows import growing_reads
 from .shards import ShardSlice, plan, slice_of, slice_row
-from .source import ListedSource, Source
+from .source import ListedSource
 from .tario import read_samples
 from .world import Draws, World
 
 log = logging.getLogger(__name__)
 
-
-def _decode(source: Source, raw: dict[str, Any]) -> Any:
-    tokens = source.decode(raw) if source.decode is not None else default_tokens(raw)
-    if source.decode is not None:
-        if tokens is None or isinstance(tokens, Mapping):
-            return None if tokens is None else decoded_fields(raw, tokens)
-        tokens = np.asarray(tokens)
-        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
-            raise SampleError(
-                f"shard {storage.redact(raw.get('__url__', '?'))}, key {raw.get('__key__')!r}: decode must return a 1-D "
-                f"integer array (got dtype {tokens.dtype}, shape {tokens.shape})"
-            )
-    return tokens
-
-
-def _length_of(source: Source, raw: dict[str, Any], tokens: Any) -> int:
-    length = source.length
-    if isinstance(tokens, dict):  # multi-field (see mixer.collate.FieldLayout)
-        return int(length(raw)) if callable(length) else field_length(raw, tokens, length)
-    if isinstance(length, str):
-        raise SampleError(
-            f"shard {storage.redact(raw.get('__url__', '?'))}, key {raw.get('__key__')!r}: length={length!r} names a field, "
-            "but decode returned one array, not a mapping of fields"
-        )
-    return int(length(raw)) if length is not None else len(tokens)
+REFILL_BURST = 64
+"""The most samples a shuffle buffer reads per refill (half its size when smaller): see `SourceStream.__next__`."""
+READ_CHUNK = 1 << 20  # what a stream's reads of a shard ask for (mixer.tario.read_samples)...
+SMALL_CHUNK = 64 << 10  # ... while the open-shards cap binds (see SourceStream._open_next),
+FIRST_READ = 8 << 10  # the first of them smaller still, doubling (mixer.storage.windows.GrowingReads)
 
 
 @dataclass(slots=True)
@@ -178,24 +157,24 @@ class SourceStream:
 
     def __next__(self) -> Sample:
         buf = self.buffer
-        while True:
-            size = min(self.buffer_size, self.limit)
-            if len(buf) > (size if size > 1 else 0):  # the cap went down: hand out the excess first
-                return self._pop()
+        size = min(self.buffer_size, self.limit)
+        if size <= 1 and not buf:
             sample = self._read()
             if sample is None:
-                if not buf:
-                    raise StopIteration
-                # The pass is over: hand out what the buffer holds, in random order.
-                return self._pop()
-            if size <= 1:
-                return sample
-            if len(buf) < size:
+                raise StopIteration
+            return sample
+        # Refill in bursts: once the buffer is down by `burst`, read it full in one go, then hand
+        # out one at random. A rarely read source whose shard the open-shards cap closed between
+        # visits then reopens it once per `burst` samples, not once per sample. A function of the
+        # buffer's length and size only (both in the checkpoint), never of whether the shard
+        # happens to be open, so a resumed run refills at the same points. When the cap went down,
+        # the excess is handed out first; when the pass is over, what the buffer holds.
+        if len(buf) <= size - min(max(size // 2, 1), REFILL_BURST):
+            while len(buf) < min(self.buffer_size, self.limit) and (sample := self._read()) is not None:  # (shrunk at a small epoch's end)
                 buf.append(sample)
-                continue
-            j = int(self.rng.random() * size)
-            out, buf[j] = buf[j], sample
-            return out
+        if not buf:
+            raise StopIteration
+        return self._pop()
 
     def _pop(self) -> Sample:
         buf = self.buffer
@@ -302,7 +281,8 @@ class SourceStream:
                     log.warning("source %r: reader %d got no samples in epoch %d", self.source.name, self.world.reader, self.epoch)
                 self.exhausted = True
                 return False
-            if len(self.buffer) < min(self.buffer_size, self.limit) and not inherited:
+            size = min(self.buffer_size, self.limit)
+            if len(self.buffer) < size and self.got_in_epoch < size and not inherited:  # (not a burst cut by the epoch's end)
                 self.buffer_size = len(self.buffer)
             if inherited:
                 self.inherited, self.inherit_epoch = [], -1
@@ -331,7 +311,13 @@ class SourceStream:
             self._handle = None
             self._samples = _raising(exc)
         else:
-            self._samples = read_samples(self._handle, url=storage.redact(url), start_offset=self.next_offset)
+            # While the cap binds (this stream was closed by it, or opening it closes another), what
+            # is read and not taken before the shard is closed is dropped and read again: read in
+            # small chunks, the first ones smaller still (mixer.storage.windows.GrowingReads).
+            small = not ahead or self._shards.full
+            chunk = SMALL_CHUNK if small else READ_CHUNK
+            reads = growing_reads(self._handle, FIRST_READ) if small else self._handle
+            self._samples = read_samples(reads, url=storage.redact(url), start_offset=self.next_offset, chunk_size=chunk)
             self._shards.opened(self)  # may suspend the least recently read other stream
         return True
 
@@ -414,63 +400,3 @@ class _SkipAgain(Exception):
 def _raising(exc: BaseException) -> Iterator[dict[str, Any]]:
     raise exc
     yield  # a generator that raises when first advanced
-
-
-def make_sample(source: Source, budget: TokenBudget | Packed, counters: Counters, raw: dict[str, Any], shard: int, *, warn_once: Callable[[int, str], None] | None = None) -> Sample | None:
-    """Decode one tar sample into a :class:`Sample`, applying the length policy (truncate/drop,
-    counted) and the source's ``on_error`` policy; None when it is dropped or skipped."""
-    try:
-        if source.decode is None and source.length is None:
-            tokens = default_tokens(raw)
-            n = len(tokens)
-        else:
-            decoded = _decoded(source, raw, counters)
-            if decoded is None:
-                return None
-            tokens, n = decoded
-        if n > budget.longest:
-            fitted = _fit(source, budget, counters, raw, tokens, n)
-            if fitted is None:
-                return None
-            tokens, n = fitted
-    except SampleError as exc:
-        _skip_or_raise(source, counters, raw, shard, exc, warn_once)
-        return None
-    return Sample(raw["__key__"], tokens, n, shard, raw["__offset__"])
-
-
-def _decoded(source: Source, raw: dict[str, Any], counters: Counters) -> tuple[Any, int] | None:
-    """Tokens and length of a sample; None (counted as dropped) when the decode filters it out."""
-    tokens = _decode(source, raw)
-    if tokens is None:  # the decode filtered it out (e.g. a duration filter)
-        counters.dropped += 1
-        return None
-    return tokens, _length_of(source, raw, tokens)
-
-
-def _fit(source: Source, budget: TokenBudget | Packed, counters: Counters, raw: dict[str, Any], tokens: Any, n: int) -> tuple[Any, int] | None:
-    """The length policy, the one place that judges a sample's length, up front and mid-stream:
-    ``(tokens, n)`` when it fits or is cut to ``budget.longest`` (counted as truncated), None when
-    dropped (counted); a :class:`SampleError` naming shard and key when it is too long and the
-    budget has no ``max_length`` (the caller applies ``on_error``)."""
-    if n <= budget.longest:
-        return tokens, n
-    if budget.max_length is None:
-        seq_len = getattr(budget, "seq_len", None)  # mixer.Packed rows
-        limit = f"seq_len={seq_len}" if seq_len else f"max_tokens={budget.max_tokens}"
-        how = "split_documents=True to split them, or max_length=... to truncate or drop them" if isinstance(budget, Packed) else "max_length=... to truncate or drop such samples"
-        raise SampleError(f"shard {storage.redact(raw['__url__'])}, key {raw['__key__']!r}: length {n} exceeds {limit}; set {type(budget).__name__}({how})")
-    if budget.overlong == "drop" or source.length is not None or isinstance(tokens, dict):
-        counters.dropped += 1
-        return None
-    counters.truncated += 1
-    return tokens[: budget.longest], budget.longest
-
-
-def _skip_or_raise(source: Source, counters: Counters, raw: dict[str, Any], shard: int, exc: SampleError, warn_once: Callable[[int, str], None] | None) -> None:
-    """The ``on_error`` policy for a bad sample: raise naming the source, or count and warn."""
-    if source.on_error == "raise":
-        raise SampleError(f"source {source.name!r}: {exc}") from exc
-    counters.skipped_samples += 1
-    if warn_once is not None:
-        warn_once(shard, f"source {source.name!r}: skipping bad sample(s) in shard {storage.redact(raw.get('__url__', '?'))}: {exc}")

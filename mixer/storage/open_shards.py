@@ -70,6 +70,11 @@ class OpenShards:
         if self._last is stream:
             self._last = None
 
+    @property
+    def full(self) -> bool:
+        """Whether opening one more shard closes another (the cap binds)."""
+        return len(self._open) >= self.cap
+
     def __len__(self) -> int:
         return len(self._open)
 

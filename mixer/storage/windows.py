@@ -10,16 +10,19 @@ Asking for a window at a time bounds it by the window. Used by the up-front look
 (`mixer.profiling`: windows sized to the samples still wanted) and by the readers for sources read
 too rarely to keep their shards open (windows sized to what the source took at its last visit,
 doubling while it keeps reading, so a source that turns busy is soon read in large requests).
+`GrowingReads` is the same idea for a local file read while the open-shards cap binds: small reads
+first, so a shard closed after a few samples was not read far past them.
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 from .streams import ForwardStream
 
-__all__ = ["MIN_WINDOW", "WindowedStream"]
+__all__ = ["MIN_WINDOW", "GrowingReads", "WindowedStream", "growing_reads"]
 
 MIN_WINDOW = 64 << 10
 """The least a request asks for."""
@@ -115,3 +118,42 @@ class WindowedStream(ForwardStream):
             self._retries += int(getattr(self._cur, "retries", 0))
             self._cur.close()
             self._cur = None
+
+
+class GrowingReads:
+    """A local shard file as the tar reader reads it (`mixer.tario.read_samples`): its reads ask for
+    ``first`` bytes, then twice as many each time, up to what the reader asks for (its chunk).
+
+    Why: what a reader has read of a shard and not yet parsed into samples is dropped when the
+    open-shards cap closes the shard (`mixer.storage.open_shards`), and read again when it reopens
+    there. A reader read a shard in 1 MiB chunks: with many sources and the cap binding, a source
+    that took a sample or a few per visit read the rest of a small shard at every visit (6.4 GB
+    read for 0.35 GB uncapped, in the many-sources run the README reports). Read this way while the
+    cap binds (`mixer.stream.SourceStream._open_next`), it reads about what it takes. Reads may be
+    short (the tar reader reads on until it has what it needs)."""
+
+    def __init__(self, f: BinaryIO, first: int) -> None:
+        self._f = f
+        self._want = first
+
+    def _take(self, size: int) -> int:
+        want = self._want
+        if want >= size:
+            return size
+        self._want = 2 * want
+        return want
+
+    def read(self, size: int | None = -1) -> bytes:
+        if size is None or size < 0:
+            return self._f.read()
+        return self._f.read(self._take(size))
+
+    def readinto(self, b: memoryview) -> int:
+        n = self._take(len(b))
+        return self._f.readinto(b[:n] if n < len(b) else b)  # type: ignore[attr-defined]
+
+
+def growing_reads(stream: BinaryIO, first: int) -> BinaryIO:
+    """``stream`` read as `GrowingReads` when it is a local file, else ``stream`` itself (a remote
+    shard reopened by a rarely read source asks for windows already: `WindowedStream`)."""
+    return cast(BinaryIO, GrowingReads(stream, first)) if isinstance(stream, io.BufferedReader) else stream

@@ -146,7 +146,7 @@ class SourceStream:
         self._shards = open_shards if open_shards is not None else storage.OpenShards(io.max_open_shards)
         self._suspended = False  # closed by the cap mid-shard: the next open is a reopen
         self._cold = False  # suspended since its last fresh shard: read too rarely to read ahead for
-        self._visit = 0  # bytes taken before the last suspension: a cold stream's requests ask for ~2x that
+        self._visit = 0  # bytes taken before the last suspension: a cold stream asks for that much first (then doubling), so a visit like the last one reads about what it takes
         self._opened_at = 0
         self._warned_shards: set[int] = set()
 
@@ -304,7 +304,7 @@ class SourceStream:
         self._opened_at = self.next_offset
         try:
             upcoming = (self.listed.shards[s.shard] for s in self._plan(self.epoch)[self.slice_pos + 1 :] if s.end is None and ahead)
-            self._handle = open_slice(self._ahead, url, sl, self.next_offset, upcoming, None if ahead else 2 * self._visit)  # [index] ranges end at sl.end
+            self._handle = open_slice(self._ahead, url, sl, self.next_offset, upcoming, None if ahead else self._visit)  # [index] ranges end at sl.end
         except ShardError as exc:
             self.counters.retries += getattr(exc, "retries", 0)
             # Raised from inside the sample loop, where the on_error policy applies.

@@ -163,8 +163,12 @@ class Feedback:
         if loss.shape != (len(source),):
             raise ConfigError(f"feedback: loss must have one value per sample of the batch, shape ({len(source)},), got {tuple(loss.shape)}")
         if self._sums is None:
-            self._sums = torch.zeros(self.n, dtype=torch.float64, device=loss.device)
-            self._counts = torch.zeros(self.n, dtype=torch.float64, device=loss.device)
+            # Start from what a restored state brought (zeros otherwise), so that a resumed window
+            # adds its losses onto the same running sums as the uninterrupted run: (s + a) + b, not
+            # s + (a + b), which may differ in the last bit and so change the shares.
+            self._sums = torch.tensor(self._host[0], dtype=torch.float64, device=loss.device)
+            self._counts = torch.tensor(self._host[1], dtype=torch.float64, device=loss.device)
+            self._host[:] = 0
         assert self._counts is not None
         device = self._sums.device
         index = source.to(device=device, dtype=torch.int64, non_blocking=True)

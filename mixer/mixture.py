@@ -26,7 +26,7 @@ from .errors import ConfigError
 from .options import DEFAULT_BUFFER_BUDGET, MixMode, Stop, Unit, check_options
 from .mixing import Cut, mix_batches, mix_samples
 from .schedule import Schedule, SourceInfo, Static, check_schedule
-from .selector import make_selector
+from .selector import Deficit, make_selector
 from .profiling import Profile, check_profile_cache, check_profile_share, list_source, profile_sources
 from .source import ListedSource, Source
 from .reread import reread
@@ -261,6 +261,11 @@ class Reader:
         else:
             self.batchers = [make_batcher(e, budget) for e in mixture.edges]
         self.selector = make_selector(mixture.selector, n, seed=mixture.seed, stream=(world.rank, world.worker))
+        if mixture.mix == "batch" and isinstance(self.selector, Deficit):
+            # The deficit selector visits sources in a near-cyclic order, on which closing the least
+            # recently read shard closes the one needed soonest: close the one it will pick last.
+            self._index_of = {id(st): i for i, st in enumerate(self.streams)}
+            self.open_shards.pick = self._picked_last
         self.active = np.ones(n, dtype=bool)
         self.batches = 0
         self.tokens = 0
@@ -270,6 +275,10 @@ class Reader:
         self._caps = [UNCAPPED] * n  # items each batcher may hold (all the same, the shared one's, in mix="sample")
         self._replay: int | None = None  # batches to re-run after a restore (None: not restored)
         self._resumed_counters: list[list[int]] | None = None
+
+    def _picked_last(self, streams: list[Any]) -> Any:
+        ahead = self.selector.ahead(self._probs_cache)  # type: ignore[union-attr]
+        return max(streams, key=lambda st: ahead[self._index_of[id(st)]])
 
     @property
     def step(self) -> int:

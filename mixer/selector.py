@@ -44,6 +44,11 @@ class Deficit:
         self.target += probs * amount
         self.delivered[source] += amount
 
+    def ahead(self, probs: np.ndarray) -> np.ndarray:
+        """About how much must be delivered before each source is picked again: how far it is
+        ahead of its target, over its share (the source just picked is the furthest)."""
+        return (self.delivered - self.target) / np.maximum(probs, 1e-12)
+
     def state_dict(self) -> dict[str, Any]:
         # Exact float64 bytes, compressed: a float per source, most of them alike or zero.
         return {"target": pack_floats(self.target), "delivered": pack_floats(self.delivered)}

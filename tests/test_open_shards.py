@@ -65,6 +65,56 @@ def test_least_recently_read_is_suspended_first():
     assert log == ["b", "a"] and len(lru) == 2
 
 
+def test_a_reader_may_pick_which_shard_to_close():
+    # pick: given the others open (the one being opened never among them), the one to close
+    log: list[str] = []
+    lru = OpenShards(2)
+    a, b, c = (_Recorder(n, lru, log) for n in "abc")
+    offered: list[list[str]] = []
+
+    def pick(streams):
+        offered.append([s.name for s in streams])
+        return streams[-1]  # the most recently read: what the deficit selector will want last
+
+    lru.pick = pick
+    lru.opened(a)
+    lru.opened(b)
+    lru.opened(c)
+    assert offered == [["a", "b"]] and log == ["b"] and len(lru) == 2
+
+
+def test_the_deficit_selector_says_which_source_it_will_pick_last():
+    from mixer.selector import Deficit
+
+    d = Deficit(3)
+    probs = np.array([0.5, 0.25, 0.25])
+    for source, amount in [(0, 10.0), (1, 10.0), (0, 10.0), (2, 10.0)]:
+        d.update(source, amount, probs)
+    # 40 delivered: targets 20 / 10 / 10, delivered 20 / 10 / 10, all even; one more batch of 0
+    d.update(0, 10.0, probs)
+    # targets 25 / 12.5 / 12.5, delivered 30 / 10 / 10: (delivered - target) / share
+    assert d.ahead(probs).tolist() == [10.0, -10.0, -10.0]
+    assert d.choose(probs, np.ones(3, dtype=bool)) in (1, 2) and int(np.argmax(d.ahead(probs))) == 0
+
+
+def test_with_one_source_per_batch_the_shard_closed_is_the_one_picked_last(many):
+    """mix="batch" under the deficit selector: the cap closes the shard of the source furthest
+    ahead of its target (not the least recently read, which on the selector's near-cyclic visits
+    is the one wanted next), so fewer shards are reopened; the batches are the same."""
+    def run(use_pick: bool):
+        reader = _mix(many, 4).reader(World())
+        if not use_pick:
+            reader.open_shards.pick = None
+        return take(reader, 80), reader
+
+    picked, r1 = run(True)
+    lru, r2 = run(False)
+    assert r1.open_shards.pick is not None
+    assert [tuple(b.keys) for b in picked] == [tuple(b.keys) for b in lru]
+    reopened = [sum(row[REOPENED] for row in got[-1].meta.counters) for got in (picked, lru)]
+    assert 0 < reopened[0] < reopened[1], reopened
+
+
 @pytest.mark.parametrize("bad", [0, -1, 2.5])
 def test_max_open_shards_is_validated(bad):
     with pytest.raises(mixer.ConfigError, match=r"Source\('x'\)\.io_options\.max_open_shards: must be"):

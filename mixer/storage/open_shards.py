@@ -15,11 +15,15 @@ of sources it reads often. Every reopen is counted (``Counters.reopened``).
 
 This is the cache of open files of MosaicML streaming's and Energon's many-dataset loaders in its
 simplest form: an LRU keyed by the stream, not by the file, since a stream reads its shards in order.
+A reader that knows when each stream will be read next may choose instead (``pick``): one source
+per batch under the deficit selector visits sources in a near-cyclic order, the worst case of an
+LRU, so that reader closes the shard of the source furthest ahead of its target.
 """
 
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from typing import Protocol
 
 __all__ = ["OpenShards", "Suspendable"]
@@ -45,6 +49,10 @@ class OpenShards:
         self.cap = cap
         self._open: collections.OrderedDict[Suspendable, None] = collections.OrderedDict()
         self._last: Suspendable | None = None
+        # Which open stream to close when the cap binds: the least recently read one, unless the
+        # reader knows better (``pick``: given the others open, the one it will read last; see
+        # mixer.mixture.Reader, which ranks them by how far each source is ahead of its target).
+        self.pick: Callable[[list[Suspendable]], Suspendable] | None = None
         self.peak = 0
         self.suspended = 0
 
@@ -53,8 +61,8 @@ class OpenShards:
         self._open.move_to_end(stream)
         self._last = stream
         while len(self._open) > self.cap:
-            oldest = next(iter(self._open))
-            assert oldest is not stream
+            others = [s for s in self._open if s is not stream]
+            oldest = others[0] if self.pick is None else self.pick(others)
             self.suspended += 1
             oldest.suspend()  # calls closed(oldest)
             self._open.pop(oldest, None)

@@ -26,6 +26,7 @@ from .errors import ConfigError
 from .options import DEFAULT_BUFFER_BUDGET, MixMode, Stop, Unit, check_options
 from .mixing import Cut, mix_batches, mix_samples
 from .schedule import Schedule, SourceInfo, Static, check_schedule
+from .holding import allot
 from .selector import Deficit, make_selector
 from .profiling import Profile, check_profile_cache, check_profile_share, list_source, profile_sources
 from .source import ListedSource, Source
@@ -39,9 +40,6 @@ from .shards import warn_shared_shards
 
 log = logging.getLogger(__name__)
 
-MIN_SHUFFLE = 16  # the smallest shuffle buffer a rarely read source is cut down to
-HOLD_MIN_BATCHES = 2.0  # the least a rarely read source's buckets may hold, in batches of padded tokens
-BUDGET_FLOOR = 32  # the least of the buffer budget a source gets, in samples (when the budget allows)
 UNCAPPED = 1 << 62
 
 
@@ -295,35 +293,16 @@ class Reader:
         return self._probs_cache
 
     def _hold_ahead(self, probs: np.ndarray) -> None:
-        """Size what each source may hold ahead by how often it is read now: ``r = p / max(p)``
-        (1 for the most wanted source). Its shuffle buffer keeps ``max(ceil(r * shuffle_buffer),
-        min(shuffle_buffer, MIN_SHUFFLE))`` samples and its buckets ``max(r * len(edges), 2)``
-        batches of padded tokens; beyond that the best batch they can make leaves (see
-        :meth:`mixer.batchers.Bucketer.release`: fewer or shorter-padded samples), so a source at a
-        0.5% share reads about what it delivers instead of filling every bucket first. Unchanged
-        for the most wanted source: ``len(edges)`` buckets, each short of a full batch, never hold
-        ``len(edges)`` batches.
-
-        Within ``buffer_budget``, source ``i`` gets ``a_i = f + floor((budget - n f) p_i)`` samples
-        (``f = min(BUDGET_FLOOR, budget // n)``, so a rare source still makes batches), at most half
-        for its shuffle buffer, the rest for its buckets (``mix="sample"``: the shared buckets get
-        what the shuffle buffers leave). The sum never exceeds the budget.
-        A pure function of progress: resumed readers size them the same way at the same points."""
-        top = float(probs.max())
+        """What each source may hold ahead now (:func:`mixer.holding.allot`): its shuffle buffer's
+        limit, its buckets' hold in padded tokens, its batcher's cap in samples."""
         m = self.mixture
-        r = probs / top if top > 0 else np.ones_like(probs)
-        limits = np.maximum(np.ceil(r * m.shuffle_buffer), min(m.shuffle_buffer, MIN_SHUFFLE)).astype(np.int64)
-        nbuckets = np.array([len(e) for e in m.edges], dtype=np.float64)
-        self._holds[:] = (np.maximum(r * nbuckets, HOLD_MIN_BATCHES) * m.batching.max_tokens).astype(np.int64).tolist()
-        budget = m.buffer_budget
-        if budget is not None:
-            n = len(probs)
-            floor = min(BUDGET_FLOOR, budget // n)
-            allot = floor + np.floor((budget - n * floor) * (probs / probs.sum())).astype(np.int64)
-            limits = np.minimum(limits, allot // 2)
-            caps = allot - limits
-            self._caps[:] = [int(budget - limits.sum())] * n if m.mix == "sample" else caps.tolist()
-        for st, limit in zip(self.streams, limits.tolist()):
+        limits, self._holds[:], caps = allot(
+            probs, shuffle_buffer=m.shuffle_buffer, buckets=[len(e) for e in m.edges], max_tokens=m.batching.max_tokens,
+            buffer_budget=m.buffer_budget, shared=m.mix == "sample",
+        )  # fmt: skip
+        if caps is not None:
+            self._caps[:] = caps
+        for st, limit in zip(self.streams, limits):
             st.limit = limit
 
     def _target_at(self, step: int) -> np.ndarray:

@@ -409,8 +409,7 @@ def _read_native(stream: BinaryIO, url: str, start_offset: int, chunk_size: int)
                     if got:
                         parts.append(block)
                 else:
-                    # At most chunk_size at a time: a header may claim any size, and the buffer
-                    # grows only as the bytes arrive.
+                    # At most chunk_size at a time (a header may claim any size): the buffer grows as bytes arrive.
                     if have == len(buf):  # full: a member larger than the buffer
                         view.release()
                         buf += bytearray(max(chunk_size, have))

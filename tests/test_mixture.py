@@ -380,7 +380,7 @@ def test_a_rare_source_reads_about_what_it_delivers(make_sources):
     every bucket (about num_buckets batches of tokens, several of its epochs when small) to hand
     out a batch now and then. What it holds ahead is now sized by its share: its shuffle buffer
     keeps MIN_SHUFFLE samples, its buckets about 2 batches of padded tokens."""
-    from mixer.mixture import HOLD_MIN_BATCHES, MIN_SHUFFLE
+    from mixer.holding import HOLD_MIN_BATCHES, MIN_SHUFFLE
     from mixer.world import World
 
     srcs = make_sources({

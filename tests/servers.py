@@ -25,6 +25,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 # --------------------------------------------------------------------------------------------- HTTP
 
 
@@ -527,3 +529,11 @@ def remote_test_guard() -> Iterator[None]:
     with loopback_only(), no_aws_config():
         yield
     close_filesystems()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def remote_guard() -> Iterator[None]:
+    """`remote_test_guard` around a whole test module: import it into the module
+    (``from servers import remote_guard  # noqa: F401``) and it applies to every test there."""
+    with remote_test_guard():
+        yield

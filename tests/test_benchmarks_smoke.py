@@ -23,16 +23,15 @@ def _mixture_importable() -> bool:
         return False
 
 
+def _run_module(cmd: list[str], *, timeout: int) -> subprocess.CompletedProcess[str]:
+    """``cmd`` (``python -m benchmarks...``) run from the repository root, its output captured."""
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not _mixture_importable(), reason="mixer.Mixture is not importable yet")
 def test_throughput_quick_runs_and_prints_the_table(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "throughput", "--quick", "--quiet", "--bench-dir", str(tmp_path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    proc = _run_module([sys.executable, "-m", "benchmarks", "throughput", "--quick", "--quiet", "--bench-dir", str(tmp_path)], timeout=180)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     out = proc.stdout
     assert out.startswith("| bench | method | samples/s | real tok/s | pad eff |"), out[:500]
@@ -65,14 +64,10 @@ def test_npy_frombuffer_decodes_like_np_load() -> None:
 @pytest.mark.skipif(not _mixture_importable(), reason="mixer.Mixture is not importable yet")
 def test_many_sources_runs_at_tiny_sizes(tmp_path: Path) -> None:
     # `python -m benchmarks.many_sources --quick` at tiny sizes, local and loopback HTTP; no figure is judged
-    proc = subprocess.run(
+    proc = _run_module(
         [sys.executable, "-m", "benchmarks.many_sources", "--quick", "--sources", "2,5", "--batches", "6", "--http-sources", "4",
-         "--bench-dir", str(tmp_path)],  # fmt: skip
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+         "--bench-dir", str(tmp_path)], timeout=180,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.stdout.startswith("| sources | via | RSS per worker |"), proc.stdout[:500]
     result = json.loads((tmp_path / "many_sources.quick.json").read_text())
@@ -89,13 +84,7 @@ def test_adaptive_runs_every_method_at_a_tiny_budget(tmp_path: Path, demo_shards
     # `python -m benchmarks.adaptive --quick` cut to 8 steps; every method trains, is evaluated and
     # drawn; no figure is judged
     cache = Path(demo_shards["prose"]).parents[2]
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.adaptive", "--quick", "--steps", "8", "--bench-dir", str(tmp_path), "--demo-cache", str(cache)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = _run_module([sys.executable, "-m", "benchmarks.adaptive", "--quick", "--steps", "8", "--bench-dir", str(tmp_path), "--demo-cache", str(cache)], timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.stdout.startswith("| method | prose held-out | code held-out | books held-out | dup held-out | worst (source) | mean |"), proc.stdout[:500]
     result = json.loads((tmp_path / "adaptive.quick.json").read_text())

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from servers import FaultyHTTPServer, remote_test_guard, s3_storage_options
+from servers import FaultyHTTPServer, remote_guard, s3_storage_options  # noqa: F401 (remote_guard: a module-wide autouse fixture)
 from shardutil import expected_tokens, token_key, write_token_shards
 
 import mixer
@@ -30,12 +30,6 @@ from mixer.storage.options import DEFAULT_MAX_CONNECTIONS
 
 FILES = 12
 FILE_SIZE = 150_001
-
-
-@pytest.fixture(scope="module", autouse=True)
-def guarded() -> Iterator[None]:
-    with remote_test_guard():
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -18,19 +18,13 @@ from mixer.errors import ShardError
 from mixer.shards import plan, range_bounds, shard_order
 from mixer.tario import read_samples
 from mixer.world import World
-from servers import FaultyHTTPServer, make_bucket, remote_test_guard, s3_storage_options, s3_server
+from servers import FaultyHTTPServer, make_bucket, remote_guard, s3_storage_options, s3_server  # noqa: F401 (remote_guard: a module-wide autouse fixture)
 from shardutil import LogNormal, expected_tokens, write_sources, write_token_shards
 
 SPEC = {
     "few": LogNormal(shards=2, samples=60, median=40, sigma=0.6, lo=2, hi=400, seed=1),  # fewer shards than most worlds' readers
     "many": LogNormal(shards=5, samples=150, median=40, sigma=0.6, lo=2, hi=400, seed=2),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _guard():
-    with remote_test_guard():
-        yield
 
 
 @pytest.fixture()

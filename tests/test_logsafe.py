@@ -5,25 +5,16 @@ signatures, session tokens and Authorization headers."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import servers
-from servers import FaultyHTTPServer, make_bucket, s3_server, s3_storage_options
+from servers import FaultyHTTPServer, make_bucket, remote_guard, s3_server, s3_storage_options  # noqa: F401 (remote_guard: a module-wide autouse fixture)
 
 from mixer import storage as mio
 from mixer.storage.filesystems import close_filesystems
 from mixer.storage import logsafe
 
 SECRETS = ("PASSWORD9", "SIGSECRET9", "AKIAKEY9", "SESSIONTOKEN9", "SECRETKEY9")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def guarded() -> Iterator[None]:
-    with servers.loopback_only(), servers.no_aws_config():
-        yield
-    close_filesystems()
 
 
 @pytest.fixture(scope="module")

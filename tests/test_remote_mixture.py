@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
-from servers import FaultyHTTPServer, make_bucket, remote_test_guard, s3_client, s3_server, s3_storage_options
+from servers import FaultyHTTPServer, make_bucket, remote_guard, s3_client, s3_server, s3_storage_options  # noqa: F401 (remote_guard: a module-wide autouse fixture)
 from shardutil import expected_tokens, token_key, write_token_shards
 
 import mixer
@@ -57,12 +57,6 @@ class Member(NamedTuple):
 
 
 # ------------------------------------------------------------------------------------ fixtures
-
-
-@pytest.fixture(scope="module", autouse=True)
-def guarded() -> Iterator[None]:
-    with remote_test_guard():
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,15 @@
 `mixer._tarwalk` (C, CPython API only) is the common case of the tar walk and the token decode; it
 is `optional`, so an install without a C compiler still succeeds and mixer uses its pure-Python
 reader (the one the compiled core defers to for everything unusual, and the oracle of its tests).
+`mixer._rows` (C, the same way optional) is the padded collate's row copies; without it
+`mixer.collate` copies rows with numpy, its oracle.
 """
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("mixer._tarwalk", ["mixer/_tarwalk.c"], optional=True)])
+setup(
+    ext_modules=[
+        Extension("mixer._tarwalk", ["mixer/_tarwalk.c"], optional=True),
+        Extension("mixer._rows", ["mixer/_rows.c"], optional=True),
+    ]
+)

@@ -1,0 +1,203 @@
+/* mixer._rows: the row copies of the padded collate (mixer.collate.collate) in C.
+ *
+ * Contract (see mixer/collate.py, `_native_rows`): `pad` never decides anything numpy might decide
+ * differently. It copies a row only when it is certain of numpy's result: the row is an exact
+ * `numpy.ndarray` (found through the buffer protocol, no numpy C API), 1-D, native byte order, of
+ * an integer dtype, exactly as long as its length says, and not overlapping the output. Same dtype
+ * and contiguous: one memcpy; otherwise an element loop with the wrap-around integer cast numpy's
+ * unsafe setitem makes. It pads the rest of the row. At any other row it stops and returns that
+ * row's index: the Python side copies that row with numpy (so its error, if any, is numpy's) and
+ * calls again from the next one. A batch it cannot vouch for as a whole (the output not a writable
+ * contiguous int32/int64 buffer, lengths not ints in [0, seq_len], pad not a Python int the dtype
+ * holds) returns -1 before writing anything: the whole batch goes the Python way.
+ *
+ * Every write is checked against the output's length before it happens.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* The integer kind of a struct-module format numpy exports for a native-order 1-D array: 's'
+ * signed, 'u' unsigned, 0 anything else (floats, bools, non-native order, records). */
+static char int_kind(const char *fmt)
+{
+    if (fmt == NULL)
+        return 0;
+    if (fmt[0] == '@' || fmt[0] == '=')
+        fmt++;
+#if PY_LITTLE_ENDIAN
+    else if (fmt[0] == '<')
+        fmt++;
+#else
+    else if (fmt[0] == '>' || fmt[0] == '!')
+        fmt++;
+#endif
+    if (fmt[0] == 0 || fmt[1] != 0)
+        return 0;
+    switch (fmt[0]) {
+    case 'b': case 'h': case 'i': case 'l': case 'q': case 'n':
+        return 's';
+    case 'B': case 'H': case 'I': case 'L': case 'Q': case 'N':
+        return 'u';
+    default:
+        return 0;
+    }
+}
+
+/* One element of an integer buffer as its two's-complement bits, sign- or zero-extended. */
+static inline uint64_t load(const char *p, Py_ssize_t size, char kind)
+{
+    switch (size) {
+    case 1: return kind == 's' ? (uint64_t)(int64_t)*(const int8_t *)p : (uint64_t)*(const uint8_t *)p;
+    case 2: { int16_t s; uint16_t u; if (kind == 's') { memcpy(&s, p, 2); return (uint64_t)(int64_t)s; } memcpy(&u, p, 2); return u; }
+    case 4: { int32_t s; uint32_t u; if (kind == 's') { memcpy(&s, p, 4); return (uint64_t)(int64_t)s; } memcpy(&u, p, 4); return u; }
+    default: { uint64_t u; memcpy(&u, p, 8); return u; }
+    }
+}
+
+/* Whether [a, a+an) and [b, b+bn) share a byte. */
+static int overlaps(const char *a, Py_ssize_t an, const char *b, Py_ssize_t bn)
+{
+    return an > 0 && bn > 0 && a < b + bn && b < a + an;
+}
+
+/* Copy row `obj` (`k` elements) to `dst` (itemsize `osize`); 1 when done, 0 when numpy must. */
+static int copy_row(PyObject *obj, PyTypeObject *ndarray, char *dst, Py_ssize_t k, Py_ssize_t osize)
+{
+    if (Py_TYPE(obj) != ndarray)
+        return 0;
+    Py_buffer v;
+    if (PyObject_GetBuffer(obj, &v, PyBUF_RECORDS_RO) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    int done = 0;
+    char kind = int_kind(v.format);
+    Py_ssize_t isz = v.itemsize;
+    if (v.ndim == 1 && v.shape[0] == k && kind && (isz == 1 || isz == 2 || isz == 4 || isz == 8)) {
+        Py_ssize_t stride = v.strides ? v.strides[0] : isz;
+        const char *src = (const char *)v.buf;
+        /* the bytes the row spans, whichever way its stride runs */
+        const char *lo = k == 0 ? src : (stride < 0 ? src + (k - 1) * stride : src);
+        Py_ssize_t span = k == 0 ? 0 : (k - 1) * (stride < 0 ? -stride : stride) + isz;
+        if (!overlaps(lo, span, dst, k * osize)) {
+            if (isz == osize && stride == isz) { /* same bits as the cast */
+                memcpy(dst, src, (size_t)(k * osize));
+            } else if (osize == 4) {
+                for (Py_ssize_t j = 0; j < k; j++) {
+                    uint32_t x = (uint32_t)load(src + j * stride, isz, kind);
+                    memcpy(dst + 4 * j, &x, 4);
+                }
+            } else {
+                for (Py_ssize_t j = 0; j < k; j++) {
+                    uint64_t x = load(src + j * stride, isz, kind);
+                    memcpy(dst + 8 * j, &x, 8);
+                }
+            }
+            done = 1;
+        }
+    }
+    PyBuffer_Release(&v);
+    return done;
+}
+
+static void fill(char *dst, Py_ssize_t count, Py_ssize_t osize, int64_t pad)
+{
+    if (pad == 0) {
+        memset(dst, 0, (size_t)(count * osize));
+    } else if (osize == 4) {
+        int32_t x = (int32_t)pad;
+        for (Py_ssize_t j = 0; j < count; j++)
+            memcpy(dst + 4 * j, &x, 4);
+    } else {
+        for (Py_ssize_t j = 0; j < count; j++)
+            memcpy(dst + 8 * j, &pad, 8);
+    }
+}
+
+PyDoc_STRVAR(pad_doc,
+"pad(flat, arrays, rows, seq_len, pad_id, start, ndarray) -> int\n\n"
+"Write rows start.. of the padded grid (row i at flat[i*seq_len:], its tokens arrays[i], rows[i]\n"
+"long, then pad_id to seq_len). Returns the first row it left to numpy (len(arrays) when none),\n"
+"or -1, having written nothing, when the batch as a whole is not one it vouches for.");
+
+static PyObject *rows_pad(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "pad() takes 7 arguments");
+        return NULL;
+    }
+    PyObject *flat = args[0], *arrays = args[1], *rows = args[2], *pad_obj = args[4], *ndarray = args[6];
+    Py_ssize_t seq_len = PyLong_AsSsize_t(args[3]);
+    Py_ssize_t start = PyLong_AsSsize_t(args[5]);
+    if ((seq_len == -1 || start == -1) && PyErr_Occurred())
+        return NULL;
+    if (!PyType_Check(ndarray)) {
+        PyErr_SetString(PyExc_TypeError, "pad(): ndarray must be a type");
+        return NULL;
+    }
+    if (!PyList_CheckExact(arrays) || !PyList_CheckExact(rows) || !PyLong_Check(pad_obj) || seq_len < 0)
+        return PyLong_FromLong(-1);
+    Py_ssize_t b = PyList_GET_SIZE(arrays);
+    if (PyList_GET_SIZE(rows) != b || start < 0 || start > b)
+        return PyLong_FromLong(-1);
+    int overflow = 0;
+    long long pad = PyLong_AsLongLongAndOverflow(pad_obj, &overflow);
+    if (pad == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return PyLong_FromLong(-1);
+    }
+    if (overflow)
+        return PyLong_FromLong(-1);
+    Py_buffer out;
+    if (PyObject_GetBuffer(flat, &out, PyBUF_CONTIG | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        return PyLong_FromLong(-1);
+    }
+    Py_ssize_t osize = out.itemsize;
+    Py_ssize_t result = -1;
+    if (int_kind(out.format) != 's' || (osize != 4 && osize != 8) || out.ndim != 1)
+        goto done;
+    if (osize == 4 && (pad < INT32_MIN || pad > INT32_MAX))
+        goto done;
+    if (seq_len > 0 && b > out.shape[0] / seq_len)
+        goto done;
+    for (Py_ssize_t i = 0; i < b; i++) {
+        PyObject *k = PyList_GET_ITEM(rows, i);
+        if (!PyLong_CheckExact(k))
+            goto done;
+        Py_ssize_t v = PyLong_AsSsize_t(k);
+        if (v == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            goto done;
+        }
+        if (v < 0 || v > seq_len)
+            goto done;
+    }
+    result = start;
+    char *base = (char *)out.buf;
+    for (; result < b; result++) {
+        Py_ssize_t k = PyLong_AsSsize_t(PyList_GET_ITEM(rows, result)); /* checked above */
+        char *dst = base + result * seq_len * osize;
+        if (!copy_row(PyList_GET_ITEM(arrays, result), (PyTypeObject *)ndarray, dst, k, osize))
+            break;
+        fill(dst + k * osize, seq_len - k, osize, (int64_t)pad);
+    }
+done:
+    PyBuffer_Release(&out);
+    return PyLong_FromSsize_t(result);
+}
+
+static PyMethodDef methods[] = {
+    {"pad", (PyCFunction)(void (*)(void))rows_pad, METH_FASTCALL, pad_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_rows", "The padded collate's row copies (see mixer/collate.py).", -1, methods};
+
+PyMODINIT_FUNC PyInit__rows(void)
+{
+    return PyModule_Create(&module);
+}

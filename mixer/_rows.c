@@ -77,19 +77,27 @@ static int acquire(PyObject *obj, PyTypeObject *ndarray, Py_buffer *v)
     return 1;
 }
 
-/* Copy the row in `v` (`k` elements) to `dst` (itemsize `osize`); 1 when done, 0 when numpy must. */
-static int copy_row(const Py_buffer *v, char *dst, Py_ssize_t k, Py_ssize_t osize)
+/* Whether the row in `v` is one the copies below take: 1-D, native-order integers. */
+static char row_kind(const Py_buffer *v)
 {
-    char kind = int_kind(v->format);
     Py_ssize_t isz = v->itemsize;
-    if (v->ndim != 1 || v->shape[0] != k || !kind || (isz != 1 && isz != 2 && isz != 4 && isz != 8))
+    if (v->ndim != 1 || (isz != 1 && isz != 2 && isz != 4 && isz != 8))
         return 0;
+    return int_kind(v->format);
+}
+
+/* Copy `k` elements of the row in `v` from element `first` on to `dst` (itemsize `osize`), cast
+ * as numpy's unsafe casts do; 0 (nothing written) when the source bytes overlap [lo, lo+span). */
+static int copy_elems(const Py_buffer *v, char kind, Py_ssize_t first, char *dst, Py_ssize_t k, Py_ssize_t osize,
+                      const char *guard, Py_ssize_t guard_len)
+{
+    Py_ssize_t isz = v->itemsize;
     Py_ssize_t stride = v->strides ? v->strides[0] : isz;
-    const char *src = (const char *)v->buf;
-    /* the bytes the row spans, whichever way its stride runs */
+    const char *src = (const char *)v->buf + first * stride;
+    /* the bytes the elements span, whichever way the stride runs */
     const char *lo = k == 0 ? src : (stride < 0 ? src + (k - 1) * stride : src);
     Py_ssize_t span = k == 0 ? 0 : (k - 1) * (stride < 0 ? -stride : stride) + isz;
-    if (overlaps(lo, span, dst, k * osize))
+    if (overlaps(lo, span, guard, guard_len))
         return 0;
     if (isz == osize && stride == isz) { /* same bits as the cast */
         memcpy(dst, src, (size_t)(k * osize));
@@ -105,6 +113,15 @@ static int copy_row(const Py_buffer *v, char *dst, Py_ssize_t k, Py_ssize_t osiz
         }
     }
     return 1;
+}
+
+/* Copy the row in `v` (`k` elements) to `dst`; 1 when done, 0 when numpy must. */
+static int copy_row(const Py_buffer *v, char *dst, Py_ssize_t k, Py_ssize_t osize)
+{
+    char kind = row_kind(v);
+    if (!kind || v->shape[0] != k)
+        return 0;
+    return copy_elems(v, kind, 0, dst, k, osize, dst, k * osize);
 }
 
 /* Ask for the first cache lines of the next row's tokens while this row is copied: rows lie
@@ -225,8 +242,143 @@ done:
     return PyLong_FromSsize_t(result);
 }
 
+/* Item i of a list of exact Python ints, into *out; 0 when it is not one or does not fit. */
+static int list_int(PyObject *list, Py_ssize_t i, Py_ssize_t *out)
+{
+    PyObject *x = PyList_GET_ITEM(list, i);
+    if (!PyLong_CheckExact(x))
+        return 0;
+    *out = PyLong_AsSsize_t(x);
+    if (*out == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return 1;
+}
+
+/* A writable contiguous 1-D signed int32/int64 buffer of exactly `count` elements. */
+static int get_out(PyObject *obj, Py_buffer *v, Py_ssize_t count)
+{
+    if (PyObject_GetBuffer(obj, v, PyBUF_CONTIG | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (int_kind(v->format) != 's' || (v->itemsize != 4 && v->itemsize != 8) || v->ndim != 1 || v->shape[0] != count) {
+        PyBuffer_Release(v);
+        return 0;
+    }
+    return 1;
+}
+
+PyDoc_STRVAR(pack_doc,
+"pack(tokens, positions, arrays, starts, counts, pos, extent, pad_id, flat, ndarray) -> bool\n\n"
+"The tokens and position_ids of a packed batch: segment i is arrays[i][starts[i]:starts[i]+counts[i]]\n"
+"at tokens[pos[i]:], padded with pad_id to extent[i] (flat: no padding, every extent its count),\n"
+"its positions 0..extent[i]-1. False when numpy must do the batch (the geometry, an array, the\n"
+"buffers or pad_id not ones it vouches for); it may then have written some of both buffers, which\n"
+"numpy's collate writes whole.");
+
+static PyObject *rows_pack(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "pack() takes 10 arguments");
+        return NULL;
+    }
+    PyObject *arrays = args[2], *starts = args[3], *counts = args[4], *pos = args[5], *extent = args[6];
+    PyObject *pad_obj = args[7], *ndarray = args[9];
+    int flat = PyObject_IsTrue(args[8]);
+    if (flat < 0)
+        return NULL;
+    if (!PyType_Check(ndarray)) {
+        PyErr_SetString(PyExc_TypeError, "pack(): ndarray must be a type");
+        return NULL;
+    }
+    if (!PyList_CheckExact(arrays) || !PyList_CheckExact(starts) || !PyList_CheckExact(counts) || !PyList_CheckExact(pos) ||
+        !PyList_CheckExact(extent))
+        Py_RETURN_FALSE;
+    Py_ssize_t n = PyList_GET_SIZE(arrays);
+    if (n == 0 || PyList_GET_SIZE(starts) != n || PyList_GET_SIZE(counts) != n || PyList_GET_SIZE(pos) != n ||
+        PyList_GET_SIZE(extent) != n)
+        Py_RETURN_FALSE;
+    /* the geometry numpy's code assumes without checking: segments back to back from 0, each at
+     * least as long as its tokens (flat: exactly), every document slice within its array */
+    Py_ssize_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t o, k, p, e;
+        if (!list_int(starts, i, &o) || !list_int(counts, i, &k) || !list_int(pos, i, &p) || !list_int(extent, i, &e))
+            Py_RETURN_FALSE;
+        if (p != total || k < 0 || o < 0 || e < k || (flat && e != k) || e > PY_SSIZE_T_MAX - total)
+            Py_RETURN_FALSE;
+        total += e;
+    }
+    long long pad = 0;
+    if (!flat) {
+        int overflow = 0;
+        if (!PyLong_Check(pad_obj))
+            Py_RETURN_FALSE;
+        pad = PyLong_AsLongLongAndOverflow(pad_obj, &overflow);
+        if (overflow || (pad == -1 && PyErr_Occurred())) {
+            PyErr_Clear();
+            Py_RETURN_FALSE;
+        }
+    }
+    Py_buffer tok, posn;
+    if (!get_out(args[0], &tok, total))
+        Py_RETURN_FALSE;
+    if (!get_out(args[1], &posn, total)) {
+        PyBuffer_Release(&tok);
+        Py_RETURN_FALSE;
+    }
+    int ok = 0;
+    Py_ssize_t osize = tok.itemsize, psize = posn.itemsize;
+    if ((osize == 4 && (pad < INT32_MIN || pad > INT32_MAX)) || (psize == 4 && total > INT32_MAX))
+        goto done;
+    /* positions first, as numpy's collate writes them before it reads any document */
+    char *pbase = (char *)posn.buf;
+    for (Py_ssize_t i = 0, at = 0; i < n; i++) {
+        Py_ssize_t e;
+        list_int(extent, i, &e);
+        for (Py_ssize_t j = 0; j < e; j++, at++) {
+            if (psize == 4) {
+                int32_t x = (int32_t)j;
+                memcpy(pbase + 4 * at, &x, 4);
+            } else {
+                int64_t x = (int64_t)j;
+                memcpy(pbase + 8 * at, &x, 8);
+            }
+        }
+    }
+    char *tbase = (char *)tok.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t o, k, p, e;
+        list_int(starts, i, &o);
+        list_int(counts, i, &k);
+        list_int(pos, i, &p);
+        list_int(extent, i, &e);
+        Py_buffer v;
+        if (!acquire(PyList_GET_ITEM(arrays, i), (PyTypeObject *)ndarray, &v))
+            goto done;
+        char kind = row_kind(&v);
+        /* numpy reads every document before it writes a token: none may share a byte with them */
+        int copied = kind && o <= v.shape[0] && k <= v.shape[0] - o &&
+                     copy_elems(&v, kind, o, tbase + p * osize, k, osize, tbase, total * osize);
+        PyBuffer_Release(&v);
+        if (!copied)
+            goto done;
+        if (!flat)
+            fill(tbase + (p + k) * osize, e - k, osize, (int64_t)pad);
+    }
+    ok = 1;
+done:
+    PyBuffer_Release(&tok);
+    PyBuffer_Release(&posn);
+    return PyBool_FromLong(ok);
+}
+
 static PyMethodDef methods[] = {
     {"pad", (PyCFunction)(void (*)(void))rows_pad, METH_FASTCALL, pad_doc},
+    {"pack", (PyCFunction)(void (*)(void))rows_pack, METH_FASTCALL, pack_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -249,7 +249,10 @@ class PackedLayout:
         whole = np.fromiter((s.length for s in group), dtype=np.int64, count=len(group))
         return Delivered(count, first.astype(np.int64), extent, (first & (count < whole)).astype(np.int64))
 
-    def collate(self, group: Sequence[Sample], sources: np.ndarray, *, meta: BatchMeta, out: Out | None = None) -> PackedBatch:
+    def collate(
+        self, group: Sequence[Sample], sources: np.ndarray, *, meta: BatchMeta, out: Out | None = None, native: bool | None = None
+    ) -> PackedBatch:
+        """``native``: the compiled copies (default `NATIVE`) or numpy's."""
         assert isinstance(group, PackedGroup)
         pos, extent, count, total = self._geometry(group)
         n, dt = len(group), self.dtype
@@ -265,17 +268,23 @@ class PackedLayout:
         v = _numpy_views(flat, spec)
         v["cu_seqlens"][:n] = pos
         v["cu_seqlens"][n] = total
-        positions = v["position_ids"]
-        positions[:] = np.arange(total) - np.repeat(pos, extent)
-        real = np.concatenate(
-            [s.tokens[o : o + k] for s, o, k in zip(group, group.starts, group.counts)] or [np.zeros(0, np.int64)],
-            dtype=np.dtype(_DTYPES[dt][0]), casting="unsafe",
-        )
-        if group.flat:
-            v["tokens"][:] = real
-        else:
-            v["tokens"].fill(self.pad_id)
-            v["tokens"][positions < np.repeat(count, extent)] = real
+        # The compiled copies (see mixer/_rows.c) write tokens and positions straight into place;
+        # for any batch they decline, numpy's code below (their oracle) writes both whole.
+        if not (n and _rows is not None and (NATIVE if native is None else native) and _rows.pack(
+            v["tokens"], v["position_ids"], list(map(_TOKENS, group)), group.starts, group.counts, pos.tolist(),
+            extent.tolist(), self.pad_id, group.flat, np.ndarray,
+        )):  # fmt: skip
+            positions = v["position_ids"]
+            positions[:] = np.arange(total) - np.repeat(pos, extent)
+            real = np.concatenate(
+                [s.tokens[o : o + k] for s, o, k in zip(group, group.starts, group.counts)] or [np.zeros(0, np.int64)],
+                dtype=np.dtype(_DTYPES[dt][0]), casting="unsafe",
+            )
+            if group.flat:
+                v["tokens"][:] = real
+            else:
+                v["tokens"].fill(self.pad_id)
+                v["tokens"][positions < np.repeat(count, extent)] = real
         v["lengths"][:] = count
         v["source"][:] = sources
         v["offsets"][:] = group.starts

@@ -1,5 +1,6 @@
-"""The compiled row copies of the padded collate (`mixer._rows`) against numpy's, their oracle:
-the same buffers (tokens, pad, lengths, sources), keys and errors, batch by batch."""
+"""The compiled copies of the padded and packed collates (`mixer._rows`) against numpy's, their
+oracle: the same buffers (tokens, pad, positions, lengths, sources, ...), keys and errors, batch by
+batch."""
 
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ import numpy as np
 import pytest
 import torch
 
+import mixer
 from mixer import collate as collate_mod
 from mixer import tario
-from mixer.collate import collate
+from mixer.batch import BatchMeta
+from mixer.batchers import PackedGroup, Packer
+from mixer.collate import PackedLayout, collate
+from mixer.decode import Sample
 from mixer.transport import SlotPool
 
 needs_rows = pytest.mark.skipif(collate_mod._rows is None, reason="mixer._rows was not built (no C compiler at install)")
@@ -247,3 +252,138 @@ def test_collate_uses_the_compiled_rows_by_default_and_not_when_told(monkeypatch
     assert "mixer._rows.pad" not in _c_calls(lambda: collate(*args, native=False))
     monkeypatch.setattr(collate_mod, "NATIVE", False)
     assert "mixer._rows.pad" not in _c_calls(lambda: collate(*args))
+
+
+# ---- the packed layout's copies -----------------------------------------------------------------
+
+
+def both_packed(layout: PackedLayout, group: PackedGroup[Any], sources: np.ndarray, **kw: Any) -> tuple[Any, Any]:
+    got = []
+    for native in (True, False):
+        try:
+            got.append(layout.collate(group, sources, meta=BatchMeta(step=0), native=native, **kw))
+        except Exception as e:  # noqa: BLE001 - the exception itself is what is compared
+            got.append((type(e), str(e)))
+    return got[0], got[1]
+
+
+def assert_same_packed(a: Any, b: Any) -> None:
+    if isinstance(b, tuple) or isinstance(a, tuple):
+        assert a == b
+        return
+    # the views, not the whole buffer: the alignment gaps between them are never written
+    assert a.buffer.dtype == b.buffer.dtype and a.spec == b.spec
+    assert a.keys == b.keys and (a.seq_len, a.max_seqlen) == (b.seq_len, b.max_seqlen)
+    for name in ("tokens", "position_ids", "cu_seqlens", "lengths", "source", "offsets"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+PACKINGS = [
+    dict(max_tokens=2048, seq_len=256, split_documents=True),
+    dict(max_tokens=2048, seq_len=512),
+    dict(max_tokens=2048),
+]
+
+
+@needs_rows
+@pytest.mark.parametrize("packing", range(len(PACKINGS)))
+@pytest.mark.parametrize("out_dtype", ["int32", "int64"])
+def test_compiled_and_numpy_packing_agree_on_random_batches(packing: int, out_dtype: str) -> None:
+    """Batches as the real Packer places them (rows with splits, whole documents, flat runs), from
+    documents of every integer dtype, strided and reversed among them; pad 0 and not."""
+    rng = np.random.Generator(np.random.PCG64(100 + packing))
+    packed = mixer.Packed(**PACKINGS[packing])  # type: ignore[arg-type]
+    for pad_id in (0, -3):
+        layout = PackedLayout(packed, dtype=out_dtype, pad_id=pad_id)
+        packer: Packer[Sample] = Packer(packed, locate=lambda s: (0, 0))
+        groups: list[PackedGroup[Sample]] = []
+        for i in range(400):
+            k = int(np.clip(rng.lognormal(np.log(60), 0.9), 0, 500))
+            sample = Sample(f"d{i}", random_row(rng, k, rng.choice(TOKEN_DTYPES)), k, 0, i)
+            if packer.add(sample, k):
+                groups.extend(packer.ready)
+                packer.ready.clear()
+        groups.extend(packer.drain())  # type: ignore[arg-type]
+        assert len(groups) > 5
+        for group in groups:
+            a, p = both_packed(layout, group, rng.integers(0, 3, len(group)))
+            assert not isinstance(p, tuple)
+            assert_same_packed(a, p)
+
+
+@needs_rows
+def test_compiled_packing_into_a_reused_out_buffer_agrees_with_numpy() -> None:
+    rng = np.random.Generator(np.random.PCG64(7))
+    packed = mixer.Packed(max_tokens=1024, seq_len=256, split_documents=True)
+    layout = PackedLayout(packed, dtype="int32", pad_id=0)
+    stale = np.empty(layout.max_elements([[256]]), np.int32)
+    packer: Packer[Sample] = Packer(packed, locate=lambda s: (0, 0))
+    for i in range(200):
+        k = int(rng.integers(1, 300))
+        packer.add(Sample(f"d{i}", rng.integers(0, 30000, k).astype(np.int32), k, 0, i), k)
+    groups = [*packer.ready, *packer.drain()]
+    for group in groups:
+        got = []
+        for native in (True, False):
+            stale[:] = -99999
+            batch = layout.collate(group, np.zeros(len(group), np.int64), meta=BatchMeta(step=0), out=lambda n: stale[:n], native=native)
+            assert batch.buffer.data_ptr() == stale.ctypes.data
+            assert not (batch.tokens == -99999).any() and not (batch.position_ids == -99999).any()
+            got.append(batch.buffer.clone())
+        assert torch.equal(got[0], got[1])
+
+
+@needs_rows
+@pytest.mark.parametrize(
+    "case",
+    ["short document", "start past the end", "negative start", "list tokens", "float tokens", "big-endian tokens",
+     "2-D tokens", "pad too large", "pad too large flat", "count over the row", "gap in a row", "tuple counts"],
+)  # fmt: skip
+def test_packing_errors_and_odd_batches_are_numpys(case: str) -> None:
+    """Geometry or documents the C code does not vouch for: numpy's code does the batch, so the
+    result or the error is numpy's."""
+    docs: list[Any] = [np.arange(1, 6, dtype=np.int32), np.arange(10, 14, dtype=np.int64), np.arange(20, 23, dtype=np.uint16)]
+    rows, cols, starts, counts, row_len, flat, pad_id = [0, 0, 1], [0, 5, 0], [0, 0, 0], [5, 3, 3], 8, False, 0
+    if case == "short document":
+        docs[1] = docs[1][:2]
+    elif case == "start past the end":
+        starts = [0, 5, 0]
+    elif case == "negative start":
+        starts = [0, -2, 0]
+        counts = [5, 2, 3]
+    elif case == "list tokens":
+        docs[2] = [20, 21, 22]
+    elif case == "float tokens":
+        docs[2] = np.array([1.5, 2.5, -3.5])
+    elif case == "big-endian tokens":
+        docs[2] = np.array([20, 21, 22], dtype=">i4")
+    elif case == "2-D tokens":
+        docs[2] = np.arange(6, dtype=np.int32).reshape(2, 3)
+    elif case == "pad too large":
+        pad_id = 2**40
+    elif case == "pad too large flat":
+        pad_id, flat, rows, cols, counts = 2**40, True, [0, 0, 0], [0, 5, 8], [5, 3, 3]
+    elif case == "count over the row":
+        counts = [5, 4, 3]
+    elif case == "gap in a row":
+        cols = [1, 5, 0]
+    elif case == "tuple counts":
+        counts = tuple(counts)  # type: ignore[assignment]
+    samples = [Sample(k, d, len(d), 0, i) for i, (k, d) in enumerate(zip("abc", docs))]
+    group = PackedGroup(samples, rows, cols, starts, counts, row_len, flat)
+    layout = PackedLayout(mixer.Packed(max_tokens=16, seq_len=8), dtype="int32", pad_id=pad_id)
+    a, p = both_packed(layout, group, np.zeros(3, np.int64))
+    assert_same_packed(a, p)
+
+
+@needs_rows
+def test_packed_collate_uses_the_compiled_copies_by_default() -> None:
+    packed = mixer.Packed(max_tokens=1024, seq_len=256, split_documents=True)
+    packer: Packer[Sample] = Packer(packed, locate=lambda s: (0, 0))
+    for i in range(20):
+        packer.add(Sample(f"d{i}", np.arange(100, dtype=np.int32), 100, 0, i), 100)
+    group = [*packer.ready, *packer.drain()][0]
+    layout = PackedLayout(packed, dtype="int32", pad_id=0)
+    sources = np.zeros(len(group), np.int64)
+    assert _c_calls(lambda: layout.collate(group, sources, meta=BatchMeta(step=0))).count("mixer._rows.pack") == 1
+    assert "mixer._rows.pack" not in _c_calls(lambda: layout.collate(group, sources, meta=BatchMeta(step=0), native=False))

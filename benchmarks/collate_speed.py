@@ -3,6 +3,7 @@ row copies (`mixer._rows`) against the numpy ones, on batches shaped like the lo
 
     python -m benchmarks.collate_speed [--samples 200000] [--rounds 5] [--quick]
     python -m benchmarks.collate_speed --captured 700 [--loop]
+    python -m benchmarks.collate_speed --packed [--samples 200000]
 
 Samples of lognormal length (median 300, sigma 0.6, as the benchmark shards), each its own int32
 array (as a decode makes them), are bucketed by power-of-two edges and cut into batches of at most
@@ -19,6 +20,10 @@ over its shards (`python -m benchmarks throughput` writes them; 0 workers), capt
 and each method is the layout's whole ``collate`` (its per-sample getters included). ``--loop``
 adds whole-loop runs over those N batches, alternating ``mixer.collate.NATIVE`` on and off
 (CPU-µs/sample of everything; the difference is the collate's share, within this machine's noise).
+
+With ``--packed`` the same samples are placed by the real ``Packer`` instead, for the three
+packings of ``benchmarks/layouts.py`` (rows of 8192 with splits, rows of 32768 whole, flat), and each
+method is ``PackedLayout.collate`` (tokens, positions, boundaries), compiled and numpy.
 
 The tokens of all batches (~240 MB at the default size) are far beyond the caches, so each copy reads
 them from memory as the loader's collate does. Each method's output is checked against
@@ -89,6 +94,44 @@ def loop_cpu(count: int, bench_dir: Path) -> tuple[float, int]:
     return time.process_time() - t0, n
 
 
+def main_packed(opts: argparse.Namespace) -> None:
+    import mixer
+    from mixer.batchers import Packer
+    from mixer.collate import PackedLayout
+    from mixer.decode import Sample
+
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(np.log(300), 0.6, opts.samples).astype(int), 1, 8192)
+    samples = [Sample(f"s{i}", rng.integers(1, 30000, n, dtype=np.int32), n, 0, i) for i, n in enumerate(lengths.tolist())]
+    meta = BatchMeta()
+    print(f"{opts.samples} documents; CPU-µs/document, best of {opts.rounds}")
+    print("| packing | compiled | numpy | compiled / numpy |")
+    print("|---|---|---|---|")
+    for name, packed in (
+        ("rows of 8192, split", mixer.Packed(opts.max_tokens, seq_len=8192, split_documents=True)),
+        ("rows of 32768, whole", mixer.Packed(opts.max_tokens, seq_len=32768)),
+        ("flat", mixer.Packed(opts.max_tokens)),
+    ):
+        packer: Packer[Sample] = Packer(packed, locate=lambda s: (0, 0))
+        for smp in samples:
+            packer.add(smp, smp.length)
+        groups = [*packer.ready, *packer.drain()]
+        layout = PackedLayout(packed, dtype="int32", pad_id=0)
+        sources = [np.zeros(len(g), np.int64) for g in groups]
+        for g, src in zip(groups, sources):
+            a, b = (layout.collate(g, src, meta=meta, native=x) for x in (True, False))
+            assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("tokens", "position_ids", "cu_seqlens", "lengths", "offsets"))
+        best = {True: float("inf"), False: float("inf")}
+        for _ in range(opts.rounds):
+            for native in best:
+                t0 = time.process_time()
+                for g, src in zip(groups, sources):
+                    layout.collate(g, src, meta=meta, native=native)
+                best[native] = min(best[native], time.process_time() - t0)
+        c, p = (best[x] / opts.samples * 1e6 for x in (True, False))
+        print(f"| {name} | {c:.3f} | {p:.3f} | {c / p:.2f} |")
+
+
 def main_captured(opts: argparse.Namespace) -> None:
     layout, groups = capture(opts.bench_dir, opts.captured)
     n = sum(len(g) for g, _ in groups)
@@ -152,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="20k samples, 2 rounds")
     p.add_argument("--captured", type=int, default=0, metavar="N", help="the throughput benchmark's first N batches instead")
+    p.add_argument("--packed", action="store_true", help="the packed layout's collate instead")
     p.add_argument("--loop", action="store_true", help="with --captured: also whole-loop runs, NATIVE on and off")
     p.add_argument("--bench-dir", type=Path, default=None, help="shard cache (default: the suite's .bench/)")
     opts = p.parse_args(argv)
@@ -165,6 +209,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("mixer._rows was not built: nothing compiled to compare (python setup.py build_ext --inplace)")
     if opts.captured:
         main_captured(opts)
+        return
+    if opts.packed:
+        main_packed(opts)
         return
     batches = make_batches(opts.samples, opts.max_tokens)
     n = sum(len(b[0]) for b in batches)

@@ -140,9 +140,9 @@ def _numpy_rows(flat: np.ndarray, token_arrays: Sequence[np.ndarray], rows: list
 
 
 def _native_rows(flat: np.ndarray, arrays: list[np.ndarray], rows: list[int], seq_len: int, pad_id: int) -> bool:
-    """The rows by ``_rows.pad`` (see mixer/_rows.c), each row it leaves by numpy's slice
-    assignment (its padding after it, so an error is raised before the row is padded, as in
-    :func:`_numpy_rows`). False, with nothing written, for a batch it does not take at all."""
+    """The rows by ``_rows.pad`` (see mixer/_rows.c); each row it leaves goes by numpy's slice
+    assignment, as in :func:`_numpy_rows` (then its padding), so that row's result or error is
+    numpy's. False, with nothing written, for a batch it does not take at all."""
     assert _rows is not None
     pad, b, i = _rows.pad, len(arrays), 0
     while True:

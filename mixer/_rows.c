@@ -1,4 +1,5 @@
-/* mixer._rows: the row copies of the padded collate (mixer.collate.collate) in C.
+/* mixer._rows: the copies of the padded collate (mixer.collate.collate) and of the packed one
+ * (mixer.collate.PackedLayout.collate) in C.
  *
  * Contract (see mixer/collate.py, `_native_rows`): `pad` never decides anything numpy might decide
  * differently. It copies a row only when it is certain of numpy's result: the row is an exact
@@ -10,6 +11,11 @@
  * calls again from the next one. A batch it cannot vouch for as a whole (the output not a writable
  * contiguous int32/int64 buffer, lengths not ints in [0, seq_len], pad not a Python int the dtype
  * holds) returns -1 before writing anything: the whole batch goes the Python way.
+ *
+ * `pack` writes a packed batch's tokens (each segment a slice of its document, then its padding)
+ * and position_ids, on the same terms for each document, and only for the geometry numpy's code
+ * assumes (segments back to back from 0, none longer than its extent, flat: none padded). At
+ * anything else it returns False and numpy's code writes both buffers whole.
  *
  * Every write is checked against the output's length before it happens.
  */

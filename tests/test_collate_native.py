@@ -4,8 +4,10 @@ batch."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -387,3 +389,13 @@ def test_packed_collate_uses_the_compiled_copies_by_default() -> None:
     sources = np.zeros(len(group), np.int64)
     assert _c_calls(lambda: layout.collate(group, sources, meta=BatchMeta(step=0))).count("mixer._rows.pack") == 1
     assert "mixer._rows.pack" not in _c_calls(lambda: layout.collate(group, sources, meta=BatchMeta(step=0), native=False))
+
+
+@needs_rows
+@pytest.mark.parametrize("args", [["--quick"], ["--packed", "--samples", "3000", "--rounds", "1"]])
+def test_the_collate_benchmark_runs_and_checks_both_ways(args: list[str]) -> None:
+    """`python -m benchmarks.collate_speed` compares compiled and numpy outputs before it times them."""
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.collate_speed", *args], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "| compiled |" in proc.stdout or "| flat |" in proc.stdout, proc.stdout

@@ -10,7 +10,11 @@
  * row's index: the Python side copies that row with numpy (so its error, if any, is numpy's) and
  * calls again from the next one. A batch it cannot vouch for as a whole (the output not a writable
  * contiguous int32/int64 buffer, lengths not ints in [0, seq_len], pad not a Python int the dtype
- * holds) returns -1 before writing anything: the whole batch goes the Python way.
+ * holds) returns -1 before writing anything: the whole batch goes the Python way. One difference
+ * is left on purpose: a row whose array is a view into a later row of the output buffer itself
+ * (an `out=` buffer the caller also took tokens from; never a new array or a worker's slot) reads
+ * what is there, where numpy's code, padding everything first, reads the padding. Checking every
+ * row for it first would cost a second buffer lookup per row on every batch.
  *
  * `pack` writes a packed batch's tokens (each segment a slice of its document, then its padding)
  * and position_ids, on the same terms for each document, and only for the geometry numpy's code

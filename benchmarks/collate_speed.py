@@ -1,5 +1,5 @@
-"""Scratch benchmark: CPU-µs per sample of the padded collate (`mixer.collate.collate`), its compiled
-row copies (`mixer._rows`) against the numpy ones, on batches shaped like the loader's.
+"""Scratch benchmark: CPU-µs per sample of the padded and packed collates (`mixer.collate`), their
+compiled copies (`mixer._rows`) against the numpy ones, on batches shaped like the loader's.
 
     python -m benchmarks.collate_speed [--samples 200000] [--rounds 5] [--quick]
     python -m benchmarks.collate_speed --captured 700 [--loop]

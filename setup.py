@@ -1,10 +1,17 @@
-"""Build configuration that pyproject.toml cannot express: the optional compiled reader core.
+"""Build configuration that pyproject.toml cannot express: the optional compiled cores.
 
 `mixer._tarwalk` (C, CPython API only) is the common case of the tar walk and the token decode; it
 is `optional`, so an install without a C compiler still succeeds and mixer uses its pure-Python
 reader (the one the compiled core defers to for everything unusual, and the oracle of its tests).
+`mixer._rows` (C, optional the same way) copies the padded collate's rows and the packed one's
+segments into place; without it `mixer.collate` copies them with numpy, its oracle.
 """
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("mixer._tarwalk", ["mixer/_tarwalk.c"], optional=True)])
+setup(
+    ext_modules=[
+        Extension("mixer._tarwalk", ["mixer/_tarwalk.c"], optional=True),
+        Extension("mixer._rows", ["mixer/_rows.c"], optional=True),
+    ]
+)

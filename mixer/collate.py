@@ -35,6 +35,15 @@ if TYPE_CHECKING:
     from .budget import TokenBudget
     from .stream import Counters
 
+# the compiled row copies (mixer/_rows.c), optional like mixer._tarwalk
+try:
+    from . import _rows  # type: ignore[attr-defined]
+except ImportError:  # built without a C compiler: numpy copies the rows
+    _rows = None
+
+NATIVE: bool = _rows is not None
+"""Whether :func:`collate` copies rows with the compiled core by default (True when it was built)."""
+
 #: Where a collate writes: ``out(num_elements)`` gives a writable 1-D array of the batch dtype (a
 #: worker's shared slot) or None (a new array is allocated).
 Out = Callable[[int], np.ndarray | None]
@@ -81,15 +90,18 @@ def collate(
     dtype: str = "int32",
     meta: BatchMeta | None = None,
     out: Out | None = None,
+    native: bool | None = None,
 ) -> Batch:
     """Pad ``token_arrays`` (already cut to ``lengths``) into one preallocated buffer: a new array,
     or the one ``out(num_elements)`` provides (a worker's shared slot).
 
-    One slice copy per row into the padded grid: no per-sample tensors and no Python loop over
-    tokens. (A concatenate plus a boolean-mask assignment reads every token twice and builds a
-    ``B x L`` mask: ~2.0 against ~1.5 CPU-µs per sample at the benchmark's batches of ~120 rows,
-    measured with ``benchmarks/throughput.py``'s shards; the copies are bound by reading the
-    tokens, most of them long out of cache.)
+    One copy per row into the padded grid: no per-sample tensors and no Python loop over tokens.
+    With the compiled row copies (`NATIVE`; ``native=False`` or ``mixer.collate.NATIVE = False``
+    turns them off) each row is one ``memcpy`` plus its padding, in C; rows they do not vouch for
+    (another array type, a wrong length, ...) go through numpy's slice assignment, the code below,
+    which is their oracle: the same tensors and the same errors. Without them, one numpy slice
+    assignment per row: a concatenate plus a boolean-mask assignment reads every token twice and
+    builds a ``B x L`` mask (~2.0 against ~1.5 CPU-µs per sample at batches of ~120 rows).
     """
     np_dtype, _ = _DTYPES[dtype]
     b = len(token_arrays)
@@ -97,21 +109,52 @@ def collate(
     seq_len = max(rows) if b else 0
     n = b * seq_len
     flat = out(n + 2 * b) if out is not None else None
-    if flat is None:
-        flat = np.zeros(n + 2 * b, dtype=np_dtype) if pad_id == 0 else np.empty(n + 2 * b, dtype=np_dtype)
-        if pad_id != 0:
-            flat[:n] = pad_id
+    if b and _rows is not None and (NATIVE if native is None else native):
+        if flat is None:
+            flat = np.empty(n + 2 * b, dtype=np_dtype)  # every slot is written below
+        if not _native_rows(flat, token_arrays if type(token_arrays) is list else list(token_arrays), rows, seq_len, pad_id):
+            _numpy_rows(flat, token_arrays, rows, seq_len, pad_id)
     else:
-        flat[:n] = pad_id
+        if flat is None:
+            flat = np.zeros(n + 2 * b, dtype=np_dtype) if pad_id == 0 else np.empty(n + 2 * b, dtype=np_dtype)
+            if pad_id != 0:
+                flat[:n] = pad_id
+        else:
+            flat[:n] = pad_id
+        _numpy_rows(flat, token_arrays, rows, seq_len, pad_id, padded=True)
+    flat[n : n + b] = lengths
+    flat[n + b :] = sources
+    return Batch(torch.from_numpy(flat), b, seq_len, keys, meta=meta)
+
+
+def _numpy_rows(flat: np.ndarray, token_arrays: Sequence[np.ndarray], rows: list[int], seq_len: int, pad_id: int, *, padded: bool = False) -> None:
+    """The rows by numpy slice assignment, after ``flat[:B*L] = pad_id`` (unless ``padded``)."""
+    if not padded:
+        flat[: len(token_arrays) * seq_len] = pad_id
     # setitem casts like concatenate(..., casting="unsafe") did; a row whose array is not its
     # length is a ValueError, as the masked assignment's shape check was.
     start = 0
     for tokens, k in zip(token_arrays, rows):
         flat[start : start + k] = tokens
         start += seq_len
-    flat[n : n + b] = lengths
-    flat[n + b :] = sources
-    return Batch(torch.from_numpy(flat), b, seq_len, keys, meta=meta)
+
+
+def _native_rows(flat: np.ndarray, arrays: list[np.ndarray], rows: list[int], seq_len: int, pad_id: int) -> bool:
+    """The rows by ``_rows.pad`` (see mixer/_rows.c); each row it leaves goes by numpy's slice
+    assignment, as in :func:`_numpy_rows` (then its padding), so that row's result or error is
+    numpy's. False, with nothing written, for a batch it does not take at all."""
+    assert _rows is not None
+    pad, b, i = _rows.pad, len(arrays), 0
+    while True:
+        i = pad(flat, arrays, rows, seq_len, pad_id, i, np.ndarray)
+        if i < 0:
+            return False
+        if i == b:
+            return True
+        start, k = i * seq_len, rows[i]
+        flat[start : start + k] = arrays[i]
+        flat[start + k : start + seq_len] = pad_id
+        i += 1
 
 
 def _numpy_views(flat: np.ndarray, spec: Spec) -> dict[str, np.ndarray]:
@@ -206,7 +249,10 @@ class PackedLayout:
         whole = np.fromiter((s.length for s in group), dtype=np.int64, count=len(group))
         return Delivered(count, first.astype(np.int64), extent, (first & (count < whole)).astype(np.int64))
 
-    def collate(self, group: Sequence[Sample], sources: np.ndarray, *, meta: BatchMeta, out: Out | None = None) -> PackedBatch:
+    def collate(
+        self, group: Sequence[Sample], sources: np.ndarray, *, meta: BatchMeta, out: Out | None = None, native: bool | None = None
+    ) -> PackedBatch:
+        """``native``: the compiled copies (default `NATIVE`) or numpy's."""
         assert isinstance(group, PackedGroup)
         pos, extent, count, total = self._geometry(group)
         n, dt = len(group), self.dtype
@@ -222,17 +268,23 @@ class PackedLayout:
         v = _numpy_views(flat, spec)
         v["cu_seqlens"][:n] = pos
         v["cu_seqlens"][n] = total
-        positions = v["position_ids"]
-        positions[:] = np.arange(total) - np.repeat(pos, extent)
-        real = np.concatenate(
-            [s.tokens[o : o + k] for s, o, k in zip(group, group.starts, group.counts)] or [np.zeros(0, np.int64)],
-            dtype=np.dtype(_DTYPES[dt][0]), casting="unsafe",
-        )
-        if group.flat:
-            v["tokens"][:] = real
-        else:
-            v["tokens"].fill(self.pad_id)
-            v["tokens"][positions < np.repeat(count, extent)] = real
+        # The compiled copies (see mixer/_rows.c) write tokens and positions straight into place;
+        # for any batch they decline, numpy's code below (their oracle) writes both whole.
+        if not (n and _rows is not None and (NATIVE if native is None else native) and _rows.pack(
+            v["tokens"], v["position_ids"], list(map(_TOKENS, group)), group.starts, group.counts, pos.tolist(),
+            extent.tolist(), self.pad_id, group.flat, np.ndarray,
+        )):  # fmt: skip
+            positions = v["position_ids"]
+            positions[:] = np.arange(total) - np.repeat(pos, extent)
+            real = np.concatenate(
+                [s.tokens[o : o + k] for s, o, k in zip(group, group.starts, group.counts)] or [np.zeros(0, np.int64)],
+                dtype=np.dtype(_DTYPES[dt][0]), casting="unsafe",
+            )
+            if group.flat:
+                v["tokens"][:] = real
+            else:
+                v["tokens"].fill(self.pad_id)
+                v["tokens"][positions < np.repeat(count, extent)] = real
         v["lengths"][:] = count
         v["source"][:] = sources
         v["offsets"][:] = group.starts

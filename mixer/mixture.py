@@ -269,6 +269,8 @@ class Reader:
         self.tokens = 0
         self._probs_key: tuple[int, int] | None = None
         self._probs_cache = np.zeros(n)
+        self._allotted_for = b""  # the shares _hold_ahead last sized buffers for
+        self._target_key, self._target_memo = (-1, -1), self._probs_cache  # (step, tokens) -> the schedule's shares
         self._holds = [0] * n
         self._caps = [UNCAPPED] * n  # items each batcher may hold (all the same, the shared one's, in mix="sample")
         self._replay: int | None = None  # batches to re-run after a restore (None: not restored)
@@ -295,6 +297,9 @@ class Reader:
     def _hold_ahead(self, probs: np.ndarray) -> None:
         """What each source may hold ahead now (:func:`mixer.holding.allot`): its shuffle buffer's
         limit, its buckets' hold in padded tokens, its batcher's cap in samples."""
+        if (key := probs.tobytes()) == self._allotted_for:  # (a pure function of the shares)
+            return
+        self._allotted_for = key
         m = self.mixture
         limits, self._holds[:], caps = allot(
             probs, shuffle_buffer=m.shuffle_buffer, buckets=[len(e) for e in m.edges], max_tokens=m.batching.max_tokens,
@@ -306,12 +311,16 @@ class Reader:
             st.limit = limit
 
     def _target_at(self, step: int) -> np.ndarray:
-        """The adaptive shares in effect at ``step`` when there are any, else the schedule's target."""
+        """The adaptive shares in effect at ``step`` when there are any, else the schedule's target
+        (asked twice a batch at the same progress: for the pick, then for the batch's meta)."""
         if self.table is not None:
             shares = self.table.shares_at(step, wait=self._in_worker)
             if shares is not None:
                 return shares
-        return self.mixture.target_at(step, float(self.tokens * self.world.readers))
+        key = (step, self.tokens)
+        if key != self._target_key:
+            self._target_key, self._target_memo = key, self.mixture.target_at(step, float(self.tokens * self.world.readers))
+        return self._target_memo
 
     def _target(self) -> np.ndarray:
         p = self._target_at(self.step)

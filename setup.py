@@ -7,4 +7,9 @@ reader (the one the compiled core defers to for everything unusual, and the orac
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("mixer._tarwalk", ["mixer/_tarwalk.c"], optional=True)])
+setup(
+    ext_modules=[
+        Extension("mixer._tarwalk", ["mixer/_tarwalk.c"], optional=True),
+        Extension("mixer._select", ["mixer/_select.c"], optional=True),
+    ]
+)

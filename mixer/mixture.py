@@ -267,7 +267,7 @@ class Reader:
         self.active = np.ones(n, dtype=bool)
         self.batches = 0
         self.tokens = 0
-        self._probs_key: tuple[int, int] | None = None
+        self._probs_key, self._retired = (-1, -1), 0  # (batches, sources retired) of _probs_cache
         self._probs_cache = np.zeros(n)
         self._allotted_for = b""  # the shares _hold_ahead last sized buffers for
         self._target_key, self._target_memo = (-1, -1), self._probs_cache  # (step, tokens) -> the schedule's shares
@@ -285,9 +285,8 @@ class Reader:
         return self.batches * self.world.num_workers + self.world.worker
 
     def _probs(self) -> np.ndarray:
-        # Progress moves once per batch: with mix="sample" the schedule is asked once per batch,
-        # not once per sample.
-        key = (self.batches, int(self.active.sum()))
+        # Progress moves once per batch: with mix="sample" the schedule is asked once per batch.
+        key = (self.batches, self._retired)
         if key != self._probs_key:
             self._probs_key = key
             self._probs_cache = self._target()
@@ -394,7 +393,7 @@ class Reader:
                 setattr(c, field, int(value))
         self.batches = int(snapshot["batches"])
         self.tokens = int(snapshot["tokens"])
-        self._probs_key = None
+        self._probs_key = (-1, -1)
         if shared:
             wanted = group_locations([st.locations() for st in self.streams], batchers[0].locations())
         else:
@@ -412,6 +411,7 @@ class Reader:
     def _retire(self, i: int) -> bool:
         """Source ``i`` has no more samples for this reader; returns whether the stream goes on."""
         self.active[i] = False
+        self._retired += 1
         if self.mixture.stop == "never":
             log.warning("source %r has no data for reader %d; mixing the other sources only", self.mixture.names[i], self.world.reader)
         return self.mixture.stop != "first_exhausted" and bool(self.active.any())

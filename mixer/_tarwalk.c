@@ -448,10 +448,10 @@ static int match(const unsigned char *d, Py_ssize_t end, Py_ssize_t *i, const ch
     return 1;
 }
 
-/* tokens(sample) -> array, or None where mixer.decode must look (txt, other layouts, errors). */
-static PyObject *tokens(PyObject *self, PyObject *sample)
+/* The sample's canonical 1-D integer tokens (its element count in *count), or None where
+ * mixer.decode must look (txt, other layouts, errors); NULL with an exception set. */
+static PyObject *tokens_of(PyObject *sample, int64_t *count)
 {
-    (void)self;
     if (!PyDict_CheckExact(sample) || frombuffer == NULL)
         Py_RETURN_NONE;
     PyObject *data = PyDict_GetItemWithError(sample, s_tokens);
@@ -497,21 +497,119 @@ static PyObject *tokens(PyObject *self, PyObject *sample)
         Py_RETURN_NONE;
     if (n > (len - end) / dtypes[which].itemsize)
         Py_RETURN_NONE;
-    PyObject *count = PyLong_FromLongLong(n), *start = PyLong_FromSsize_t(end);
+    PyObject *items = PyLong_FromLongLong(n), *start = PyLong_FromSsize_t(end);
     PyObject *result = NULL;
-    if (count != NULL && start != NULL) {
-        PyObject *argv[4] = {data, dtypes[which].dtype, count, start};
+    if (items != NULL && start != NULL) {
+        PyObject *argv[4] = {data, dtypes[which].dtype, items, start};
         result = PyObject_Vectorcall(frombuffer, argv, 4, NULL);
     }
-    Py_XDECREF(count);
+    Py_XDECREF(items);
     Py_XDECREF(start);
+    *count = n;
     return result;
+}
+
+/* tokens(sample) -> array, or None where mixer.decode must look (txt, other layouts, errors). */
+static PyObject *tokens(PyObject *self, PyObject *sample)
+{
+    (void)self;
+    int64_t n;
+    return tokens_of(sample, &n);
+}
+
+/* Whether the collector may ignore obj: not a container, or one it has untracked. */
+static int is_atom(PyObject *obj)
+{
+    return !PyObject_IS_GC(obj) || !PyObject_GC_IsTracked(obj);
+}
+
+/* samples(raws, pos, stop, shard, longest, Sample, out) -> (pos, end): mixer.sample.make_sample's
+ * default case for raws[pos:stop] (no decode or length function on the source), in one call:
+ * appends Sample(key, tokens, n, shard, offset) to out for each raw sample whose tokens tokens()
+ * reads and whose n <= longest, and stops at the first one that is not so (the caller takes that
+ * one through make_sample: the other decodes, the length policy, every error). Returns where it
+ * stopped and the __end__ of the last sample converted (None when none was). */
+static PyObject *samples(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 7 || !PyList_CheckExact(args[0]) || !PyList_CheckExact(args[6]) || !PyType_Check(args[5]) ||
+        !PyType_IsSubtype((PyTypeObject *)args[5], &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "samples(raws: list, pos, stop, shard, longest, Sample: tuple type, out: list)");
+        return NULL;
+    }
+    PyObject *raws = args[0], *shard = args[3], *out = args[6];
+    PyTypeObject *type = (PyTypeObject *)args[5];
+    Py_ssize_t pos = PyLong_AsSsize_t(args[1]);
+    if (pos == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t stop = PyLong_AsSsize_t(args[2]);
+    if (stop == -1 && PyErr_Occurred())
+        return NULL;
+    long long longest = PyLong_AsLongLong(args[4]);
+    if (longest == -1 && PyErr_Occurred())
+        return NULL;
+    if (pos < 0 || stop > PyList_GET_SIZE(raws)) {
+        PyErr_SetString(PyExc_ValueError, "samples: need 0 <= pos and stop <= len(raws)");
+        return NULL;
+    }
+    PyObject *end = Py_None;
+    Py_INCREF(end);
+    for (; pos < stop; pos++) {
+        PyObject *raw = PyList_GET_ITEM(raws, pos);
+        int64_t n = 0;
+        PyObject *toks = tokens_of(raw, &n);
+        if (toks == NULL)
+            goto error;
+        if (toks == Py_None || n > longest) {
+            Py_DECREF(toks);
+            break;
+        }
+        /* scan() made these (str, int, int); anything else is make_sample's to judge */
+        PyObject *key = PyDict_GetItemWithError(raw, s_key);
+        PyObject *offset = key ? PyDict_GetItemWithError(raw, s_offset) : NULL;
+        PyObject *stop_at = offset ? PyDict_GetItemWithError(raw, s_end) : NULL;
+        if (stop_at == NULL || !PyLong_CheckExact(stop_at)) {
+            Py_DECREF(toks);
+            if (PyErr_Occurred())
+                goto error;
+            break;
+        }
+        PyObject *length = PyLong_FromLongLong(n);
+        PyObject *sample = length ? type->tp_alloc(type, 5) : NULL;
+        if (sample == NULL) {
+            Py_DECREF(toks);
+            Py_XDECREF(length);
+            goto error;
+        }
+        PyTuple_SET_ITEM(sample, 0, Py_NewRef(key));
+        PyTuple_SET_ITEM(sample, 1, toks);
+        PyTuple_SET_ITEM(sample, 2, length);
+        PyTuple_SET_ITEM(sample, 3, Py_NewRef(shard));
+        PyTuple_SET_ITEM(sample, 4, Py_NewRef(offset));
+        /* What CPython does for a plain tuple of atoms at its next collection, and never for a
+         * tuple subclass: a Sample holds a str, an (untracked) array and ints, so it can be in no
+         * cycle. Tracked, every Sample held in a buffer would age into the oldest generation and
+         * bring a full collection of the whole heap every ~50k samples. */
+        if (is_atom(key) && is_atom(toks) && is_atom(offset))
+            PyObject_GC_UnTrack(sample);
+        int failed = PyList_Append(out, sample);
+        Py_DECREF(sample);
+        if (failed)
+            goto error;
+        Py_SETREF(end, Py_NewRef(stop_at));
+    }
+    PyObject *result = Py_BuildValue("(nN)", pos, end);
+    return result;
+error:
+    Py_DECREF(end);
+    return NULL;
 }
 
 static PyMethodDef methods[] = {
     {"scan", (PyCFunction)(void (*)(void))scan, METH_FASTCALL, "Walk whole members of a tar buffer into samples."},
     {"setup", setup, METH_VARARGS, "Register np.frombuffer and the integer dtypes tokens() may return."},
     {"tokens", tokens, METH_O, "A sample's canonical 1-D integer tokens.npy/input_ids.npy, or None."},
+    {"samples", (PyCFunction)(void (*)(void))samples, METH_FASTCALL, "make_sample's default case for a run of raw samples."},
     {NULL, NULL, 0, NULL},
 };
 

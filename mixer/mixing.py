@@ -104,13 +104,15 @@ def mix_samples(
     sample's length, or 1), cut by one shared ``batcher``, which releases a batch early when it
     holds more than ``caps[0]`` items (its part of the reader's buffer budget). ``drain``: when
     the sources are done, the batches still held follow (a finite pass delivering everything)."""
-    while active.any():
+    live = bool(active.any())  # (asked again only when a source retires: per sample it costs)
+    while live:
         p = probs()
         i = selector.choose(p, active)
         sample = next(streams[i], None)
         if sample is None:
             if not retire(i):
                 break
+            live = bool(active.any())
             continue
         selector.update(i, sample.length if count_tokens else 1, p)
         if batcher.add((i, sample), sample.length) or (batcher.count > caps[0] and batcher.release(1 << 62, caps[0])):

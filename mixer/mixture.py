@@ -267,8 +267,10 @@ class Reader:
         self.active = np.ones(n, dtype=bool)
         self.batches = 0
         self.tokens = 0
-        self._probs_key: tuple[int, int] | None = None
+        self._probs_key, self._retired = (-1, -1), 0  # (batches, sources retired) of _probs_cache
         self._probs_cache = np.zeros(n)
+        self._allotted_for = b""  # the shares _hold_ahead last sized buffers for
+        self._target_key, self._target_memo = (-1, -1), self._probs_cache  # (step, tokens) -> the schedule's shares
         self._holds = [0] * n
         self._caps = [UNCAPPED] * n  # items each batcher may hold (all the same, the shared one's, in mix="sample")
         self._replay: int | None = None  # batches to re-run after a restore (None: not restored)
@@ -283,9 +285,8 @@ class Reader:
         return self.batches * self.world.num_workers + self.world.worker
 
     def _probs(self) -> np.ndarray:
-        # Progress moves once per batch: with mix="sample" the schedule is asked once per batch,
-        # not once per sample.
-        key = (self.batches, int(self.active.sum()))
+        # Progress moves once per batch: with mix="sample" the schedule is asked once per batch.
+        key = (self.batches, self._retired)
         if key != self._probs_key:
             self._probs_key = key
             self._probs_cache = self._target()
@@ -295,6 +296,9 @@ class Reader:
     def _hold_ahead(self, probs: np.ndarray) -> None:
         """What each source may hold ahead now (:func:`mixer.holding.allot`): its shuffle buffer's
         limit, its buckets' hold in padded tokens, its batcher's cap in samples."""
+        if (key := probs.tobytes()) == self._allotted_for:  # (a pure function of the shares)
+            return
+        self._allotted_for = key
         m = self.mixture
         limits, self._holds[:], caps = allot(
             probs, shuffle_buffer=m.shuffle_buffer, buckets=[len(e) for e in m.edges], max_tokens=m.batching.max_tokens,
@@ -306,12 +310,16 @@ class Reader:
             st.limit = limit
 
     def _target_at(self, step: int) -> np.ndarray:
-        """The adaptive shares in effect at ``step`` when there are any, else the schedule's target."""
+        """The adaptive shares in effect at ``step`` when there are any, else the schedule's target
+        (asked twice a batch at the same progress: for the pick, then for the batch's meta)."""
         if self.table is not None:
             shares = self.table.shares_at(step, wait=self._in_worker)
             if shares is not None:
                 return shares
-        return self.mixture.target_at(step, float(self.tokens * self.world.readers))
+        key = (step, self.tokens)
+        if key != self._target_key:
+            self._target_key, self._target_memo = key, self.mixture.target_at(step, float(self.tokens * self.world.readers))
+        return self._target_memo
 
     def _target(self) -> np.ndarray:
         p = self._target_at(self.step)
@@ -385,7 +393,7 @@ class Reader:
                 setattr(c, field, int(value))
         self.batches = int(snapshot["batches"])
         self.tokens = int(snapshot["tokens"])
-        self._probs_key = None
+        self._probs_key = (-1, -1)
         if shared:
             wanted = group_locations([st.locations() for st in self.streams], batchers[0].locations())
         else:
@@ -403,6 +411,7 @@ class Reader:
     def _retire(self, i: int) -> bool:
         """Source ``i`` has no more samples for this reader; returns whether the stream goes on."""
         self.active[i] = False
+        self._retired += 1
         if self.mixture.stop == "never":
             log.warning("source %r has no data for reader %d; mixing the other sources only", self.mixture.names[i], self.world.reader)
         return self.mixture.stop != "first_exhausted" and bool(self.active.any())

@@ -18,6 +18,14 @@ from .compact import pack_floats, unpack_floats
 from .errors import ConfigError
 from .world import rng_for
 
+try:
+    from . import _select  # type: ignore[attr-defined]
+except ImportError:  # built without a C compiler: numpy does the deficit selector's arithmetic
+    _select = None
+
+NATIVE: bool = _select is not None
+"""Whether the deficit selector's per-pick loops run in C (`mixer/_select.c`); False: numpy."""
+
 SelectorName = Literal["deficit", "random", "round_robin"]
 SELECTORS: tuple[str, ...] = ("deficit", "random", "round_robin")
 
@@ -36,11 +44,15 @@ class Deficit:
         self.delivered = np.zeros(num_sources)
 
     def choose(self, probs: np.ndarray, active: np.ndarray) -> int:
+        if NATIVE and (i := _select.choose(self.target, self.delivered, probs, active)) is not None:
+            return i  # the loop below in C (mix="sample" picks once per sample): the same pick
         # A tiny share of p breaks ties (e.g. at the start) in favour of the larger target.
         score = np.where(active & (probs > 0), self.target - self.delivered + 1e-9 * probs, -np.inf)
         return int(np.argmax(score))
 
     def update(self, source: int, amount: float, probs: np.ndarray) -> None:
+        if NATIVE and _select.update(self.target, self.delivered, probs, source, amount) is not None:
+            return  # the same two lines in C, in place: the same bits
         self.target += probs * amount
         self.delivered[source] += amount
 

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from . import storage
+from . import decode, storage
 from ._warn import warn
 from .budget import Packed, TokenBudget
 from .checkpoint import expect_keys, locate_sample
@@ -20,14 +20,14 @@ from .shard_index import open_slice, range_loss
 from .storage.windows import growing_reads
 from .shards import ShardSlice, plan, slice_of, slice_row
 from .source import ListedSource
-from .tario import read_samples
+from .tario import _tarwalk, read_chunks
 from .world import Draws, World
 
 log = logging.getLogger(__name__)
 
 REFILL_BURST = 64
 """The most samples a shuffle buffer reads per refill (half its size when smaller): see `SourceStream.__next__`."""
-READ_CHUNK = 1 << 20  # what a stream's reads of a shard ask for (mixer.tario.read_samples)...
+READ_CHUNK = 1 << 20  # what a stream's reads of a shard ask for (mixer.tario.read_chunks)...
 SMALL_CHUNK = 64 << 10  # ... while the open-shards cap binds (see SourceStream._open_next),
 FIRST_READ = 8 << 10  # the first of them smaller still, doubling (mixer.storage.windows.GrowingReads)
 
@@ -139,7 +139,9 @@ class SourceStream:
         self.inherited: list[ShardSlice] = []
         self.inherit_epoch = -1
         self._plans: dict[int, list[ShardSlice]] = {}
-        self._samples: Iterator[dict[str, Any]] | None = None
+        self._chunks: Iterator[list[dict[str, Any]]] | None = None  # the open shard's samples, in runs
+        self._raws: list[dict[str, Any]] = []  # the run being taken, from _raw_pos on
+        self._raw_pos = 0
         self._handle: Any = None
         io = storage.IOOptions.of(self.source.io_options)
         self._ahead = storage.ReadAhead(options=io, storage_options=dict(self.source.storage_options or {}), allow_pipe=self.source.allow_pipe)
@@ -157,32 +159,26 @@ class SourceStream:
 
     def __next__(self) -> Sample:
         buf = self.buffer
-        size = min(self.buffer_size, self.limit)
-        if size <= 1 and not buf:
-            sample = self._read()
-            if sample is None:
+        size = self.buffer_size if self.buffer_size < self.limit else self.limit
+        # Refill in bursts: once the buffer is down by `burst` (half its size, at most
+        # REFILL_BURST), read it full in one go, then hand out one at random. A rarely read source
+        # whose shard the open-shards cap closed between visits then reopens it once per `burst`
+        # samples, not once per sample. A function of the buffer's length and size only (both in
+        # the checkpoint), never of whether the shard happens to be open, so a resumed run refills
+        # at the same points. When the cap went down, the excess is handed out first; when the
+        # pass is over, what the buffer holds. (This runs once per sample: no calls it can avoid.)
+        if len(buf) <= size - (REFILL_BURST if size >= 2 * REFILL_BURST else size >> 1 or 1) or not buf:
+            if size <= 1 and not buf:  # no buffer: straight from the shard
+                one: list[Sample] = []
+                if not self._read_into(one, 1):
+                    raise StopIteration
+                return one[0]
+            # (the size is asked again after each shard opened: it shrinks at a small epoch's end)
+            while (want := min(self.buffer_size, self.limit) - len(buf)) > 0 and self._read_into(buf, want):
+                pass
+            if not buf:
                 raise StopIteration
-            return sample
-        # Refill in bursts: once the buffer is down by `burst`, read it full in one go, then hand
-        # out one at random. A rarely read source whose shard the open-shards cap closed between
-        # visits then reopens it once per `burst` samples, not once per sample. A function of the
-        # buffer's length and size only (both in the checkpoint), never of whether the shard
-        # happens to be open, so a resumed run refills at the same points. When the cap went down,
-        # the excess is handed out first; when the pass is over, what the buffer holds.
-        if len(buf) <= size - min(max(size // 2, 1), REFILL_BURST):
-            while len(buf) < min(self.buffer_size, self.limit) and (sample := self._read()) is not None:  # (shrunk at a small epoch's end)
-                buf.append(sample)
-        if not buf:
-            raise StopIteration
-        return self._pop()
-
-    def _pop(self) -> Sample:
-        buf = self.buffer
-        j = int(self.rng.random() * len(buf))
-        out = buf[j]
-        buf[j] = buf[-1]
-        buf.pop()
-        return out
+        return self.rng.take(buf)
 
     def _plan(self, epoch: int) -> list[ShardSlice]:
         if epoch == self.inherit_epoch:
@@ -191,17 +187,45 @@ class SourceStream:
             self._plans = {epoch: plan(len(self.listed.shards), self.world, seed=self.seed, source=self.source.name, epoch=epoch, sizes=self.listed.shard_bytes, index=self.listed.index)}
         return self._plans[epoch]
 
-    def _read(self) -> Sample | None:
-        """The next sample of this reader's part, in shard order; None when there is no more."""
-        while not self.exhausted:
-            if self._samples is None and not self._open_next():
-                return None
+    def _read_into(self, out: list[Sample], want: int) -> int:
+        """Append the next ``want`` samples of this reader's part (in shard order) to ``out``, fewer
+        when there are no more, and fewer still when a shard is opened: then the one sample read
+        from it is the last (the caller may ask for more; a shuffle buffer asks its size again).
+        Returns how many were appended. Runs of samples in the default format go through
+        ``_tarwalk.samples`` in one call (chunked); every other sample through `make_sample`."""
+        got = 0
+        while got < want and not self.exhausted:
+            if self._chunks is None:
+                if not self._open_next():
+                    return got
+                want = got + 1
             sl = self._plan(self.epoch)[self.slice_pos]
             skip = self.skips.get((self.epoch, self.slice_pos))
             limit = None if skip is None else skip[0]
+            fast = sl.parts == 1 and limit is None and self.source.decode is None and self.source.length is None and decode.NATIVE
+            convert = _convert if fast else None
             self._shards.used(self)
             try:
-                for raw in self._samples:  # type: ignore[union-attr]
+                while got < want:
+                    raws, pos = self._raws, self._raw_pos
+                    if pos == len(raws):
+                        raws = next(self._chunks, None)  # type: ignore[arg-type]
+                        if raws is None:
+                            break
+                        self._raws, self._raw_pos, pos = raws, 0, 0
+                    if convert is not None:
+                        done, end = convert(raws, pos, min(len(raws), pos + want - got), sl.shard, self.budget.longest, Sample, out)
+                        if done > pos:
+                            n = done - pos
+                            self._raw_pos = done
+                            self.next_index += n
+                            self.next_offset = end
+                            self.counters.read += n
+                            self.got_in_epoch += n
+                            got += n
+                            continue
+                    raw = raws[pos]  # one sample, as make_sample judges it
+                    self._raw_pos = pos + 1
                     i = self.next_index
                     if limit is not None and i >= limit:
                         raise _SkipAgain
@@ -213,7 +237,10 @@ class SourceStream:
                     if sample is not None:
                         self.counters.read += 1
                         self.got_in_epoch += 1
-                        return sample
+                        out.append(sample)
+                        got += 1
+                else:
+                    return got  # (mid-shard)
             except _SkipAgain:
                 # A decision taken before (in the run this one resumes): the same point, the same counts.
                 self._close()
@@ -236,7 +263,7 @@ class SourceStream:
             self.slice_pos += 1
             self.next_index = 0
             self.next_offset = 0
-        return None
+        return got
 
     def _loss(self, exc: ShardError, sl: ShardSlice) -> tuple[tuple[int, int, int, int], str]:
         """What giving up the current shard at `exc` loses, as counter increments (skipped_samples,
@@ -309,7 +336,7 @@ class SourceStream:
             self.counters.retries += getattr(exc, "retries", 0)
             # Raised from inside the sample loop, where the on_error policy applies.
             self._handle = None
-            self._samples = _raising(exc)
+            self._chunks = _raising(exc)
         else:
             # While the cap binds (this stream was closed by it, or opening it closes another), what
             # is read and not taken before the shard is closed is dropped and read again: read in
@@ -317,7 +344,7 @@ class SourceStream:
             small = not ahead or self._shards.full
             chunk = SMALL_CHUNK if small else READ_CHUNK
             reads = growing_reads(self._handle, FIRST_READ) if small else self._handle
-            self._samples = read_samples(reads, url=storage.redact(url), start_offset=self.next_offset, chunk_size=chunk)
+            self._chunks = read_chunks(reads, url=storage.redact(url), start_offset=self.next_offset, chunk_size=chunk)
             self._shards.opened(self)  # may suspend the least recently read other stream
         return True
 
@@ -328,7 +355,8 @@ class SourceStream:
             self._handle.close()
             self._shards.closed(self)
         self._handle = None
-        self._samples = None
+        self._chunks = None
+        self._raws, self._raw_pos = [], 0
 
     def suspend(self) -> None:
         """Close the shard and its read-ahead, keeping the position (reopened at ``next_offset``)."""
@@ -393,10 +421,14 @@ class SourceStream:
         self.buffer, self._restoring = [lookup(loc) for loc in self._restoring], []
 
 
+# make_sample's default case for runs of samples, in C (mixer/_tarwalk.c); None without the compiled core
+_convert = _tarwalk.samples if _tarwalk is not None else None
+
+
 class _SkipAgain(Exception):
     """Reading reached a point where the run being resumed gave the shard up."""
 
 
-def _raising(exc: BaseException) -> Iterator[dict[str, Any]]:
+def _raising(exc: BaseException) -> Iterator[list[dict[str, Any]]]:
     raise exc
     yield  # a generator that raises when first advanced

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Generator, Iterable, Iterator
+from itertools import chain
 from typing import Any, BinaryIO, cast
 from zlib import adler32
 
@@ -334,18 +335,19 @@ def _is_meta(name: str) -> bool:
     return _SKIP_META.match(name) is not None
 
 
-def read_samples(
-    stream: BinaryIO, *, url: str, start_offset: int = 0, chunk_size: int = 1 << 20, native: bool | None = None
-) -> Iterator[dict[str, Any]]:
-    """`iter_members` then `group_samples`: the samples of one shard stream (see both).
+def read_samples(stream: BinaryIO, *, url: str, start_offset: int = 0, chunk_size: int = 1 << 20, native: bool | None = None) -> Iterator[dict[str, Any]]:
+    """`iter_members` then `group_samples`: the samples of one shard stream (see both, and `read_chunks`)."""
+    return chain.from_iterable(read_chunks(stream, url=url, start_offset=start_offset, chunk_size=chunk_size, native=native))
 
-    With the compiled core (`NATIVE`; ``native=False`` or ``mixer.tario.NATIVE = False`` turns it
-    off) the common members are walked and grouped in C and the rest by the code above, from the
-    first member the C code declines on: the samples, errors and damage fields are the same.
-    """
+
+def read_chunks(stream: BinaryIO, *, url: str, start_offset: int = 0, chunk_size: int = 1 << 20, native: bool | None = None) -> Iterator[list[dict[str, Any]]]:
+    """`read_samples` in lists of consecutive samples, for a caller that takes many at once (`mixer.stream`).
+    With the compiled core (`NATIVE`; ``native=False`` or ``mixer.tario.NATIVE = False`` turns it off) the
+    common members are walked and grouped in C (up to 64 samples a list) and the rest, from the first member
+    it declines on, by the code above (one a list): the samples, errors and damage fields are the same."""
     if _tarwalk is not None and (NATIVE if native is None else native):
         return _read_native(stream, url, start_offset, chunk_size)
-    return group_samples(iter_members(stream, url=url, start_offset=start_offset, chunk_size=chunk_size), url=url)
+    return ([raw] for raw in group_samples(iter_members(stream, url=url, start_offset=start_offset, chunk_size=chunk_size), url=url))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,7 +362,7 @@ NATIVE: bool = _tarwalk is not None
 """Whether `read_samples` uses the compiled core by default (True when it was built)."""
 
 
-def _read_native(stream: BinaryIO, url: str, start_offset: int, chunk_size: int) -> Iterator[dict[str, Any]]:
+def _read_native(stream: BinaryIO, url: str, start_offset: int, chunk_size: int) -> Iterator[list[dict[str, Any]]]:
     """`read_samples` through ``_tarwalk.scan``, which walks and groups whole members of
     ``buf[pos:end]`` and stops when it needs more bytes (read here, as `_refill` reads them, but
     into one reused buffer where the stream has ``readinto``) or meets anything it leaves to Python
@@ -379,12 +381,12 @@ def _read_native(stream: BinaryIO, url: str, start_offset: int, chunk_size: int)
     while True:
         status, pos, need, sample, key = scan(buf, pos, end, base, url, sample, key, out)
         if out:
-            yield from out
-            out.clear()
+            yield out
+            out = []
         if status == _tarwalk.END:
             if sample:
                 sample["__end__"] = base + pos
-                yield sample
+                yield [sample]
             return
         if status == _tarwalk.FALLBACK:
             break
@@ -430,7 +432,7 @@ def _read_native(stream: BinaryIO, url: str, start_offset: int, chunk_size: int)
         if failure is not None or eof:
             break
     rest = _Replay(stream, failure, eof) if failure is not None or eof else stream
-    yield from _group(_walk(cast(BinaryIO, rest), bytes(buf[pos:end]), base + pos, url, chunk_size), url, sample or {}, key)
+    yield from ([raw] for raw in _group(_walk(cast(BinaryIO, rest), bytes(buf[pos:end]), base + pos, url, chunk_size), url, sample or {}, key))
 
 
 class _Replay:
@@ -444,7 +446,5 @@ class _Replay:
         failure, self.failure = self.failure, None
         if failure is not None:
             raise failure
-        if self.eof:
-            self.eof = False
-            return b""
-        return self.stream.read(size)
+        eof, self.eof = self.eof, False
+        return b"" if eof else self.stream.read(size)

@@ -115,6 +115,20 @@ class Draws:
         self._pos += 1
         return x
 
+    def take(self, items: list[Any]) -> Any:
+        """Remove an item of ``items`` drawn uniformly with one draw, the last taking its place, and
+        return it (a shuffle buffer's pop, once per sample: `random` inlined)."""
+        pos = self._pos
+        if pos == self.BLOCK:
+            self._refill()
+            pos = 0
+        self._pos = pos + 1
+        j = int(self._block[pos] * len(items))
+        out = items[j]
+        items[j] = items[-1]
+        items.pop()
+        return out
+
     @property
     def taken(self) -> int:
         """Draws handed out since the generator was seeded."""

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+import mixer.selector as selector_module
 from mixer.selector import Deficit, RandomPick, RoundRobin
 
 
@@ -72,3 +73,59 @@ def test_state_round_trip(cls):
     b = cls(3)
     b.load_state_dict(a.state_dict())
     assert run(a, probs, [[3], [5], [7]], 50)[1] == run(b, probs, [[3], [5], [7]], 50)[1]
+
+
+@pytest.mark.skipif(not selector_module.NATIVE, reason="the compiled selector loops were not built")
+@pytest.mark.parametrize("n", [1, 3, 17, 1000])
+def test_compiled_deficit_is_numpys_bit_for_bit(n, monkeypatch):
+    """mixer/_select.c against the numpy code it replaces: the same picks and the same state bits
+    over a run with moving shares, ties, inactive and zero-share sources and fractional amounts."""
+    rng = np.random.default_rng(n)
+    fast, slow = Deficit(n), Deficit(n)
+    active = np.ones(n, dtype=bool)
+    for k in range(3000):
+        probs = rng.dirichlet(np.ones(n)) if k % 50 else np.full(n, 1.0 / n)  # equal shares: ties
+        if n > 1 and k % 7 == 0:
+            probs[rng.integers(n)] = 0.0
+            probs /= probs.sum()
+        if k == 1500 and n > 2:
+            active[: n // 2] = False
+        i = fast.choose(probs, active)
+        with monkeypatch.context() as m:
+            m.setattr(selector_module, "NATIVE", False)
+            assert slow.choose(probs, active) == i
+            amount = float(rng.integers(1, 70000)) if k % 3 else rng.random() * 1e4
+            slow.update(i, amount, probs)
+        fast.update(i, amount, probs)
+        assert fast.target.tobytes() == slow.target.tobytes()
+        assert fast.delivered.tobytes() == slow.delivered.tobytes()
+    nobody = np.zeros(n, dtype=bool)
+    assert fast.choose(probs, nobody) == 0  # np.argmax of all -inf
+    # near-ties, where the 1e-9 * p tie-break decides
+    for _ in range(500):
+        fast.target, fast.delivered = rng.random(n) * 1e-8, np.zeros(n)
+        slow.target, slow.delivered = fast.target.copy(), fast.delivered.copy()
+        probs = rng.dirichlet(np.ones(n))
+        with monkeypatch.context() as m:
+            m.setattr(selector_module, "NATIVE", False)
+            expected = slow.choose(probs, active | True)
+        assert fast.choose(probs, active | True) == expected
+
+
+@pytest.mark.skipif(not selector_module.NATIVE, reason="the compiled selector loops were not built")
+def test_compiled_deficit_leaves_odd_arrays_to_numpy():
+    """Anything but 1-D contiguous float64 (bool for active) of one length: None, numpy decides."""
+    from mixer import _select
+
+    t, d = np.zeros(4), np.zeros(4)
+    p = np.full(4, 0.25)
+    active = np.ones(4, dtype=bool)
+    assert _select.choose(t, d, p, active) == 0
+    assert _select.choose(t, d, p.astype(np.float32), active) is None
+    assert _select.choose(t, d, np.full(8, 0.125)[::2], active) is None
+    assert _select.choose(t, d, p, active.astype(np.int8)) is None
+    assert _select.choose(t, d, p[:3], active) is None
+    assert _select.update(t, d, p, 4, 1.0) is None  # no such source
+    assert _select.update(t, d, p, 1, 2.0) is True and d[1] == 2.0 and t.tolist() == [0.5] * 4
+    with pytest.raises(TypeError):
+        _select.update(t, d, p, 1, "x")

@@ -129,3 +129,22 @@ def test_compiled_deficit_leaves_odd_arrays_to_numpy():
     assert _select.update(t, d, p, 1, 2.0) is True and d[1] == 2.0 and t.tolist() == [0.5] * 4
     with pytest.raises(TypeError):
         _select.update(t, d, p, 1, "x")
+
+
+def test_the_compiled_selector_is_built_where_the_reader_core_is():
+    """Both come from one setup.py and compiler: one built without the other is a build failure
+    that `optional=True` would otherwise hide."""
+    from mixer import tario
+
+    assert (selector_module._select is None) == (tario._tarwalk is None)
+
+
+@pytest.mark.skipif(not selector_module.NATIVE, reason="the compiled selector loops were not built")
+def test_the_deficit_selector_uses_the_compiled_loops(monkeypatch):
+    """The fast path is not silently dead: with NATIVE the numpy code is never reached."""
+    sel = Deficit(3)
+    monkeypatch.setattr(selector_module, "np", None)  # numpy's path would fail on None.where
+    probs, active = np.array([0.5, 0.3, 0.2]), np.ones(3, dtype=bool)
+    i = sel.choose(probs, active)
+    sel.update(i, 100, probs)
+    assert i == 0 and sel.delivered.tolist() == [100.0, 0.0, 0.0]

@@ -26,7 +26,11 @@ from mixer.storage.filesystems import close_filesystems
 from mixer.errors import ConfigError, ShardError
 
 SIZE = 300_007  # not a multiple of any block or chunk size used below
-FAST = {"timeout": 0.5, "backoff": 0.01}  # stalls are detected after 0.5 s; retries wait ~10 ms
+# Retries wait ~10 ms. Reads time out after 30 s, so that a machine loaded by parallel jobs never
+# makes a healthy response look stalled (retries are counted exactly); tests that make the server
+# stall or not answer use STALLS, which detects it after 0.5 s.
+FAST = {"timeout": 30.0, "backoff": 0.01}
+STALLS = {"timeout": 0.5, "backoff": 0.01}
 
 
 def _payload(seed: int, n: int) -> bytes:
@@ -443,7 +447,7 @@ def test_http_reset_without_pause(http: FaultyHTTPServer, files: dict[str, bytes
 def test_http_stall_resumes_after_timeout(http: FaultyHTTPServer, files: dict[str, bytes]) -> None:
     http.fail("data/a.tar", "stall", after=K, seconds=5)
     t0 = time.monotonic()
-    with mio.open_shard(http.url("data/a.tar"), block_size=16384, **FAST) as stream:
+    with mio.open_shard(http.url("data/a.tar"), block_size=16384, **STALLS) as stream:
         assert stream.read() == files["data/a.tar"]
         assert stream.retries == 1  # type: ignore[attr-defined]
     assert 0.5 <= time.monotonic() - t0 < 3.0
@@ -452,7 +456,7 @@ def test_http_stall_resumes_after_timeout(http: FaultyHTTPServer, files: dict[st
 
 def test_http_no_response_times_out(http: FaultyHTTPServer, files: dict[str, bytes]) -> None:
     http.fail("data/b.tar", "hang", seconds=5)
-    with mio.open_shard(http.url("data/b.tar"), **FAST) as stream:
+    with mio.open_shard(http.url("data/b.tar"), **STALLS) as stream:
         assert stream.read() == files["data/b.tar"]
     assert [s for _, s in _ranges(http, "data/b.tar")] == [0, 200]
 
@@ -463,7 +467,7 @@ def test_http_several_faults_in_one_shard(http: FaultyHTTPServer, files: dict[st
     http.fail("data/a.tar", "status", status=503)
     http.fail("data/a.tar", "stall", after=20_000, seconds=5)
     http.fail("data/a.tar", "close", after=1, pause=0.05)
-    with mio.open_shard(http.url("data/a.tar"), block_size=4096, **FAST) as stream:
+    with mio.open_shard(http.url("data/a.tar"), block_size=4096, **STALLS) as stream:
         assert _read_all(stream, 3333) == files["data/a.tar"]
         assert stream.retries == 4  # type: ignore[attr-defined]
     assert _ranges(http, "data/a.tar") == [(None, 200), (10_000, 503), (10_000, 206), (30_000, 206), (30_001, 206)]
@@ -613,7 +617,7 @@ def test_real_shard_over_faulty_http(http: FaultyHTTPServer, root: Path) -> None
     def samples(stream: Any) -> list[tuple[Any, ...]]:
         return [tuple(sorted((k, v) for k, v in s.items() if k != "__url__")) for s in read_samples(stream, url=url)]
 
-    with mio.open_shard(str(path)) as local, mio.open_shard(url, block_size=4096, **FAST) as remote:
+    with mio.open_shard(str(path)) as local, mio.open_shard(url, block_size=4096, **STALLS) as remote:
         expected, got = samples(local), samples(remote)
         assert remote.retries == 3  # type: ignore[attr-defined]
     assert len(expected) == 40 and got == expected
@@ -637,7 +641,7 @@ def test_s3_faults(
 ) -> None:
     fake_s3.fail("data/a.tar", kind, **kwargs)
     options = s3_storage_options(fake_s3.url().rstrip("/"))
-    with mio.open_shard("s3://data/a.tar", storage_options=options, block_size=16384, **FAST) as stream:
+    with mio.open_shard("s3://data/a.tar", storage_options=options, block_size=16384, **(STALLS if kind == "stall" else FAST)) as stream:
         assert stream.read() == files["data/a.tar"]
         assert stream.retries == len(resume) - 1  # type: ignore[attr-defined]
     assert _ranges(fake_s3, "data/a.tar") == resume
@@ -753,9 +757,9 @@ def test_no_false_timeout_after_an_idle_pause(http: FaultyHTTPServer, files: dic
     # while the body is drained (aio-libs/aiohttp#12953): the next request on that connection, a
     # timeout later, failed at once with a false "timed out" (a spurious retry). Responses are not
     # pooled, so a pause longer than the timeout between two shards costs nothing.
-    with mio.open_shard(http.url("data/a.tar"), **FAST) as stream:
+    with mio.open_shard(http.url("data/a.tar"), **STALLS) as stream:
         assert stream.read() == files["data/a.tar"]
     time.sleep(0.8)
-    with mio.open_shard(http.url("data/b.tar"), **FAST) as stream:
+    with mio.open_shard(http.url("data/b.tar"), **STALLS) as stream:
         assert stream.read() == files["data/b.tar"]
         assert stream.retries == 0  # type: ignore[attr-defined]

@@ -42,9 +42,11 @@ from mixer.errors import ConfigError, SampleError, ShardError
 SHARDS = 4
 PER_SHARD = 10
 FAULTY = 1  # not among the shards the profile reads (0, 2, 3), so its faults hit while streaming
-# A stall counts after 1 s (short enough for a quick test, long enough that a busy machine does not
-# make a healthy response look stalled: retries are counted exactly); retries wait ~10 ms.
-FAST = {"timeout": 1.0, "retries": 3, "backoff": 0.01}
+# Retries wait ~10 ms. Reads time out only after 30 s, so that a machine loaded by parallel jobs
+# never makes a healthy response look stalled (retries are counted exactly); the cases that inject
+# a stall (5 s) add STALLS, which counts it after 1 s.
+FAST = {"timeout": 30.0, "retries": 3, "backoff": 0.01}
+STALLS = {"timeout": 1.0}
 NAME = f"bucket/x-{FAULTY:06d}.tar"
 PATTERN = "bucket/x-{000000..000003}.tar"
 
@@ -207,7 +209,7 @@ def test_fault_while_streaming(
     members = layout[FAULTY]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        keys, counters = run(urls, workers=workers, storage_options=options, arm=lambda: arm(http, members))
+        keys, counters = run(urls, workers=workers, storage_options=options, arm=lambda: arm(http, members), io_options=STALLS if fault == "stall" else None)
     missing = set()
     if lost_from is not None:
         missing = keys_from(layout, FAULTY, lost_from)
@@ -291,7 +293,7 @@ def test_raise_names_url_shard_and_byte(http: FaultyHTTPServer, layout: dict[int
     for arm, kind, pattern, retries in cases:
         http.clear()
         with pytest.raises(kind, match=pattern):
-            run(urls, workers=workers, on_error="raise", arm=arm, io_options={"retries": retries})
+            run(urls, workers=workers, on_error="raise", arm=arm, io_options={"retries": retries, **(STALLS if "timed out" in pattern else {})})
 
 
 # ------------------------------------------------------------------------------- real S3 (moto)

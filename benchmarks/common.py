@@ -567,6 +567,11 @@ def ratio_check(
     return _check(bench, name, _median(ratios) if ratios else math.nan, target, op, per_round=ratios)
 
 
+def values_check(bench: str, name: str, values: Sequence[float], target: float | None, op: str = ">=") -> dict[str, Any]:
+    """Median of a figure computed inside each round (the rounds' values are kept beside it)."""
+    return _check(bench, name, _median(values) if values else math.nan, target, op, per_round=list(values))
+
+
 def value_check(bench: str, name: str, value: float | None, target: float | None, op: str = ">=") -> dict[str, Any]:
     return _check(bench, name, math.nan if value is None else value, target, op)
 

@@ -198,7 +198,7 @@ def mixer_e2e(shards: ShardSet, budget: int, workers: int = 0) -> Callable[[Tall
             consume_mixer(batches, tally, budget)
             common.record_worker_rss(tally)  # the workers still run: read their peaks now
         finally:
-            batches.close()  # Loader.__iter__'s finally: DataLoader shuts its workers down
+            batches.close()  # type: ignore[attr-defined]  # a generator: Loader.__iter__'s finally shuts the workers down
         alive = common.reap_children()
         if alive:
             tally.note(f"{alive} child process(es) still alive after 60 s: their CPU is not counted")

@@ -114,6 +114,10 @@ def test_cpu_per_sample_quick_times_every_run_alike(tmp_path: Path) -> None:
     checks = {c["check"] for c in result["checks"]}
     assert "fixed CPU-s per pass, 2 workers minus 0 workers" in checks
     assert "marginal CPU-µs/sample (half budget to budget), 2 workers / 0 workers" in checks
+    main = {c["check"]: c for c in result["checks"]}["main-process CPU-µs per batch with 2 workers (receiving, bookkeeping, start, stop)"]
+    w2 = [r for r in rows["mixer_w2"]["per_round"] if r]
+    assert 0 < main["value"] and all(0 < r["main_cpu_s"] < r["cpu_s"] for r in w2)  # the workers' CPU is the rest
+    assert all(r["main_cpu_s"] == pytest.approx(r["cpu_s"]) for r in rows["mixer_w0"]["per_round"] if r)  # no children
 
 
 def test_cpu_per_sample_splits_fixed_and_marginal_cpu() -> None:

@@ -188,7 +188,7 @@ def mixer_e2e(shards: ShardSet, budget: int, workers: int = 0) -> Callable[[Tall
     are joined (a child's CPU shows in RUSAGE_CHILDREN only then), and no garbage collection is
     forced inside the timing: a full `gc.collect()` walks the process's whole heap (torch alone is
     ~170k objects, ~80 ms here) whatever the loader did, and when only the worker runs paid it, as
-    before, it alone added ~0.03 to their CPU ratio over 0 workers at `--budget 1` (~0.06 at 0.5)."""
+    before, it alone added ~0.03-0.06 to their CPU ratio over 0 workers at `--budget 1`, twice that at 0.5."""
 
     def run(tally: Tally) -> None:
         import mixer

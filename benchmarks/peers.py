@@ -6,9 +6,10 @@
   Weights 0.6/0.3/0.1 per *sample*, as a user passes them.
 * `torchdata_tokprobs` — the same with weights corrected to token shares (w / mean length).
 * `mixer_w1`, `mixer_w2` — the mixer through `make_loader(num_workers=1 / 2)`; the throughput run's
-  `mixer` row is the same code (`throughput.mixer_e2e`) with 0 workers. CPU counts the workers (joined before the clock stops)
-  and the peak RSS of each worker is read while it runs. Their CPU ratio over `mixer` includes the
-  workers' fixed cost per pass, so it grows as `--budget` shrinks: `cpu_per_sample` splits the two.
+  `mixer` row is the same code (`throughput.mixer_e2e`) with 0 workers. CPU counts the workers
+  (joined before the clock stops) and the peak RSS of each worker is read while it runs. Their CPU
+  ratio over `mixer` includes the workers' fixed cost per pass, so it grows as `--budget` shrinks:
+  `cpu_per_sample` splits the two.
 
 torchdata installs beside torch 2.13 with `pip install --no-deps torchdata==0.11.0` (its other
 requirements, requests and urllib3, come with the test extras); without it the rows say so.
@@ -83,7 +84,7 @@ def methods(shards: ShardSet, opts: argparse.Namespace, budget: int, batch_size:
     probs = [s.weight for s in shards.sources]
     mean = np.array([s.mean_length for s in shards.sources])
     tokprobs = (np.array(probs) / mean / (np.array(probs) / mean).sum()).tolist()
-    from .throughput import mixer_e2e
+    from .throughput import mixer_e2e  # here: throughput imports this module
 
     td = torchdata_missing()
     api = common.missing("mixer", "Source", "Mixture", "TokenBudget", "make_loader")

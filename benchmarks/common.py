@@ -269,9 +269,14 @@ DECODERS: dict[str, Callable[[bytes], np.ndarray]] = {"frombuffer": npy_frombuff
 
 def cpu_seconds() -> float:
     """User+system CPU of this process and of every child it has waited for (DataLoader workers)."""
+    return sum(cpu_split())
+
+
+def cpu_split() -> tuple[float, float]:
+    """(this process, the children it has waited for): user+system CPU seconds of each."""
     s = resource.getrusage(resource.RUSAGE_SELF)
     c = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+    return s.ru_utime + s.ru_stime, c.ru_utime + c.ru_stime
 
 
 def reap_children(timeout: float = 60.0) -> int:
@@ -377,6 +382,7 @@ class Measurement:
     first_batch_s: float | None
     notes: list[str]
     peak_rss: int | None = None  # main process, bytes
+    main_cpu_s: float | None = None  # the part of cpu_s spent in this process (the rest: its children)
     worker_rss: list[int] = dataclasses.field(default_factory=list)  # each worker's peak, bytes
 
     @property
@@ -427,15 +433,17 @@ def measure(method: Method, targets: np.ndarray, window_tokens: int) -> Measurem
     gc.collect()
     reset_peak_rss()
     tally = Tally(targets, window_tokens)
-    c0 = cpu_seconds()
+    m0, c0 = cpu_split()
     t0 = time.perf_counter()
     tally.t0 = t0
     method.run(tally)
     wall = time.perf_counter() - t0
-    cpu = cpu_seconds() - c0
+    m1, c1 = cpu_split()
+    cpu = (m1 - m0) + (c1 - c0)
     return Measurement(
         wall_s=wall,
         cpu_s=cpu,
+        main_cpu_s=m1 - m0,
         samples=tally.samples,
         tokens=tally.tokens,
         slots=tally.slots,
@@ -565,6 +573,11 @@ def ratio_check(
     a, b = per_round(num, attr), per_round(den, attr)
     ratios = [x / y for x, y in zip(a, b) if x is not None and y is not None and y > 0]
     return _check(bench, name, _median(ratios) if ratios else math.nan, target, op, per_round=ratios)
+
+
+def values_check(bench: str, name: str, values: Sequence[float], target: float | None, op: str = ">=") -> dict[str, Any]:
+    """Median of a figure computed inside each round (the rounds' values are kept beside it)."""
+    return _check(bench, name, _median(values) if values else math.nan, target, op, per_round=list(values))
 
 
 def value_check(bench: str, name: str, value: float | None, target: float | None, op: str = ">=") -> dict[str, Any]:

@@ -6,8 +6,10 @@
   Weights 0.6/0.3/0.1 per *sample*, as a user passes them.
 * `torchdata_tokprobs` — the same with weights corrected to token shares (w / mean length).
 * `mixer_w1`, `mixer_w2` — the mixer through `make_loader(num_workers=1 / 2)`; the throughput run's
-  `mixer` row is the same with 0 workers. CPU counts the workers (joined before the clock stops)
-  and the peak RSS of each worker is read while it runs.
+  `mixer` row is the same code (`throughput.mixer_e2e`) with 0 workers. CPU counts the workers
+  (joined before the clock stops) and the peak RSS of each worker is read while it runs. Their CPU
+  ratio over `mixer` includes the workers' fixed cost per pass, so it grows as `--budget` shrinks:
+  `cpu_per_sample` splits the two.
 
 torchdata installs beside torch 2.13 with `pip install --no-deps torchdata==0.11.0` (its other
 requirements, requests and urllib3, come with the test extras); without it the rows say so.
@@ -16,7 +18,6 @@ requirements, requests and urllib3, come with the test extras); without it the r
 from __future__ import annotations
 
 import argparse
-import gc
 import random
 from collections.abc import Callable
 
@@ -78,33 +79,13 @@ def torchdata_run(shards: ShardSet, decode: Callable[[bytes], np.ndarray], weigh
     return run
 
 
-def mixer_workers(shards: ShardSet, workers: int, budget: int) -> Callable[[Tally], None]:
-    def run(tally: Tally) -> None:
-        import mixer
-
-        from .throughput import make_mixture
-
-        loader = mixer.make_loader(make_mixture(shards), num_workers=workers)
-        batches = iter(loader)  # held: leaving the loop must not shut the workers down yet
-        for batch in batches:
-            tally.add_batch(batch.lengths.numpy(), batch.source.numpy(), batch.tokens.numel())
-            if tally.tokens >= budget:
-                break
-        common.record_worker_rss(tally)  # the workers still run: read their peaks now
-        del loader, batches
-        gc.collect()
-        alive = common.reap_children()
-        if alive:
-            tally.note(f"{alive} child process(es) still alive after 60 s: their CPU is not counted")
-
-    return run
-
-
 def methods(shards: ShardSet, opts: argparse.Namespace, budget: int, batch_size: int, max_tokens: int) -> dict[str, Method]:
     decode = common.DECODERS[opts.decode]
     probs = [s.weight for s in shards.sources]
     mean = np.array([s.mean_length for s in shards.sources])
     tokprobs = (np.array(probs) / mean / (np.array(probs) / mean).sum()).tolist()
+    from .throughput import mixer_e2e  # here: throughput imports this module
+
     td = torchdata_missing()
     api = common.missing("mixer", "Source", "Mixture", "TokenBudget", "make_loader")
     budget_note = f"stops at {budget / 1e6:.1f}M real tokens"
@@ -128,7 +109,7 @@ def methods(shards: ShardSet, opts: argparse.Namespace, budget: int, batch_size:
         table[f"mixer_w{w}"] = Method(
             f"mixer_w{w}",
             f"mixer, num_workers={w}",
-            mixer_workers(shards, w, budget),
+            mixer_e2e(shards, budget, w),
             skip=api,
             note=f"TokenBudget({max_tokens}); stop=never; {budget_note}; CPU incl. workers",
         )

@@ -181,12 +181,27 @@ def consume_mixer(loader, tally: Tally, budget: int | None) -> None:
             break
 
 
-def mixer_e2e(shards: ShardSet, budget: int) -> Callable[[Tally], None]:
+def mixer_e2e(shards: ShardSet, budget: int, workers: int = 0) -> Callable[[Tally], None]:
+    """`make_loader(num_workers=workers)` until `budget` real tokens, ended the same way for every
+    worker count, so that 0 and N workers are timed alike (`throughput`, `peers` and `cpu_per_sample`
+    all use this one): the iterator is closed explicitly (its workers shut down), the exited workers
+    are joined (a child's CPU shows in RUSAGE_CHILDREN only then), and no garbage collection is
+    forced inside the timing: a full `gc.collect()` walks the process's whole heap (torch alone is
+    ~170k objects, ~80 ms here) whatever the loader did, and when only the worker runs paid it, as
+    before, it alone added ~0.03-0.06 to their CPU ratio over 0 workers at `--budget 1`, twice that at 0.5."""
+
     def run(tally: Tally) -> None:
         import mixer
 
-        loader = mixer.make_loader(make_mixture(shards), num_workers=0)
-        consume_mixer(loader, tally, budget)
+        batches = iter(mixer.make_loader(make_mixture(shards), num_workers=workers))
+        try:
+            consume_mixer(batches, tally, budget)
+            common.record_worker_rss(tally)  # the workers still run: read their peaks now
+        finally:
+            batches.close()  # type: ignore[attr-defined]  # a generator: Loader.__iter__'s finally shuts the workers down
+        alive = common.reap_children()
+        if alive:
+            tally.note(f"{alive} child process(es) still alive after 60 s: their CPU is not counted")
 
     return run
 

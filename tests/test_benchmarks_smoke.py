@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -96,3 +97,46 @@ def test_adaptive_runs_every_method_at_a_tiny_budget(tmp_path: Path, demo_shards
     # the adaptive runs reported loss and made updates (the budget is about 7 batches; updates every 5 steps)
     assert rows["exp3"]["adaptive"]["updates"] >= 1 and rows["static"]["adaptive"] is None
     assert (tmp_path / "adaptive.quick.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _mixture_importable(), reason="mixer.Mixture is not importable yet")
+def test_cpu_per_sample_quick_times_every_run_alike(tmp_path: Path) -> None:
+    # 0 and 2 workers, at the budget and at half of it, all through throughput.mixer_e2e; no figure is judged
+    proc = _run_module([sys.executable, "-m", "benchmarks", "cpu_per_sample", "--quick", "--quiet", "--bench-dir", str(tmp_path)], timeout=180)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads((tmp_path / "cpu_per_sample.quick.json").read_text())
+    rows = {r["method"]: r for r in result["rows"]}
+    assert set(rows) == {"mixer_w0", "mixer_w2", "mixer_w0_half", "mixer_w2_half"}
+    assert all(r["status"] == "ok" and "still alive" not in r["note"] for r in rows.values()), rows
+    assert rows["mixer_w2"]["worker_rss_mb"] > 0 and math.isnan(rows["mixer_w0"]["worker_rss_mb"])  # read while the workers ran; none with 0
+    assert rows["mixer_w0_half"]["tokens"] < rows["mixer_w0"]["tokens"]
+    checks = {c["check"] for c in result["checks"]}
+    assert "fixed CPU-s per pass, 2 workers minus 0 workers" in checks
+    assert "marginal CPU-µs/sample (half budget to budget), 2 workers / 0 workers" in checks
+    main = {c["check"]: c for c in result["checks"]}["main-process CPU-µs per batch with 2 workers (receiving, bookkeeping, start, stop)"]
+    w2 = [r for r in rows["mixer_w2"]["per_round"] if r]
+    assert 0 < main["value"] and all(0 < r["main_cpu_s"] < r["cpu_s"] for r in w2)  # the workers' CPU is the rest
+    assert all(r["main_cpu_s"] == pytest.approx(r["cpu_s"]) for r in rows["mixer_w0"]["per_round"] if r)  # no children
+
+
+def test_cpu_per_sample_splits_fixed_and_marginal_cpu() -> None:
+    # runs whose CPU is exactly fixed + samples x rate: the split recovers both, per round
+    sys.path.insert(0, str(REPO))
+    try:
+        from benchmarks.common import Measurement, Method, Outcome
+        from benchmarks.cpu_per_sample import fixed_s, marginal_us, split_checks
+    finally:
+        sys.path.remove(str(REPO))
+
+    def outcome(name: str, fixed: float, us: float, samples: list[int]) -> Outcome:
+        runs = [Measurement(1.0, fixed + n * us * 1e-6, n, 0, 0, 0, 0, [], 0, 0.0, None, []) for n in samples]
+        return Outcome(Method(name, name, lambda tally: None), list(runs))
+
+    w0, w0h = outcome("mixer_w0", 0.2, 12.0, [200_000, 199_000]), outcome("mixer_w0_half", 0.2, 12.0, [100_000, 101_000])
+    w2, w2h = outcome("mixer_w2", 0.5, 13.2, [198_000, 200_000]), outcome("mixer_w2_half", 0.5, 13.2, [99_000, 100_000])
+    assert marginal_us(w2, w2h) == pytest.approx([13.2, 13.2])
+    assert fixed_s(w0, w0h) == pytest.approx([0.2, 0.2]) and fixed_s(w2, w2h) == pytest.approx([0.5, 0.5])
+    by = {c["check"]: c for c in split_checks({o.method.name: o for o in (w0, w0h, w2, w2h)})}
+    assert by["marginal CPU-µs/sample (half budget to budget), 2 workers / 0 workers"]["value"] == pytest.approx(1.1)
+    assert by["fixed CPU-s per pass, 2 workers minus 0 workers"]["value"] == pytest.approx(0.3)

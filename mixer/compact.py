@@ -20,7 +20,7 @@ from __future__ import annotations
 import base64
 import struct
 import zlib
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from itertools import chain
 from typing import Any
 
@@ -32,15 +32,21 @@ _DTYPES = (np.uint8, np.uint16, np.uint32, np.uint64)
 
 
 def _put(out: list[bytes], a: np.ndarray) -> None:
-    """Append one int64 array: divisor, delta, zigzag, narrowest dtype."""
-    a = np.asarray(a, dtype=np.int64)
-    g = int(np.gcd.reduce(a)) if a.size else 1
-    g = g or 1
-    d = np.diff(a // g, prepend=np.int64(0))
+    """Append one int64 array: divisor, delta, zigzag, narrowest dtype. (A snapshot puts dozens of
+    small arrays: written without np.diff's per-call overhead.)"""
+    a = np.asarray(a, dtype=np.int64).reshape(-1)
+    n = a.size
+    g = (int(np.gcd.reduce(a)) or 1) if n else 1
+    if g != 1:
+        a = a // g
+    d = np.empty(n, dtype=np.int64)
+    if n:
+        d[0] = a[0]
+        np.subtract(a[1:], a[:-1], out=d[1:])
     z = ((d << 1) ^ (d >> 63)).view(np.uint64)
-    top = int(z.max()) if z.size else 0
+    top = int(z.max()) if n else 0
     code = 0 if top < 1 << 8 else 1 if top < 1 << 16 else 2 if top < 1 << 32 else 3
-    out.append(struct.pack("<BQQ", code, a.size, g))
+    out.append(struct.pack("<BQQ", code, n, g))
     out.append(z.astype(_DTYPES[code]).tobytes())
 
 
@@ -66,20 +72,42 @@ def _bytes(text: Any, where: str) -> memoryview:
 
 def pack(values: Sequence[Any], depth: int) -> str:
     """``values`` (one per part, nested ``depth`` lists deep, int leaves) as a packed column."""
-    lengths: list[np.ndarray] = []
+    counts: list[np.ndarray] = []
     flat: Any = values
-    width = 0
-    for level in range(depth):
-        counts = np.fromiter(map(len, flat), dtype=np.int64, count=len(flat))
+    for _ in range(depth):
+        counts.append(np.fromiter(map(len, flat), dtype=np.int64, count=len(flat)))
         flat = list(chain.from_iterable(flat))
-        if level == depth - 1 and counts.size and counts[0] > 0 and np.all(counts == counts[0]):
-            width = int(counts[0])  # constant-width innermost lists: no lengths, leaves by coordinate
-        else:
-            lengths.append(counts)
-    leaves = np.asarray(flat, dtype=np.int64).reshape(-1)
+    return pack_flat(counts, np.asarray(flat, dtype=np.int64).reshape(-1))
+
+
+def pack_items(values: Sequence[Any], depth: int, columns: Callable[[Sequence[Any]], np.ndarray]) -> str:
+    """:func:`pack` of ``values`` whose innermost lists are still items: ``values`` nest ``depth - 1``
+    lists deep, and ``columns(items)`` is the ``(len(items), width)`` ints that stand for the items
+    (their locations). A snapshot lists ~10k buffered samples: built a column at a time, it creates
+    no Python object per item (a tuple each cost about as much again in garbage collection)."""
+    counts: list[np.ndarray] = []
+    flat: Any = values
+    for _ in range(depth - 1):
+        counts.append(np.fromiter(map(len, flat), dtype=np.int64, count=len(flat)))
+        flat = list(chain.from_iterable(flat))
+    ints = np.asarray(columns(flat), dtype=np.int64)
+    counts.append(np.full(len(flat), ints.shape[1] if ints.ndim == 2 else 0, dtype=np.int64))
+    return pack_flat(counts, ints.reshape(-1))
+
+
+def pack_flat(counts: Sequence[np.ndarray], leaves: np.ndarray) -> str:
+    """The packed column of values already flattened: ``counts[k]`` the lengths of the lists at
+    depth ``k`` (``counts[0]``: one per part), ``leaves`` the ints in order."""
+    lengths = list(counts)
+    depth = len(lengths)
+    width = 0
+    last = lengths[-1] if lengths else None
+    if last is not None and last.size and last[0] > 0 and np.all(last == last[0]):
+        width = int(last[0])  # constant-width innermost lists: no lengths, leaves by coordinate
+        lengths.pop()
     chunks: list[bytes] = [struct.pack("<BQ", depth, width)]
-    for counts in lengths:
-        _put(chunks, counts)
+    for c in lengths:
+        _put(chunks, c)
     if width:
         for column in leaves.reshape(-1, width).T:
             _put(chunks, column)

@@ -18,6 +18,7 @@ buffered sample).
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -32,15 +33,42 @@ NEVER = 10**9
 BATCHES = {"full": 700, "quick": 100}
 
 
-def consume(shards: ShardSet, state_every: int, batches: int) -> Callable[[Tally], None]:
+class FullCollections:
+    """Full (generation 2) garbage collections while it is entered, and their CPU time: what the
+    objects a snapshot leaves behind cost on top of making them."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.seconds = 0.0
+        self._t0 = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if info.get("generation") == 2:
+            if phase == "start":
+                self._t0 = time.process_time()
+            else:
+                self.count += 1
+                self.seconds += time.process_time() - self._t0
+
+    def __enter__(self) -> FullCollections:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
+
+
+def consume(shards: ShardSet, state_every: int, batches: int, collections: list[FullCollections]) -> Callable[[Tally], None]:
     def run(tally: Tally) -> None:
         import mixer
 
         loader = mixer.make_loader(make_mixture(shards, state_every=state_every), num_workers=0)
-        for i, batch in enumerate(loader):
-            tally.add_batch(batch.lengths.numpy(), batch.source.numpy(), batch.tokens.numel())
-            if i + 1 >= batches:
-                break
+        with FullCollections() as full:
+            for i, batch in enumerate(loader):
+                tally.add_batch(batch.lengths.numpy(), batch.source.numpy(), batch.tokens.numel())
+                if i + 1 >= batches:
+                    break
+        collections.append(full)
 
     return run
 
@@ -71,8 +99,9 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchRes
     shards = common.prepare(opts, log)
     batches = BATCHES[opts.profile]
     skip = common.missing("mixer", "Mixture", "make_loader")
+    collections: dict[int, list[FullCollections]] = {STATE_EVERY: [], NEVER: []}
     methods = [
-        Method(f"state_{every}", f"mixer w0, state_every={every:g}", consume(shards, every, batches), skip=skip,
+        Method(f"state_{every}", f"mixer w0, state_every={every:g}", consume(shards, every, batches, collections[every]), skip=skip,
                note=f"{batches} batches")  # fmt: skip
         for every in (STATE_EVERY, NEVER)
     ]
@@ -86,13 +115,17 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchRes
     log(f"direct: {d['ms']:.2f} ms per snapshot (min {d['ms_min']:.2f}), {d['shuffle']} shuffled + {d['batched']} batched samples held, "
         f"{d['per_batch']:.0f} samples/batch: {per_sample:.3f} µs/sample at state_every={STATE_EVERY}")  # fmt: skip
     end_to_end = statistics.median(diffs) if diffs else float("nan")
+    full_gc = {every: {"count": statistics.median([c.count for c in runs]), "ms": 1e3 * statistics.median([c.seconds for c in runs])}
+               for every, runs in collections.items() if runs}  # fmt: skip
+    for every, g in full_gc.items():
+        log(f"state_every={every:g}: {g['count']:g} full collections per run, {g['ms']:.1f} ms (medians)")
     checks = [
         dict(common.value_check(NAME, f"snapshot CPU-µs/sample, state_every={STATE_EVERY} minus never", end_to_end, 0.5, "<="),
              per_round=diffs),  # fmt: skip
         common.value_check(NAME, "direct _snapshot() CPU-µs/sample", per_sample, None),
         common.value_check(NAME, "direct _snapshot() ms per call", d["ms"], None),
     ]
-    config = {"profile": opts.profile, "rounds": opts.rounds, "batches": batches, "direct": d, "targets": shards.weights.tolist(),
+    config = {"profile": opts.profile, "rounds": opts.rounds, "batches": batches, "direct": d, "full_gc": full_gc, "targets": shards.weights.tolist(),
               "shards": shards.describe()}  # fmt: skip
     return common.BenchResult(NAME, rows, checks, config)
 

@@ -30,7 +30,9 @@ Buffered samples are stored by *location* and read again on restore: ``(shard, b
 stream or a per-source batcher, ``(source, shard, offset)`` in the shared batcher of
 ``mix="sample"``. Each stateful part (:class:`Stateful`) restores only itself and refuses a state
 with unknown or missing keys (:func:`expect_keys`); parts that hold samples (:class:`Rereads`) list
-their locations after ``load_state_dict`` and take the re-read samples with ``attach``.
+their locations after ``load_state_dict`` and take the re-read samples with ``attach``. A
+snapshot locates the items of its batchers a column at a time (:func:`pack_located`): the same
+columns as locating each item, without a Python object per buffered sample.
 """
 
 from __future__ import annotations

@@ -198,6 +198,7 @@ class Bucketer(Generic[T]):
         state = self.unlocated_state()
         state["items"] = list(map(locate, state["items"]))
         state["ready"] = [list(map(locate, batch)) for batch in state["ready"]]
+        state["waiting"] = [list(w) for w in state["waiting"]]
         return state
 
     def unlocated_state(self) -> dict[str, Any]:
@@ -211,7 +212,8 @@ class Bucketer(Generic[T]):
             full = [b for b, buf in enumerate(self.buffers) if buf]
             buckets = [[b, self._opened[b], len(self.buffers[b])] for b in full]
             items = list(chain.from_iterable([self.buffers[b] for b in full]))
-        return {"buckets": buckets, "items": items, "ready": list(self.ready), "emitted": self.emitted, "waiting": [list(w) for w in self._waiting]}
+        # ``waiting`` as pairs (tuples): packed the same as lists, without a list per entry.
+        return {"buckets": buckets, "items": items, "ready": list(self.ready), "emitted": self.emitted, "waiting": list(self._waiting)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         expect_keys("bucketer", state, tuple(self.STATE_DEPTHS))

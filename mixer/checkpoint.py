@@ -329,16 +329,13 @@ def locate_pair(item: tuple[int, Any]) -> Location:
 _shard, _offset, _first, _second = operator.attrgetter("shard"), operator.attrgetter("offset"), operator.itemgetter(0), operator.itemgetter(1)
 
 
-def _columns(items: Sequence[Any], *coords: Callable[[Iterable[Any]], Iterable[int]]) -> np.ndarray:
-    out = np.empty((len(coords), len(items)), dtype=np.int64)
-    for row, coord in zip(out, coords):
-        row[:] = np.fromiter(coord(items), dtype=np.int64, count=len(items))
-    return out.T
+def _columns(items: Sequence[Any], *coords: Callable[[Iterable[Any]], Iterable[int]]) -> list[np.ndarray]:
+    return [np.fromiter(coord(items), dtype=np.int64, count=len(items)) for coord in coords]
 
 
-# The locations of many items at once, a coordinate at a time with C-level maps: the same ints as
-# ``map(locate, items)`` without a tuple per item.
-LOCATION_COLUMNS: dict[Callable[[Any], Location], Callable[[Sequence[Any]], np.ndarray]] = {
+# The locations of many items at once, one array per coordinate, with C-level maps: the same ints
+# as ``map(locate, items)`` without a tuple per item.
+LOCATION_COLUMNS: dict[Callable[[Any], Location], Callable[[Sequence[Any]], list[np.ndarray]]] = {
     locate_sample: lambda items: _columns(items, lambda it: map(_shard, it), lambda it: map(_offset, it)),
     locate_pair: lambda items: _columns(
         items, lambda it: map(_first, it), lambda it: map(_shard, map(_second, it)), lambda it: map(_offset, map(_second, it))

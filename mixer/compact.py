@@ -85,39 +85,41 @@ def pack(values: Sequence[Any], depth: int) -> str:
     return pack_flat(counts, np.asarray(flat, dtype=np.int64).reshape(-1))
 
 
-def pack_items(values: Sequence[Any], depth: int, columns: Callable[[Sequence[Any]], np.ndarray]) -> str:
+def pack_items(values: Sequence[Any], depth: int, columns: Callable[[Sequence[Any]], Sequence[np.ndarray]]) -> str:
     """:func:`pack` of ``values`` whose innermost lists are still items: ``values`` nest ``depth - 1``
-    lists deep, and ``columns(items)`` is the ``(len(items), width)`` ints that stand for the items
-    (their locations). A snapshot lists ~10k buffered samples: built a column at a time, it creates
-    no Python object per item (a tuple each cost about as much again in garbage collection)."""
+    lists deep, and ``columns(items)`` is the ints that stand for the items (their locations), one
+    array per coordinate. A snapshot lists ~10k buffered samples: built a column at a time, it
+    creates no Python object per item (a tuple each cost about as much again in garbage collection)."""
     counts: list[np.ndarray] = []
     flat: Any = values
     for _ in range(depth - 1):
         counts.append(np.fromiter(map(len, flat), dtype=np.int64, count=len(flat)))
         flat = list(chain.from_iterable(flat))
-    ints = np.asarray(columns(flat), dtype=np.int64)
-    counts.append(np.full(len(flat), ints.shape[1] if ints.ndim == 2 else 0, dtype=np.int64))
-    return pack_flat(counts, ints.reshape(-1))
+    return pack_flat(counts, list(columns(flat)))
 
 
-def pack_flat(counts: Sequence[np.ndarray], leaves: np.ndarray) -> str:
+def pack_flat(counts: Sequence[np.ndarray], leaves: np.ndarray | Sequence[np.ndarray]) -> str:
     """The packed column of values already flattened: ``counts[k]`` the lengths of the lists at
-    depth ``k`` (``counts[0]``: one per part), ``leaves`` the ints in order."""
+    depth ``k`` (``counts[0]``: one per part) and ``leaves`` the ints in order; or, for innermost
+    lists all of one width, whose lengths ``counts`` then leaves out, one array per coordinate."""
     lengths = list(counts)
-    depth = len(lengths)
-    width = 0
+    if not isinstance(leaves, np.ndarray):  # by coordinate
+        n = len(leaves[0]) if len(leaves) else 0
+        if n and len(leaves):
+            return _pack_arrays(len(lengths) + 1, len(leaves), lengths, leaves)
+        lengths.append(np.full(n, len(leaves), dtype=np.int64))
+        leaves = np.zeros(0, dtype=np.int64)
     last = lengths[-1] if lengths else None
     if last is not None and last.size and last[0] > 0 and np.all(last == last[0]):
         width = int(last[0])  # constant-width innermost lists: no lengths, leaves by coordinate
-        lengths.pop()
+        return _pack_arrays(len(lengths), width, lengths[:-1], leaves.reshape(-1, width).T)
+    return _pack_arrays(len(lengths), 0, lengths, [leaves])
+
+
+def _pack_arrays(depth: int, width: int, lengths: Sequence[np.ndarray], leaves: Sequence[np.ndarray] | np.ndarray) -> str:
     chunks: list[bytes] = [struct.pack("<BQ", depth, width)]
-    for c in lengths:
+    for c in (*lengths, *leaves):
         _put(chunks, c)
-    if width:
-        for column in leaves.reshape(-1, width).T:
-            _put(chunks, column)
-    else:
-        _put(chunks, leaves)
     return _text(chunks)
 
 

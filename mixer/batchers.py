@@ -187,26 +187,33 @@ class Bucketer(Generic[T]):
     # How deep each field's lists go (locations are lists of ints), as mixer.compact packs them.
     STATE_DEPTHS: ClassVar[dict[str, int]] = {"buckets": 2, "items": 2, "ready": 3, "emitted": 0, "waiting": 2}
 
+    # The fields that list items by location (see unlocated_state).
+    LOCATED: ClassVar[tuple[str, ...]] = ("items", "ready")
+
     def state_dict(self) -> dict[str, Any]:
         """Only the buckets that hold items: ``buckets`` ``[bucket, opened, count]`` and their
         ``items`` one after the other (a reader has a bucketer per source with dozens of buckets,
         nearly all empty; an empty bucket's ``opened`` is never read again)."""
         locate = self.locate
+        state = self.unlocated_state()
+        state["items"] = list(map(locate, state["items"]))
+        state["ready"] = [list(map(locate, batch)) for batch in state["ready"]]
+        state["waiting"] = [list(w) for w in state["waiting"]]
+        return state
+
+    def unlocated_state(self) -> dict[str, Any]:
+        """:meth:`state_dict` with the items themselves where it lists their locations
+        (``LOCATED``): a reader's snapshot locates the items of all its batchers at once, a column
+        at a time (:func:`mixer.checkpoint.pack_located`)."""
         if not self.count:
             buckets: list[list[int]] = []
-            items: list[Location] = []
+            items: list[T] = []
         else:
             full = [b for b, buf in enumerate(self.buffers) if buf]
             buckets = [[b, self._opened[b], len(self.buffers[b])] for b in full]
-            # map over a chain: no Python frame per item (a snapshot lists ~10k of them)
-            items = list(map(locate, chain.from_iterable([self.buffers[b] for b in full])))
-        return {
-            "buckets": buckets,
-            "items": items,
-            "ready": [list(map(locate, batch)) for batch in self.ready],
-            "emitted": self.emitted,
-            "waiting": [list(w) for w in self._waiting],
-        }
+            items = list(chain.from_iterable([self.buffers[b] for b in full]))
+        # ``waiting`` as pairs (tuples): packed the same as lists, without a list per entry.
+        return {"buckets": buckets, "items": items, "ready": list(self.ready), "emitted": self.emitted, "waiting": list(self._waiting)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         expect_keys("bucketer", state, tuple(self.STATE_DEPTHS))

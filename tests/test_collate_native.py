@@ -28,15 +28,20 @@ needs_rows = pytest.mark.skipif(collate_mod._rows is None, reason="mixer._rows w
 TOKEN_DTYPES = ["int32", "int64", "uint16", "int8", "uint8", "int16", "uint32", "uint64"]
 
 
-def both(arrays: Any, lengths: Any, sources: Any, keys: list[str], **kw: Any) -> tuple[Any, Any]:
-    """(compiled, numpy): each a Batch, or the exception it raised as (type, message)."""
+def both_ways(make: Callable[..., Any], *args: Any, **kw: Any) -> tuple[Any, Any]:
+    """(compiled, numpy): ``make(*args, native=..., **kw)`` each way, a batch or the exception it
+    raised as (type, message)."""
     got = []
     for native in (True, False):
         try:
-            got.append(collate(arrays, lengths, sources, keys, native=native, **kw))
+            got.append(make(*args, native=native, **kw))
         except Exception as e:  # noqa: BLE001 - the exception itself is what is compared
             got.append((type(e), str(e)))
     return got[0], got[1]
+
+
+def both(arrays: Any, lengths: Any, sources: Any, keys: list[str], **kw: Any) -> tuple[Any, Any]:
+    return both_ways(collate, arrays, lengths, sources, keys, **kw)
 
 
 def assert_same(a: Any, b: Any) -> None:
@@ -260,13 +265,7 @@ def test_collate_uses_the_compiled_rows_by_default_and_not_when_told(monkeypatch
 
 
 def both_packed(layout: PackedLayout, group: PackedGroup[Any], sources: np.ndarray, **kw: Any) -> tuple[Any, Any]:
-    got = []
-    for native in (True, False):
-        try:
-            got.append(layout.collate(group, sources, meta=BatchMeta(step=0), native=native, **kw))
-        except Exception as e:  # noqa: BLE001 - the exception itself is what is compared
-            got.append((type(e), str(e)))
-    return got[0], got[1]
+    return both_ways(layout.collate, group, sources, meta=BatchMeta(step=0), **kw)
 
 
 def assert_same_packed(a: Any, b: Any) -> None:

@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test bench venv clean
 
-$(STAMP): pyproject.toml setup.py mixer/_tarwalk.c mixer/_rows.c mixer/_select.c constraints-dev.txt Makefile
+$(STAMP): pyproject.toml setup.py mixer/_tarwalk.c mixer/_rows.c mixer/_loops.c constraints-dev.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints-dev.txt -e '.[test,s3,http,plot,audio]'

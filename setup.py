@@ -4,7 +4,7 @@
 is `optional`, so an install without a C compiler still succeeds and mixer uses its pure-Python
 reader (the one the compiled core defers to for everything unusual, and the oracle of its tests).
 `mixer._rows` (C, optional the same way) copies the padded collate's rows and the packed one's
-segments into place; without it `mixer.collate` copies them with numpy, its oracle. `mixer._select`
+segments into place; without it `mixer.collate` copies them with numpy, its oracle. `mixer._loops`
 (the same) runs the deficit selector's per-pick loops; without it `mixer.selector` uses numpy.
 """
 
@@ -14,6 +14,6 @@ setup(
     ext_modules=[
         Extension("mixer._tarwalk", ["mixer/_tarwalk.c"], optional=True),
         Extension("mixer._rows", ["mixer/_rows.c"], optional=True),
-        Extension("mixer._select", ["mixer/_select.c"], optional=True),
+        Extension("mixer._loops", ["mixer/_loops.c"], optional=True),
     ]
 )

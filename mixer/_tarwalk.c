@@ -22,7 +22,7 @@
 enum { ST_NEED = 0, ST_END = 1, ST_FALLBACK = 2, ST_MORE = 3 };
 #define BATCH 64 /* samples per call at most: the caller holds no more than these at once */
 
-static PyObject *s_key, *s_url, *s_offset, *s_end, *s_tokens, *s_input_ids;
+static PyObject *s_key, *s_url, *s_offset, *s_end, *s_tokens, *s_input_ids, *s_txt;
 
 /* A numeric header field exactly as `int(field.rstrip(b"\0 "), 8)` reads it, for the only
  * spelling we accept: 1..width octal digits followed by NULs/spaces. 0: not that spelling. */
@@ -400,14 +400,14 @@ static struct {
     PyObject *dtype;
 } dtypes[MAX_DTYPES];
 static int n_dtypes;
-static PyObject *frombuffer;
+static PyObject *frombuffer, *uint8;
 
-/* setup(np.frombuffer, [(descr: bytes, dtype, itemsize), ...]) */
+/* setup(np.frombuffer, [(descr: bytes, dtype, itemsize), ...], np.dtype("uint8")) */
 static PyObject *setup(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *fb, *table;
-    if (!PyArg_ParseTuple(args, "OO!", &fb, &PyList_Type, &table))
+    PyObject *fb, *table, *u8;
+    if (!PyArg_ParseTuple(args, "OO!O", &fb, &PyList_Type, &table, &u8))
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(table);
     if (n > MAX_DTYPES) {
@@ -436,6 +436,8 @@ static PyObject *setup(PyObject *self, PyObject *args)
     }
     Py_INCREF(fb);
     Py_XSETREF(frombuffer, fb);
+    Py_INCREF(u8);
+    Py_XSETREF(uint8, u8);
     Py_RETURN_NONE;
 }
 
@@ -446,6 +448,24 @@ static int match(const unsigned char *d, Py_ssize_t end, Py_ssize_t *i, const ch
         return 0;
     *i += n;
     return 1;
+}
+
+/* A sample without a token array: its txt member's bytes as uint8 (mixer.decode.default_tokens),
+ * or None (a str member, no txt: Python's to judge). */
+static PyObject *text_tokens(PyObject *sample, int64_t *count)
+{
+    PyObject *text = PyDict_GetItemWithError(sample, s_txt);
+    if (text == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    if (!PyBytes_CheckExact(text) || uint8 == NULL)
+        Py_RETURN_NONE;
+    PyObject *argv[2] = {text, uint8};
+    PyObject *result = PyObject_Vectorcall(frombuffer, argv, 2, NULL);
+    *count = PyBytes_GET_SIZE(text);
+    return result;
 }
 
 /* The sample's canonical 1-D integer tokens (its element count in *count), or None where
@@ -460,7 +480,7 @@ static PyObject *tokens_of(PyObject *sample, int64_t *count)
     if (data == NULL) {
         if (PyErr_Occurred())
             return NULL;
-        Py_RETURN_NONE;
+        return text_tokens(sample, count);
     }
     if (!PyBytes_CheckExact(data))
         Py_RETURN_NONE;
@@ -607,7 +627,7 @@ error:
 
 static PyMethodDef methods[] = {
     {"scan", (PyCFunction)(void (*)(void))scan, METH_FASTCALL, "Walk whole members of a tar buffer into samples."},
-    {"setup", setup, METH_VARARGS, "Register np.frombuffer and the integer dtypes tokens() may return."},
+    {"setup", setup, METH_VARARGS, "Register np.frombuffer, the integer dtypes tokens() may return and uint8 (txt)."},
     {"tokens", tokens, METH_O, "A sample's canonical 1-D integer tokens.npy/input_ids.npy, or None."},
     {"samples", (PyCFunction)(void (*)(void))samples, METH_FASTCALL, "make_sample's default case for a run of raw samples."},
     {NULL, NULL, 0, NULL},
@@ -623,7 +643,8 @@ PyMODINIT_FUNC PyInit__tarwalk(void)
     s_end = PyUnicode_InternFromString("__end__");
     s_tokens = PyUnicode_InternFromString("tokens.npy");
     s_input_ids = PyUnicode_InternFromString("input_ids.npy");
-    if (!s_key || !s_url || !s_offset || !s_end || !s_tokens || !s_input_ids)
+    s_txt = PyUnicode_InternFromString("txt");
+    if (!s_key || !s_url || !s_offset || !s_end || !s_tokens || !s_input_ids || !s_txt)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)

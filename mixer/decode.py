@@ -168,7 +168,7 @@ def default_tokens(sample: dict[str, Any], *, native: bool | None = None) -> np.
 
     No such member, or an array that is not 1-D integer, is a `SampleError` naming the shard, key
     and member. With the compiled core (`NATIVE`; ``native=False`` or ``mixer.decode.NATIVE =
-    False`` turns it off) a canonical ``np.save`` header of a 1-D native integer array is read in C;
+    False`` turns it off) a canonical ``np.save`` header of a 1-D native integer array, and a ``txt`` member, are read in C;
     every other case, errors included, by the code below: the result is the same.
     """
     if _tokens is not None and (NATIVE if native is None else native):
@@ -208,7 +208,7 @@ except ImportError:  # built without a C compiler
 else:
     # The dtypes np.save spells '<i4', '|u1', ... (their .str) on this machine: native integer ones only.
     _NATIVE_INTS = [np.dtype(c) for c in "bBhHiIqQ"]
-    _tarwalk.setup(np.frombuffer, [(d.str.encode(), d, d.itemsize) for d in _NATIVE_INTS])
+    _tarwalk.setup(np.frombuffer, [(d.str.encode(), d, d.itemsize) for d in _NATIVE_INTS], np.dtype(np.uint8))
     _tokens = _tarwalk.tokens
 
 NATIVE: bool = _tokens is not None

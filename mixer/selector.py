@@ -19,12 +19,12 @@ from .errors import ConfigError
 from .world import rng_for
 
 try:
-    from . import _select  # type: ignore[attr-defined]
+    from . import _loops  # type: ignore[attr-defined]
 except ImportError:  # built without a C compiler: numpy does the deficit selector's arithmetic
-    _select = None
+    _loops = None
 
-NATIVE: bool = _select is not None
-"""Whether the deficit selector's per-pick loops run in C (`mixer/_select.c`); False: numpy."""
+NATIVE: bool = _loops is not None
+"""Whether the deficit selector's per-pick loops run in C (`mixer/_loops.c`); False: numpy."""
 
 SelectorName = Literal["deficit", "random", "round_robin"]
 SELECTORS: tuple[str, ...] = ("deficit", "random", "round_robin")
@@ -44,14 +44,14 @@ class Deficit:
         self.delivered = np.zeros(num_sources)
 
     def choose(self, probs: np.ndarray, active: np.ndarray) -> int:
-        if NATIVE and (i := _select.choose(self.target, self.delivered, probs, active)) is not None:
+        if NATIVE and (i := _loops.choose(self.target, self.delivered, probs, active)) is not None:
             return i  # the loop below in C (mix="sample" picks once per sample): the same pick
         # A tiny share of p breaks ties (e.g. at the start) in favour of the larger target.
         score = np.where(active & (probs > 0), self.target - self.delivered + 1e-9 * probs, -np.inf)
         return int(np.argmax(score))
 
     def update(self, source: int, amount: float, probs: np.ndarray) -> None:
-        if NATIVE and _select.update(self.target, self.delivered, probs, source, amount) is not None:
+        if NATIVE and _loops.update(self.target, self.delivered, probs, source, amount) is not None:
             return  # the same two lines in C, in place: the same bits
         self.target += probs * amount
         self.delivered[source] += amount

@@ -86,6 +86,15 @@ def rng_for(*parts: object) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(seed_for(*parts)))
 
 
+try:
+    from ._loops import take as _take  # type: ignore[import-not-found]
+except ImportError:  # built without a C compiler
+    _take = None
+
+NATIVE: bool = _take is not None
+"""Whether `Draws.take` swaps in C (`mixer/_loops.c`); False: the same lines in Python."""
+
+
 class Draws:
     """Uniform draws in [0, 1) from a private PCG64 generator, handed out one at a time from blocks.
 
@@ -117,12 +126,14 @@ class Draws:
 
     def take(self, items: list[Any]) -> Any:
         """Remove an item of ``items`` drawn uniformly with one draw, the last taking its place, and
-        return it (a shuffle buffer's pop, once per sample: `random` inlined)."""
+        return it (a shuffle buffer's pop, once per sample: `random` inlined; the swap in C)."""
         pos = self._pos
         if pos == self.BLOCK:
             self._refill()
             pos = 0
         self._pos = pos + 1
+        if NATIVE:
+            return _take(items, self._block[pos])
         j = int(self._block[pos] * len(items))
         out = items[j]
         items[j] = items[-1]

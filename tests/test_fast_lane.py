@@ -16,6 +16,7 @@ from shardutil import expected_tokens, write_samples
 
 import mixer
 import mixer.stream
+import mixer.world
 from mixer.world import Draws
 
 pytestmark = pytest.mark.skipif(mixer.stream._convert is None, reason="the compiled core was not built")
@@ -158,9 +159,11 @@ def test_samples_checks_its_arguments() -> None:
     assert _tarwalk.samples([], 0, 0, 0, 10, Sample, []) == (0, None)
 
 
-def test_take_is_the_shuffle_pop() -> None:
+@pytest.mark.parametrize("native", [True, False])
+def test_take_is_the_shuffle_pop(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Draws.take(items) is a draw of `random` and a swap-remove at int(u * len): the same items
-    in the same order, across block refills, as the two written out."""
+    in the same order, across block refills, as the two written out (in C and in Python)."""
+    monkeypatch.setattr(mixer.world, "NATIVE", native)
     a, b = Draws(1, "shuffle", "x", 0), Draws(1, "shuffle", "x", 0)
     items_a, items_b = list(range(1000)), list(range(1000))
     for _ in range(999):
@@ -171,3 +174,16 @@ def test_take_is_the_shuffle_pop() -> None:
         assert a.take(items_a) == expected
         assert items_a == items_b
     assert a.taken == b.taken == 999
+
+    with pytest.raises(IndexError):
+        a.take([])
+
+
+def test_txt_tokens_in_c_are_pythons() -> None:
+    """A sample with only a txt member: its UTF-8 bytes as uint8, the same array both ways."""
+    from mixer.decode import default_tokens
+
+    for text in (b"", b"plain", "caf\u00e9 \u2603".encode()):
+        fast, slow = default_tokens({"txt": text}), default_tokens({"txt": text}, native=False)
+        assert fast.dtype == slow.dtype == np.uint8 and np.array_equal(fast, slow)
+    assert np.array_equal(default_tokens({"txt": "caf\u00e9"}), np.frombuffer("caf\u00e9".encode(), np.uint8))  # a str: Python's

@@ -115,20 +115,20 @@ def test_compiled_deficit_is_numpys_bit_for_bit(n, monkeypatch):
 @pytest.mark.skipif(not selector_module.NATIVE, reason="the compiled selector loops were not built")
 def test_compiled_deficit_leaves_odd_arrays_to_numpy():
     """Anything but 1-D contiguous float64 (bool for active) of one length: None, numpy decides."""
-    from mixer import _select
+    from mixer import _loops
 
     t, d = np.zeros(4), np.zeros(4)
     p = np.full(4, 0.25)
     active = np.ones(4, dtype=bool)
-    assert _select.choose(t, d, p, active) == 0
-    assert _select.choose(t, d, p.astype(np.float32), active) is None
-    assert _select.choose(t, d, np.full(8, 0.125)[::2], active) is None
-    assert _select.choose(t, d, p, active.astype(np.int8)) is None
-    assert _select.choose(t, d, p[:3], active) is None
-    assert _select.update(t, d, p, 4, 1.0) is None  # no such source
-    assert _select.update(t, d, p, 1, 2.0) is True and d[1] == 2.0 and t.tolist() == [0.5] * 4
+    assert _loops.choose(t, d, p, active) == 0
+    assert _loops.choose(t, d, p.astype(np.float32), active) is None
+    assert _loops.choose(t, d, np.full(8, 0.125)[::2], active) is None
+    assert _loops.choose(t, d, p, active.astype(np.int8)) is None
+    assert _loops.choose(t, d, p[:3], active) is None
+    assert _loops.update(t, d, p, 4, 1.0) is None  # no such source
+    assert _loops.update(t, d, p, 1, 2.0) is True and d[1] == 2.0 and t.tolist() == [0.5] * 4
     with pytest.raises(TypeError):
-        _select.update(t, d, p, 1, "x")
+        _loops.update(t, d, p, 1, "x")
 
 
 def test_the_compiled_selector_is_built_where_the_reader_core_is():
@@ -136,7 +136,7 @@ def test_the_compiled_selector_is_built_where_the_reader_core_is():
     that `optional=True` would otherwise hide."""
     from mixer import tario
 
-    assert (selector_module._select is None) == (tario._tarwalk is None)
+    assert (selector_module._loops is None) == (tario._tarwalk is None)
 
 
 @pytest.mark.skipif(not selector_module.NATIVE, reason="the compiled selector loops were not built")

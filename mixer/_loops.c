@@ -1,4 +1,5 @@
-/* mixer._select: the deficit selector's per-pick loops (mixer/selector.py, class Deficit) in C.
+/* mixer._loops: per-sample loops of mixing in C: the deficit selector's choose and update
+ * (mixer/selector.py, class Deficit) and a shuffle buffer's pop (mixer.world.Draws.take).
  *
  * With mix="sample" the selector picks a source for every sample: numpy's five array operations
  * per pick cost ~3 us at any number of sources, most of it call overhead. These loops do the same
@@ -133,15 +134,48 @@ static PyObject *update(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_TRUE;
 }
 
+/* take(items, u) -> the item at int(u * len(items)), removed with the last item taking its place:
+ * a shuffle buffer's pop (mixer.world.Draws.take), once per sample. */
+static PyObject *take_item(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 2 || !PyList_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "take(items: list, u: float)");
+        return NULL;
+    }
+    double u = PyFloat_AsDouble(args[1]);
+    if (u == -1.0 && PyErr_Occurred())
+        return NULL;
+    PyObject *items = args[0];
+    Py_ssize_t n = PyList_GET_SIZE(items);
+    double x = u * (double)n; /* Python's int(u * len(items)): one rounded product, truncated */
+    if (!(x >= 0.0) || x >= (double)n) {
+        PyErr_SetString(PyExc_IndexError, "list index out of range");
+        return NULL;
+    }
+    Py_ssize_t j = (Py_ssize_t)x;
+    PyObject *out = PyList_GET_ITEM(items, j);
+    Py_INCREF(out);
+    PyObject *last = PyList_GET_ITEM(items, n - 1);
+    Py_INCREF(last);
+    PyList_SetItem(items, j, last); /* steals last; releases the reference the list held to out */
+    if (PyList_SetSlice(items, n - 1, n, NULL) < 0) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"take", (PyCFunction)(void (*)(void))take_item, METH_FASTCALL, "A shuffle buffer's pop at int(u * len(items))."},
     {"choose", (PyCFunction)(void (*)(void))choose, METH_FASTCALL, "Deficit.choose's argmax, or None."},
     {"update", (PyCFunction)(void (*)(void))update, METH_FASTCALL, "Deficit.update in place, or None."},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_select", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_loops", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__select(void)
+PyMODINIT_FUNC PyInit__loops(void)
 {
     return PyModule_Create(&module);
 }

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from mixer import ConfigError, TokenBudget
+import mixer.batchers as batchers_module
 from mixer.batchers import Bucketer
 from mixer.edges import bucket_edges
 from resume_oracle import assert_resumes_exactly
@@ -169,3 +170,56 @@ def test_bucketer_state_round_trips_through_locations():
             self.i = state["i"]
 
     assert_resumes_exactly(Fed, cuts=[1, 2, 5, 9, 17], window=8)
+
+
+class _PyBucketer(Bucketer):
+    """The same bucketer with the Python add, the compiled one's oracle."""
+
+    add = Bucketer._py_add
+
+
+def _bucketer_state(b):
+    return (b.count, b.held, b.emitted, [list(x) for x in b.buffers], [list(x) for x in b.ready], list(b._waiting), list(b._opened))
+
+
+@pytest.mark.skipif(not batchers_module.NATIVE, reason="the compiled bucketer core was not built")
+@pytest.mark.parametrize("max_wait", [None, 1, 3])
+def test_compiled_add_is_the_python_add(max_wait):
+    """BucketCore.add against Bucketer._py_add: after every add, release and batch taken, the same
+    counters, buckets, ready batches, waiting heap and opening marks; the same return values; the
+    same error for a length past the last edge."""
+    rng = np.random.default_rng(11)
+    budget = TokenBudget(4096, max_wait=max_wait)
+    edges = bucket_edges(np.clip(rng.lognormal(np.log(60), 0.9, 2000), 1, 4096).astype(int), longest=budget.longest)
+    fast, slow = Bucketer(edges, budget), _PyBucketer(edges, budget)
+    assert type(fast).add is not Bucketer._py_add
+    for k in range(6000):
+        n = int(np.clip(rng.lognormal(np.log(60), 0.9), 1, 4096))
+        item = ("s", k, n)
+        assert fast.add(item, n) == slow.add(item, n)
+        if k % 97 == 0:
+            assert fast.release(4096 * 3, 50) == slow.release(4096 * 3, 50)
+        if k % 5 == 0 and fast.ready:
+            assert fast.ready.popleft() == slow.ready.popleft()
+        assert _bucketer_state(fast) == _bucketer_state(slow)
+    assert list(fast.drain()) == list(slow.drain())
+    for b in (fast, slow):
+        with pytest.raises(IndexError):
+            b.add("too long", edges[-1] + 1)
+    assert _bucketer_state(fast) == _bucketer_state(slow)
+    state = fast.state_dict()
+    assert state == slow.state_dict()
+
+
+@pytest.mark.skipif(not batchers_module.NATIVE, reason="the compiled bucketer core was not built")
+def test_compiled_core_counters_are_ints_and_the_lists_are_checked():
+    b = Bucketer([10, 20], TokenBudget(100))
+    b.count = 5
+    assert b.count == 5 and isinstance(b.held, int)
+    b.buffers = "not a list"
+    with pytest.raises(TypeError):
+        b.add("x", 3)
+    del b  # (a collectable object: its lists are visited and cleared)
+    import gc
+
+    gc.collect()

@@ -219,7 +219,14 @@ def test_compiled_core_counters_are_ints_and_the_lists_are_checked():
     b.buffers = "not a list"
     with pytest.raises(TypeError):
         b.add("x", 3)
-    del b  # (a collectable object: its lists are visited and cleared)
+    # a cycle through the compiled base's lists is found and freed (its traverse and clear)
     import gc
+    import weakref
 
+    b = Bucketer([10, 20], TokenBudget(100))
+    b.ready.append(b)
+    b.buffers[0].append(b)
+    alive = weakref.ref(b)
+    del b
     gc.collect()
+    assert alive() is None

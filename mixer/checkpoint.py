@@ -202,6 +202,12 @@ def without_snapshot(meta: BatchMeta) -> BatchMeta:
     return replace(meta, snapshot=None) if meta.snapshot is not None else meta
 
 
+def handed_out(reader: Mapping[str, Any]) -> int:
+    """How many batches a saved reader had handed out: its snapshot's count plus the batches after it."""
+    snapshot = reader["snapshot"]
+    return (0 if snapshot is None else int(snapshot["batches"])) + int(reader["replay"])
+
+
 @dataclass(frozen=True)
 class Resume:
     """Where the readers of a loader continue, from its state: ``delivered`` batches handed out and
@@ -210,13 +216,27 @@ class Resume:
     delivered: int
     readers: Sequence[dict[str, Any]]
 
+    @property
+    def turn(self) -> int:
+        """The saved reader whose turn comes next in the loader's round robin.
+
+        The loader takes one batch of each reader in turn, a reader that ended left out for good
+        (:func:`mixer.transport.ungrouped`), so round ``j`` of the uninterrupted run holds, in reader
+        order, the readers that handed out more than ``j`` batches. The last batch handed out is then
+        the one of the highest reader that handed out the most, and the turn is the reader after it.
+        While every reader still runs this is ``delivered % n``; once one has ended it is not (the
+        rotation skips the ended reader), which is why it is read from the readers' own counts. The
+        same rule holds after an elastic resume, whose new readers' counts continue its global step."""
+        counts = [handed_out(r) for r in self.readers]
+        most = max(counts)
+        last = max(i for i, c in enumerate(counts) if c == most)
+        return (last + 1) % len(counts)
+
     def reader_for(self, worker: int) -> int:
-        """The saved reader that DataLoader worker ``worker`` continues. DataLoader always starts
-        with worker 0, and the next batch of the uninterrupted run was reader ``delivered % n``'s,
-        so worker ``w`` continues reader ``(w + delivered) % n``: the order of batches is then
-        exactly that of the uninterrupted run."""
-        n = len(self.readers)
-        return (worker + self.delivered) % n
+        """The saved reader that DataLoader worker ``worker`` continues. The loader starts its round
+        robin with worker 0, so worker ``w`` continues reader ``(w + turn) % n``: the order of
+        batches is then exactly that of the uninterrupted run, in the tail of a finite pass too."""
+        return (worker + self.turn) % len(self.readers)
 
 
 # ---- reader snapshots -------------------------------------------------------------------------

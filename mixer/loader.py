@@ -107,7 +107,10 @@ class _LoaderDataset(IterableDataset[Any]):
         self.table: SharesTable | None = None
 
     def __iter__(self) -> Iterator[Any]:
-        batches = self.mixture.batches(pool=self.pool, resume=self.resume, table=self.table)
+        # A resume is for one pass: persistent workers keep this object and iterate it again for the
+        # next pass, which must start afresh, not repeat the resumed one.
+        resume, self.resume = self.resume, None
+        batches = self.mixture.batches(pool=self.pool, resume=resume, table=self.table)
         info = get_worker_info()
         return batches if info is None else grouped(batches, info.id, self.group)
 

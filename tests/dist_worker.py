@@ -8,7 +8,8 @@ group), iterates its loader to the end and writes ``OUT_DIR/<case>-<phase>-rank<
 the keys, the source of each sample and a digest of the tensors (a filler batch: only that it is one
 and has rows, since its contents are a copy), plus ``loader.sync_report()`` and what ``stats()``
 counted. In the ``run`` phase the loader state after batch ``save_at`` goes to
-``OUT_DIR/<case>-rank<r>.state.pt`` (torch.save); ``save_at="filler"`` picks the batch count at which
+``OUT_DIR/<case>-rank<r>.state.pt`` (torch.save); ``save_at="tail"`` saves after every one of the pass's last ``tail`` batches (and after its last), and
+the resume phase continues from each of them to the end; ``save_at="filler"`` picks the batch count at which
 the first rank handed out its first filler (agreed over the ranks after the pass), so the state is
 saved inside that rank's filler phase. The ``resume`` phase loads it into a fresh loader and records
 the continuation. A case whose stream
@@ -83,16 +84,18 @@ def run_case(case: dict[str, Any], out: Path, phase: str, rank: int) -> dict[str
     if case.get("fail_rank") is not None:  # armed after the Mixture read its sources' profiles
         ARMED.update(on_rank=case["fail_rank"], after=case["fail_after"], count=0)
     state_path = out / f"{case['name']}-rank{rank}.state.pt"
+    save_at = case.get("save_at")
+    if phase == "resume" and save_at == "tail":
+        return resume_tail(case, state_path, rank)
     if phase == "resume":
         loader.load_state_dict(torch.load(state_path, weights_only=True))
     batches: list[dict[str, Any]] = []
     result: dict[str, Any] = {"rank": rank, "world_size": dist.get_world_size(), "batches": batches}
-    save_at = case.get("save_at")
     states: dict[int, dict[str, Any]] = {}
     try:
         for batch in loader:
             batches.append(view(batch))
-            if phase == "run" and save_at == "filler":
+            if phase == "run" and save_at in ("filler", "tail"):
                 states[len(batches)] = loader.state_dict()
             elif phase == "run" and len(batches) == save_at:
                 torch.save(loader.state_dict(), state_path)
@@ -104,6 +107,9 @@ def run_case(case: dict[str, Any], out: Path, phase: str, rank: int) -> dict[str
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         result["save_at"] = k = int(agreed.item())
         torch.save(states[k], state_path)
+    if phase == "run" and save_at == "tail":  # every cut of the last `tail` batches, and after the last
+        cuts = range(max(0, len(batches) - case["tail"]), len(batches) + 1)
+        torch.save({k: states[k] if k else None for k in cuts}, state_path)
     report = loader.sync_report()
     result["dropped"] = report["dropped"]
     result["fillers"] = report["fillers"]
@@ -118,6 +124,18 @@ def run_case(case: dict[str, Any], out: Path, phase: str, rank: int) -> dict[str
     return result
 
 
+def resume_tail(case: dict[str, Any], state_path: Path, rank: int) -> dict[str, Any]:
+    """The ``tail`` case's resume phase: from each saved cut, a fresh loader to the end of the pass."""
+    saved = torch.load(state_path, weights_only=True)
+    continued: dict[str, list[dict[str, Any]]] = {}
+    for cut in sorted(saved):
+        loader = build(case)
+        if saved[cut] is not None:
+            loader.load_state_dict(saved[cut])
+        continued[str(cut)] = [view(batch) for batch in loader]
+    return {"rank": rank, "world_size": dist.get_world_size(), "tail": continued}
+
+
 def main() -> int:
     spec_path, out_dir, phase = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     torch.set_num_threads(1)
@@ -126,6 +144,8 @@ def main() -> int:
     assert rank == int(os.environ["RANK"])
     for case in json.loads(Path(spec_path).read_text())["cases"]:
         if phase == "resume" and not case.get("save_at"):
+            continue
+        if case.get("world", dist.get_world_size()) != dist.get_world_size():
             continue
         result = run_case(case, out_dir, phase, rank)
         (out_dir / f"{case['name']}-{phase}-rank{rank}.json").write_text(json.dumps(result))

@@ -31,6 +31,9 @@ WORKER = HERE / "dist_worker.py"
 # shard of each source holds data: it goes to reader 0 (rank 0), so the other ranks have no data.
 SKEW = {"web": ([90, 50, 30, 20, 12, 6], 80, 0.6), "code": ([40, 25, 10], 200, 0.3), "tiny": ([12, 0, 0, 0, 0, 0], 60, 0.03)}
 EMPTY = {"a": ([30, 0, 0, 0, 0, 0], 80, 0.7), "b": ([10, 0, 0, 0, 0, 0], 150, 0.3)}
+# Many small shards of unequal sizes: each of 6 readers (2 ranks x 3 workers) ends a few batches
+# apart from the others, in the pass's tail.
+TAIL = {"web": ([9, 7, 5, 3, 8, 6, 4, 2, 9, 5, 3, 7, 6, 2, 4, 8, 5, 3], 90, 0.6), "code": ([6, 3, 5, 2, 4, 1, 3], 260, 0.4)}
 MAX_TOKENS = 1024
 
 
@@ -43,7 +46,7 @@ def _write(make_sources: Any, spec: dict[str, tuple[list[int], int, float]]) -> 
 
 @pytest.fixture(scope="module")
 def datasets(make_sources: Any) -> dict[str, dict[str, Any]]:
-    return {"skew": _write(make_sources, SKEW), "empty": _write(make_sources, EMPTY)}
+    return {"skew": _write(make_sources, SKEW), "empty": _write(make_sources, EMPTY), "tail": _write(make_sources, TAIL)}
 
 
 def _cases(datasets: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -71,6 +74,11 @@ def _cases(datasets: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         # pad: ranks without data have no batch of their own to copy; saved in their filler phase
         cases.append({"name": f"empty-w{nw}", "data": "empty", "sources": sources("empty"), "stop": "all_exhausted", "num_workers": nw, "save_at": "filler"})
         cases.append({"name": f"empty-w{nw}-drop", "data": "empty", "sources": sources("empty"), "stop": "all_exhausted", "num_workers": nw, "sync_end": "drop"})
+    # every cut in the pass's tail, with 3 readers per rank that end at different points (2 ranks only)
+    for end in ("pad", "drop"):
+        name = "tail-w3" + ("-drop" if end == "drop" else "")
+        cases.append({"name": name, "data": "tail", "sources": sources("tail"), "stop": "all_exhausted", "num_workers": 3,
+                      "save_at": "tail", "tail": 3 * 3 + 6, "sync_end": end, "world": 2})  # fmt: skip
     # rank 0's reading fails after 120 samples, a few batches in: every rank must stop, none may hang
     for end in ("pad", "drop"):
         name = "fail" + ("-drop" if end == "drop" else "")
@@ -110,6 +118,7 @@ def runs(request: pytest.FixtureRequest, datasets: dict[str, Any], tmp_path_fact
     def load(phase: str, name: str) -> list[dict[str, Any]]:
         return [json.loads((out / f"{name}-{phase}-rank{r}.json").read_text()) for r in range(nproc)]
 
+    cases = [c for c in cases if c.get("world", nproc) == nproc]
     return {
         "world": nproc,
         "cases": {c["name"]: c for c in cases},
@@ -293,6 +302,25 @@ def test_a_state_saved_in_a_filler_phase_resumes_exactly(runs, name):
         assert "error" not in res
         assert res["batches"] == f["batches"][k:], f"rank {r}: the resumed run differs from the uninterrupted one"
         assert res["fillers"] == sum(b["filler"] for b in f["batches"][k:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tail-w3", "tail-w3-drop"])
+def test_every_cut_in_the_tail_resumes_every_rank_exactly(runs, name):
+    """3 readers per rank ending at different points, fillers (pad) or a shared stop (drop): from every
+    cut of the pass's last 15 batches each rank continues exactly as the uninterrupted run did."""
+    if runs["world"] != 2:
+        pytest.skip("the tail cases run with 2 ranks")
+    full, resumed = runs["run"][name], runs["resume"][name]
+    total = len(full[0]["batches"])
+    assert all(len(r["batches"]) == total for r in full) and total > 15
+    if name == "tail-w3":
+        assert any(b["filler"] for r in full for b in r["batches"][-15:]), "a rank should be in its filler phase in the tail"
+    for r, (f, res) in enumerate(zip(full, resumed)):
+        assert "error" not in f and "error" not in res
+        assert sorted(map(int, res["tail"])) == list(range(total - 15, total + 1))
+        for cut, batches in res["tail"].items():
+            assert batches == f["batches"][int(cut):], f"rank {r}, cut {cut}: the resumed run differs from the uninterrupted one"
 
 
 def test_sync_stop_needs_a_process_group_and_a_matching_group(datasets):

@@ -19,7 +19,7 @@ from mixer import elastic
 from mixer.checkpoint import readable
 from mixer.shards import plan, plan_all, slice_of
 from mixer.world import World
-from resume_oracle import _equal, batch_view, take
+from resume_oracle import _equal, batch_view, tail_cuts, take
 import shardutil
 from shardutil import LogNormal, expected_tokens
 
@@ -106,6 +106,23 @@ def test_every_sample_once_across_the_change_all_exhausted(shards, w, n, w2, n2,
     assert max(seen.values()) == 1
     # the old run really stopped part-way, and the new one did the rest over all its readers
     assert 0 < sum(map(len, old.values())) and len(new) == w2 * max(n2, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("w, n, w2, n2", [(1, 3, 2, 1), (2, 2, 3, 1)], ids=["1x3-2x1", "2x2-3x1"])
+def test_every_cut_in_the_tail_of_the_old_pass(shards, w, n, w2, n2):
+    """The resume oracle's tail cuts, elastically: each old rank saved at every one of its pass's last
+    ``tail_cuts`` batches (readers ended at different points), every sample still delivered once."""
+    opts = {"stop": "all_exhausted"}
+    lengths = [sum(1 for _ in mixer.make_loader(build(shards, rank=r, world_size=w, **opts), num_workers=n)) for r in range(w)]
+    tail = tail_cuts(n)
+    assert min(lengths) > tail
+    for back in range(tail + 1):
+        states, old = run_old(shards, w, n, [length - back for length in lengths], **opts)
+        new = resume(shards, w2, n2, states, **opts)
+        seen = delivered(old, new)
+        assert set(seen) == every_key(shards), f"cut {back} batches before the end: samples lost"
+        assert max(seen.values()) == 1, f"cut {back} batches before the end: samples twice"
 
 
 def test_mix_sample_and_a_second_change(shards):

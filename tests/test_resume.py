@@ -12,7 +12,7 @@ import torch
 
 import mixer
 from mixer.selector import Deficit, RandomPick, RoundRobin
-from resume_oracle import assert_resumes_exactly, batch_view, take
+from resume_oracle import assert_resumes_exactly, batch_view, tail_cuts, take
 import shardutil
 from shardutil import RESUME_SOURCES
 
@@ -271,3 +271,113 @@ class _Picks:
 @pytest.mark.parametrize("make", [lambda: Deficit(3), lambda: RandomPick(3, seed=4, stream=(0,)), lambda: RoundRobin(3)])
 def test_selectors_resume_exactly(make):
     assert_resumes_exactly(lambda: _Picks(make()), cuts=[1, 5, 33], window=50)
+
+
+# ---- the tail of a finite pass ----------------------------------------------------------------------
+
+#: Shards of very unequal sizes, so that with 1-6 readers the readers end at different points of the
+#: pass's tail while others go on (the round robin then skips the ended ones).
+TAIL_SOURCES = {
+    "web": shardutil.LogNormal(shards=(9, 7, 5, 3, 8, 6, 4, 2, 9, 5, 3, 7, 6, 2, 4, 8, 5, 3), median=90, sigma=0.7, lo=2, hi=1024, seed=20),
+    "code": shardutil.LogNormal(shards=(6, 3, 5, 2, 4, 1, 3), median=260, sigma=0.8, lo=2, hi=1024, seed=21),
+}
+#: So few samples that with many readers some have no work at all and others end after one batch.
+SPARSE_SOURCES = {
+    "web": shardutil.LogNormal(shards=(4,), median=600, sigma=0.3, lo=2, hi=1024, seed=22),
+    "code": shardutil.LogNormal(shards=(2,), median=700, sigma=0.3, lo=2, hi=1024, seed=23),
+}
+
+
+def tail_mixture(make_sources, spec=TAIL_SOURCES, **options):
+    return shardutil.mixture(
+        make_sources(spec), weights={"web": 0.6, "code": 0.4}, batching=mixer.TokenBudget(max_tokens=1024),
+        stop="all_exhausted", state_every=3, shuffle_buffer=16, **options,
+    )
+
+
+def ends_per_reader(loader):
+    """``{reader: (index of its last batch in a whole pass, its batches)}``."""
+    last = {}
+    for i, b in enumerate(loader):
+        last[b.meta.worker] = (i, last.get(b.meta.worker, (0, 0))[1] + 1)
+    return last
+
+
+@pytest.mark.parametrize("num_workers", [1, 2, pytest.param(3, marks=pytest.mark.slow), 4, pytest.param(5, marks=pytest.mark.slow), 6])
+def test_every_cut_in_the_tail_of_a_finite_pass(make_sources, num_workers):
+    """After a reader has ended, the others go on in the round robin without it: a resumed loader
+    must continue in that order, not in a rotation counted from the batches handed out."""
+    mix = tail_mixture(make_sources)
+    ends = ends_per_reader(mixer.make_loader(mix, num_workers=num_workers))
+    reference = assert_resumes_exactly(
+        lambda: mixer.make_loader(mix, num_workers=num_workers), cuts=[], window=1, tail=tail_cuts(num_workers), view=batch_view
+    )
+    n = len(reference)
+    if num_workers >= 3:  # the case that went wrong: a reader ended inside the tail while two or more go on
+        assert any(n - tail_cuts(num_workers) <= e < n - 2 for e, _ in ends.values()), ends
+        assert len({e for e, _ in ends.values()}) == num_workers, ends
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [{"persistent_workers": True}, {"device": "cpu"}, {"mix": "sample"}], ids=["persistent", "device", "mix-sample"])
+def test_tail_cuts_with_persistent_workers_the_device_feed_and_sample_mixing(make_sources, options):
+    mix_options = {k: v for k, v in options.items() if k == "mix"}
+    loader_options = {k: v for k, v in options.items() if k != "mix"}
+    mix = tail_mixture(make_sources, **mix_options)
+    assert_resumes_exactly(
+        lambda: mixer.make_loader(mix, num_workers=4, **loader_options), cuts=[], window=1, tail=tail_cuts(4), view=batch_view
+    )
+
+
+@pytest.mark.slow
+def test_tail_cuts_through_the_elastic_entry_point_with_the_same_shape(make_sources):
+    """A list of one state per rank with the saved shape resumes batch for batch (mixer.elastic)."""
+    mix = tail_mixture(make_sources)
+    assert_resumes_exactly(
+        lambda: mixer.make_loader(mix, num_workers=4), cuts=[], window=1, tail=tail_cuts(4), view=batch_view,
+        load=lambda loader, state: loader.load_state_dict([state]),
+    )
+
+
+@pytest.mark.parametrize("num_workers", [3, 6])
+def test_tail_cuts_with_readers_that_have_no_work_or_end_after_one_batch(make_sources, num_workers):
+    mix = tail_mixture(make_sources, SPARSE_SOURCES)
+    ends = ends_per_reader(mixer.make_loader(mix, num_workers=num_workers))
+    if num_workers == 6:
+        # some readers hand out nothing, one ends with its first batch
+        assert len(ends) < 6 and any(count == 1 for _, count in ends.values()), ends
+    assert_resumes_exactly(
+        lambda: mixer.make_loader(mix, num_workers=num_workers), cuts=[], window=1, tail=tail_cuts(num_workers), view=batch_view
+    )
+
+
+def test_the_turn_is_read_from_the_readers_counts():
+    """Resume.turn on hand-made reader states: the reader after the highest one that handed out the most."""
+    from mixer.checkpoint import Resume
+
+    def readers(*counts):
+        return [{"snapshot": None, "replay": c, "skips": []} for c in counts]
+
+    assert Resume(0, readers(0, 0, 0)).turn == 0
+    assert Resume(4, readers(2, 1, 1)).turn == 1  # all running: delivered % n
+    assert Resume(6, readers(2, 2, 2)).turn == 0
+    assert Resume(9, readers(4, 4, 1)).turn == 2  # reader 2 ended after 1: its turn comes, it is skipped
+    assert Resume(8, readers(4, 1, 3)).turn == 1  # round 3 held readers 0 and 2; reader 0 handed out last
+    assert Resume(8, readers(5, 1, 2)).turn == 1
+    assert Resume(7, readers(3, 0, 4)).turn == 0
+    with_snapshot = [{"snapshot": {"batches": 3}, "replay": 2, "skips": []}, {"snapshot": None, "replay": 5, "skips": []}]
+    assert Resume(10, with_snapshot).turn == 0
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_pass_after_a_resumed_one_starts_afresh_with_persistent_workers(make_sources, num_workers):
+    """Persistent workers keep their copy of the dataset across passes: the resume is for one pass."""
+    mix = tail_mixture(make_sources)
+    full = [batch_view(b) for b in mixer.make_loader(mix, num_workers=num_workers)]
+    first = mixer.make_loader(mix, num_workers=num_workers)
+    take(first, 20)
+    resumed = mixer.make_loader(mix, num_workers=num_workers, persistent_workers=True)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    rest, again = [batch_view(b) for b in resumed], [batch_view(b) for b in resumed]
+    assert len(rest) == len(full) - 20 and all(oracle_equal(a, b) for a, b in zip(full[20:], rest))
+    assert len(again) == len(full) and all(oracle_equal(a, b) for a, b in zip(full, again))

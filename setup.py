@@ -4,8 +4,8 @@
 is `optional`, so an install without a C compiler still succeeds and mixer uses its pure-Python
 reader (the one the compiled core defers to for everything unusual, and the oracle of its tests).
 `mixer._rows` (C, optional the same way) copies the padded collate's rows and the packed one's
-segments into place; without it `mixer.collate` copies them with numpy, its oracle. `mixer._loops`
-(the same) runs the deficit selector's per-pick loops; without it `mixer.selector` uses numpy.
+segments into place; without it `mixer.batching.collate` copies them with numpy, its oracle. `mixer._loops`
+(the same) runs the deficit selector's per-pick loops; without it `mixer.mixing.selector` uses numpy.
 """
 
 from setuptools import Extension, setup

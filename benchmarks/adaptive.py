@@ -5,7 +5,7 @@ under static, temperature and adaptive mixing (issue 16).
     python -m benchmarks adaptive [--quick]          # in the suite (one Markdown table)
     python -m benchmarks.adaptive [--quick] [--steps N] [--seeds K] [--png FILE]   # default: 600 steps, 3 seeds (~25 min here)
 
-Data (written once under ``<bench-dir>/adaptive/``): the built-in demo text (:mod:`mixer.demo`:
+Data (written once under ``<bench-dir>/adaptive/``): the built-in demo text (:mod:`mixer.cli.demo`:
 ``prose`` paragraphs, ``code`` functions, ``books`` long documents), every document cut into chunks
 of at most 512 bytes, plus ``dup``: a small, easy source of near-duplicates (8 prose chunks, each
 copy with 1% of its bytes replaced at random, 400 copies). The last 5% of each source's documents
@@ -106,7 +106,7 @@ def ensure_data(bench_dir: Path, log: Callable[[str], None], demo_cache: Path | 
     root = bench_dir / "adaptive" / f"v{FORMAT}"
     manifest = root / "manifest.json"
     if not manifest.exists():
-        from mixer.demo import ensure_demo_shards
+        from mixer.cli.demo import ensure_demo_shards
 
         t0 = time.perf_counter()
         demo = ensure_demo_shards(demo_cache)

@@ -43,7 +43,7 @@ def _held(reader: Any) -> int:
 
 def measure(n: int, root: Path, mix: str, budget: int | None, batches: int, max_tokens: int) -> dict[str, Any]:
     import mixer
-    from mixer.world import World
+    from mixer.plan.world import World
 
     shares = 1.0 / (1.0 + np.arange(n))
     sources = [mixer.Source(f"s{i:04d}", str(root) + "/" + _pattern(i), weight=float(shares[i])) for i in range(n)]

@@ -1,4 +1,4 @@
-"""Scratch benchmark: CPU-µs per sample of the padded and packed collates (`mixer.collate`), their
+"""Scratch benchmark: CPU-µs per sample of the padded and packed collates (`mixer.batching.collate`), their
 compiled copies (`mixer._rows`) against the numpy ones, on batches shaped like the loader's.
 
     python -m benchmarks.collate_speed [--samples 200000] [--rounds 5] [--quick]
@@ -18,7 +18,7 @@ array (as a decode makes them), are bucketed by power-of-two edges and cut into 
 With ``--captured N`` the batches are instead the first N the throughput benchmark's mixture makes
 over its shards (`python -m benchmarks throughput` writes them; 0 workers), captured at the layout,
 and each method is the layout's whole ``collate`` (its per-sample getters included). ``--loop``
-adds whole-loop runs over those N batches, alternating ``mixer.collate.NATIVE`` on and off
+adds whole-loop runs over those N batches, alternating ``mixer.batching.collate.NATIVE`` on and off
 (CPU-µs/sample of everything; the difference is the collate's share, within this machine's noise).
 
 With ``--packed`` the same samples are placed by the real ``Packer`` instead, for the three
@@ -42,9 +42,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from mixer import collate as collate_mod
-from mixer.batch import BatchMeta
-from mixer.collate import collate
+from mixer.batching import collate as collate_mod
+from mixer.batching.batch import BatchMeta
+from mixer.batching.collate import collate
 
 
 def make_batches(samples: int, max_tokens: int, seed: int = 0) -> list[tuple[list[np.ndarray], np.ndarray, np.ndarray, list[str]]]:
@@ -96,9 +96,9 @@ def loop_cpu(count: int, bench_dir: Path) -> tuple[float, int]:
 
 def main_packed(opts: argparse.Namespace) -> None:
     import mixer
-    from mixer.batchers import Packer
-    from mixer.collate import PackedLayout
-    from mixer.decode import Sample
+    from mixer.batching.batchers import Packer
+    from mixer.batching.collate import PackedLayout
+    from mixer.read.decode import Sample
 
     rng = np.random.default_rng(0)
     lengths = np.clip(rng.lognormal(np.log(300), 0.6, opts.samples).astype(int), 1, 8192)

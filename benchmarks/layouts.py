@@ -164,7 +164,7 @@ def speech_decode_only(corpora: dict[str, tuple[str, int, float]]) -> Callable[[
     def run(tally: Tally) -> None:
         import mixer
         from mixer.storage import expand_urls
-        from mixer.tario import read_samples
+        from mixer.read.tario import read_samples
 
         decode = mixer.SpeechDecode(sample_rate=RATE)
         for pattern, _, _ in corpora.values():

@@ -141,7 +141,7 @@ def _fds(pid: int) -> int | None:
 
 def _buffered(state: dict[str, Any]) -> tuple[float | None, float | None]:
     """Samples per reader held in shuffle buffers / in bucket buffers, from the locations the saved
-    state lists (expanded with ``mixer.checkpoint.readable``); None where the format says otherwise."""
+    state lists (expanded with ``mixer.state.checkpoint.readable``); None where the format says otherwise."""
     shuffle, buckets, readers = 0, 0, 0
     try:
         for reader in state["readers"]:
@@ -150,7 +150,7 @@ def _buffered(state: dict[str, Any]) -> tuple[float | None, float | None]:
             snap = reader["snapshot"]
             readers += 1
             if isinstance(snap["streams"], dict):  # the columnar state (version 5 on); before: one dict per source
-                from mixer.checkpoint import buffered
+                from mixer.state.checkpoint import buffered
 
                 a, b = buffered(snap)
                 shuffle, buckets = shuffle + a, buckets + b

@@ -83,7 +83,7 @@ def build_mixture(opts: argparse.Namespace, rank: int, world: int) -> Any:
 
     if opts.config != "demo":
         return mixer.load_config(opts.config, rank=rank, world_size=world)
-    from mixer.demo import ensure_demo_shards
+    from mixer.cli.demo import ensure_demo_shards
 
     if rank == 0:  # generate once; the others reuse the result
         patterns = ensure_demo_shards(opts.cache_dir)

@@ -3,7 +3,7 @@
     python -m benchmarks plan_scale [--quick]                     # in the suite (one Markdown table)
     python -m benchmarks.plan_scale --shards 100000 --ranks 4096 --workers 16 [--sigma 0.5]
 
-Shard sizes are what an object-store listing gives: bytes per shard, passed to `mixer.shards.plan` as
+Shard sizes are what an object-store listing gives: bytes per shard, passed to `mixer.plan.shards.plan` as
 `sizes`. Two size models:
 
 * `lognormal`: sizes lognormal around 512 MB (sigma 0.5 by default: the largest of 1e5 shards is ~8x
@@ -20,7 +20,7 @@ the `readers + 1` largest shards on one reader, the ceil(shards / readers) small
 reader) / mean: when the plan sits on the bound, the shards, not the split, limit the balance.
 
 With a shard index (`kind="index"`, issue 15): the plan splits shards by sample ranges balanced by
-tokens (`mixer.shards.range_bounds`). The index is synthetic and exact: shard i holds a lognormal
+tokens (`mixer.plan.shards.range_bounds`). The index is synthetic and exact: shard i holds a lognormal
 number of samples (median `INDEX_SAMPLES`, sigma 0.5, so shard sizes are lognormal too) whose token
 lengths are a run of one pool of lognormal lengths (median 400 tokens, sigma 1.0) starting at a
 random place; per-shard totals come from the pool's cumulative sum, so no sample is stored twice.
@@ -92,7 +92,7 @@ POOL = 1 << 22  # lognormal lengths the synthetic shards take their runs from
 
 
 class SyntheticIndex:
-    """A shard index as `mixer.shards.plan` reads it (the `Ranges` protocol), made up exactly."""
+    """A shard index as `mixer.plan.shards.plan` reads it (the `Ranges` protocol), made up exactly."""
 
     def __init__(self, n: int, *, seed: int = 0) -> None:
         rng = np.random.default_rng([seed, n, 1])
@@ -118,7 +118,7 @@ class SyntheticIndex:
 def _timed_plans(sc: Scenario, timed_readers: int, make_plan: Any) -> tuple[list[int], list[float], dict[int, Any]]:
     """The plans of ``timed_readers`` readers spread over the world (first, last and some in
     between), each timed: (the readers, seconds each, reader -> its plan)."""
-    from mixer.world import World
+    from mixer.plan.world import World
 
     readers = sc.readers
     picks = sorted({round(i * (readers - 1) / max(timed_readers - 1, 1)) for i in range(timed_readers)})
@@ -132,7 +132,7 @@ def _timed_plans(sc: Scenario, timed_readers: int, make_plan: Any) -> tuple[list
 
 
 def simulate_index(sc: Scenario, *, timed_readers: int = 5, seed: int = 0) -> dict:
-    from mixer.shards import plan, range_bounds, shard_order
+    from mixer.plan.shards import plan, range_bounds, shard_order
 
     index = SyntheticIndex(sc.shards, seed=seed)
     readers = sc.readers
@@ -169,7 +169,7 @@ def simulate_index(sc: Scenario, *, timed_readers: int = 5, seed: int = 0) -> di
 
 
 def simulate(sc: Scenario, *, timed_readers: int = 5, seed: int = 0) -> dict:
-    from mixer.shards import _owners_by_size, plan, shard_order
+    from mixer.plan.shards import _owners_by_size, plan, shard_order
 
     if sc.sizes == "index":
         return simulate_index(sc, timed_readers=timed_readers, seed=seed)

@@ -9,7 +9,7 @@ float mtime (a PAX header before every member: the shards users have). Then alte
 and shard set:
 
 * ``raw``: the files read with ``readinto`` into one buffer: the floor for reading those bytes;
-* ``compiled``: `mixer.tario.read_samples` + `mixer.decode.default_tokens` (the compiled core);
+* ``compiled``: `mixer.read.tario.read_samples` + `mixer.read.decode.default_tokens` (the compiled core);
 * ``python``: the same with ``native=False`` (the pure-Python reader and decode, as before the core);
 * ``compiled-read`` / ``python-read``: the same two without token decoding;
 * ``wds``: ``webdataset.WebDataset(urls, shardshuffle=False)`` + ``np.load`` of ``tokens.npy``
@@ -32,9 +32,9 @@ from collections.abc import Callable
 import numpy as np
 import webdataset as wds
 
-from mixer import tario
-from mixer.decode import default_tokens
-from mixer.tario import read_samples
+from mixer.read import tario
+from mixer.read.decode import default_tokens
+from mixer.read.tario import read_samples
 
 
 def write_shards(folder: str, samples: int, shards: int, *, pax: bool, seed: int = 0) -> list[str]:

@@ -130,7 +130,7 @@ def measure(shards: common.ShardSet, num_workers: int, rounds: int, max_tokens: 
     for what in POINTS:
         state = cuts["states"][at[what]]
         out[f"{what}_batch"] = at[what]
-        out[f"state_bytes_{what}"] = mixer.checkpoint.size_bytes(state)
+        out[f"state_bytes_{what}"] = mixer.state.checkpoint.size_bytes(state)
         out[f"state_bytes_per_reader_max_{what}"] = max(len(json.dumps(r, separators=(",", ":"))) for r in state["readers"])
         out[f"reread_mb_{what}"] = reread_span(state)["reread_mb"]
     for num, den in (("deep", "early"), ("deep", "mid")):
@@ -144,9 +144,9 @@ def measure(shards: common.ShardSet, num_workers: int, rounds: int, max_tokens: 
 
 def reread_span(state: dict[str, Any]) -> dict[str, float]:
     """What restoring ``state`` reads again, about: per (reader, source, shard), the runs of buffered
-    offsets that mixer.reread.reread reads through (neighbours closer than its gap), summed."""
-    from mixer.checkpoint import readable
-    from mixer.reread import _REREAD_GAP, _runs
+    offsets that mixer.stream.reread.reread reads through (neighbours closer than its gap), summed."""
+    from mixer.state.checkpoint import readable
+    from mixer.stream.reread import _REREAD_GAP, _runs
 
     span = 0
     for reader in state["readers"]:

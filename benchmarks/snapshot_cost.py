@@ -76,8 +76,8 @@ def consume(shards: ShardSet, state_every: int, batches: int, collections: list[
 
 def in_place(shards: ShardSet, batches: int, repeats: int) -> dict[str, Any]:
     """A reader's ``_snapshot()`` timed where it is called over ``batches`` batches, then warm."""
-    from mixer.checkpoint import buffered
-    from mixer.world import World
+    from mixer.state.checkpoint import buffered
+    from mixer.plan.world import World
 
     reader = make_mixture(shards, state_every=STATE_EVERY).reader(World(num_workers=1))
     snapshot, taken = reader._snapshot, []

@@ -8,8 +8,8 @@ extensions, global PAX headers, hand-made PAX records with wrong lengths, odd ``
 values and sparse keywords), then damaged at random (truncated anywhere, header bytes overwritten
 with or without a re-computed checksum, base-256 and huge sizes, signed checksums, junk blocks),
 read through a stream that may return short reads or raise a `ShardError` part way, from offset 0
-or a random block offset, with a random chunk size. `mixer.tario.read_samples` and
-`mixer.decode.default_tokens` must give the same for ``native=True`` and ``native=False``: the
+or a random block offset, with a random chunk size. `mixer.read.tario.read_samples` and
+`mixer.read.decode.default_tokens` must give the same for ``native=True`` and ``native=False``: the
 same samples (keys, values, order of keys) and tokens, and the same exception (class, message,
 cause, and every `TarDamage` field). tests/test_tar_fuzz.py runs a fixed number of cases; this runs
 for a time and prints how many cases and which kinds it tried. A crash or an out-of-bounds read in
@@ -35,9 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from mixer.decode import default_tokens
+from mixer.read.decode import default_tokens
 from mixer.errors import ShardError
-from mixer.tario import read_samples
+from mixer.read.tario import read_samples
 
 BLOCK = 512
 URL = "fuzz/shard.tar"

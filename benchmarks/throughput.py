@@ -15,7 +15,7 @@ Methods (alternating within each round, order rotated per round):
   the shard set's true mean lengths), so that it delivers the same mixture as the mixer: the
   like-for-like peer. With probs 0.6/0.3/0.1 RandomMix serves mostly long books samples (~1200 tokens
   per sample instead of ~490), which flatters its tokens/s while missing the target mixture.
-* `mixer_reader` — `mixer.tario.read_samples` + `mixer.decode.default_tokens` over all shards.
+* `mixer_reader` — `mixer.read.tario.read_samples` + `mixer.read.decode.default_tokens` over all shards.
 * `mixer` — `mixer.Mixture(..., TokenBudget(65536), seed=0)` through `mixer.make_loader(num_workers=0)`,
   stop="never" (default), stopped after the same number of real tokens as `randommix`.
 * `mixer_all_exhausted` — the same with stop="all_exhausted": one pass over everything.
@@ -151,8 +151,8 @@ def randommix(shards: ShardSet, decode: Callable[[bytes], np.ndarray], probs: li
 
 def mixer_reader(shards: ShardSet) -> Callable[[Tally], None]:
     def run(tally: Tally) -> None:
-        from mixer.decode import default_tokens
-        from mixer.tario import read_samples
+        from mixer.read.decode import default_tokens
+        from mixer.read.tario import read_samples
 
         n = t = 0
         for url in shards.urls:
@@ -292,7 +292,7 @@ def build_table(shards: ShardSet, opts: argparse.Namespace) -> dict[str, Method]
     mean = np.array([s.mean_length for s in shards.sources])
     tokprobs = (np.array(probs) / mean / (np.array(probs) / mean).sum()).tolist()
     api = common.missing("mixer", "Source", "Mixture", "TokenBudget", "make_loader")
-    reader = common.missing("mixer.tario", "read_samples") or common.missing("mixer.decode", "default_tokens")
+    reader = common.missing("mixer.read.tario", "read_samples") or common.missing("mixer.read.decode", "default_tokens")
     budget_note = f"stops at {budget / 1e6:.1f}M real tokens"
     table = {
         "raw": Method("raw", "raw byte read (ceiling)", raw_read(shards), kind="raw"),

@@ -35,7 +35,7 @@ import webdataset as wds
 
 import mixer
 
-sf = mixer.audio.soundfile()  # a clear error naming pip install 'wds-mixer[audio]' when it is missing
+sf = mixer.read.audio.soundfile()  # a clear error naming pip install 'wds-mixer[audio]' when it is missing
 
 VOCAB = " abcdefghijklmnopqrstuvwxyz'"  # id 0 is the pad
 WORDS = (

@@ -5,7 +5,7 @@
     torchrun --nproc_per_node=2 examples/train_ddp.py --steps 20 --resume ckpt/step-000010
     torchrun --nproc_per_node=8 examples/train_ddp.py --device cuda --steps 1000      # GPUs, nccl
 
-Data: the built-in demo sources (`mixer.demo.ensure_demo_shards()`: byte-level tokens, vocabulary
+Data: the built-in demo sources (`mixer.cli.demo.ensure_demo_shards()`: byte-level tokens, vocabulary
 256) mixed 50/30/20 into token-budget batches, or ``--config`` a mixer YAML file. Every rank builds
 the same Mixture; rank and world size come from the process group, so each rank reads its own
 disjoint part of every source. With ``--stop all_exhausted`` (default) the run makes one pass over
@@ -80,7 +80,7 @@ def lm_loss(model: nn.Module, tokens: torch.Tensor, lengths: torch.Tensor) -> to
 def build_mixture(opts: argparse.Namespace) -> mixer.Mixture:
     if opts.config:
         return mixer.load_config(opts.config)
-    from mixer.demo import ensure_demo_shards
+    from mixer.cli.demo import ensure_demo_shards
 
     patterns = ensure_demo_shards(opts.cache_dir)
     sources = [mixer.Source(name, patterns[name], weight=w) for name, w in DEMO_WEIGHTS.items()]

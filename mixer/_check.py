@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from .errors import ConfigError
+from mixer.errors import ConfigError
 
 
 def fail(where: str, rule: str) -> NoReturn:

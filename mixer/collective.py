@@ -2,8 +2,8 @@
 that waits past it raises :class:`~mixer.errors.MixerError` naming the collective, how long it waited
 and, where the process group's store can tell, the ranks that never reached it.
 
-Used by the rank sync (:class:`mixer.distributed.StopSync`, one ``all_reduce`` per batch) and by
-adaptive mixing's feedback (:mod:`mixer.feedback`, one ``all_reduce`` per update window), both with
+Used by the rank sync (:class:`mixer.runtime.distributed.StopSync`, one ``all_reduce`` per batch) and by
+adaptive mixing's feedback (:mod:`mixer.runtime.feedback`, one ``all_reduce`` per update window), both with
 the loader's ``sync_timeout``: a frozen (SIGSTOP, a partition, a hung step) or dead rank would
 otherwise hold the others for the process group's timeout (gloo's 30 minutes) and then fail them
 with gloo's bare ``RuntimeError``.
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .errors import MixerError
+from mixer.errors import MixerError
 
 log = logging.getLogger(__name__)
 
@@ -198,3 +198,12 @@ class _Collective:
 
     def __init__(self, work: Any, what: str, seq: int, started: float) -> None:
         self.work, self.what, self.seq, self.started = work, what, seq, started
+
+
+def handles_cpu(group: Any) -> bool:
+    """Whether ``group``'s backend runs collectives on CPU tensors (gloo, MPI, UCC; not NCCL alone).
+    Callers look it up on this module at call time, so a test can stand in an NCCL-only group."""
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend(group)).lower()
+    return any(name in backend for name in ("gloo", "mpi", "ucc"))

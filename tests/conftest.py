@@ -40,7 +40,7 @@ def three_sources(make_sources: Callable[[Mapping[str, LogNormal]], Sources]) ->
 
 @pytest.fixture(scope="session")
 def demo_shards(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """`mixer.demo.ensure_demo_shards()` in a private cache folder: ``{source: brace pattern}``."""
-    from mixer.demo import ensure_demo_shards  # here, so a broken `mixer` import fails tests, not collection
+    """`mixer.cli.demo.ensure_demo_shards()` in a private cache folder: ``{source: brace pattern}``."""
+    from mixer.cli.demo import ensure_demo_shards  # here, so a broken `mixer` import fails tests, not collection
 
     return ensure_demo_shards(tmp_path_factory.mktemp("demo_cache"))

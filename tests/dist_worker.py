@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 import mixer
-import mixer.distributed
+import mixer.runtime.distributed
 
 # The "fail" case: decoding raises on one rank once armed (after the Mixture profiled its sources).
 ARMED = {"on_rank": -1, "after": 0, "count": 0}
@@ -60,15 +60,15 @@ def build(case: dict[str, Any]) -> mixer.Loader:
     group = None
     if case.get("group") == "explicit":  # the data-parallel group passed as sync_group
         group = dist.new_group(list(range(dist.get_world_size())), backend="gloo")
-    handles_cpu = mixer.distributed._handles_cpu
+    handles_cpu = mixer.collective.handles_cpu
     if case.get("group") == "side":  # as with an NCCL-only group: the loader makes its own gloo group
-        mixer.distributed._handles_cpu = lambda group: False  # type: ignore[assignment]
+        mixer.collective.handles_cpu = lambda group: False  # type: ignore[assignment]
     try:
         return mixer.make_loader(
             mix, num_workers=case["num_workers"], sync_stop=case.get("sync_stop"), sync_end=case.get("sync_end", "pad"), sync_group=group
         )
     finally:
-        mixer.distributed._handles_cpu = handles_cpu  # type: ignore[assignment]
+        mixer.collective.handles_cpu = handles_cpu  # type: ignore[assignment]
 
 
 def view(batch: mixer.Batch) -> dict[str, Any]:

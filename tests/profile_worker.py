@@ -19,18 +19,18 @@ from typing import Any
 import torch.distributed as dist
 
 import mixer
-import mixer.distributed
+import mixer.runtime.distributed
 
 
 def run_case(case: dict[str, Any]) -> dict[str, Any]:
     sources = [mixer.Source(name, pattern) for name, pattern in case["sources"]]
-    handles_cpu = mixer.distributed._handles_cpu
+    handles_cpu = mixer.collective.handles_cpu
     if case.get("side"):  # as with an NCCL-only group: the look is shared over a gloo group of its own
-        mixer.distributed._handles_cpu = lambda group: False  # type: ignore[assignment]
+        mixer.collective.handles_cpu = lambda group: False  # type: ignore[assignment]
     try:
         return _build(case, sources)
     finally:
-        mixer.distributed._handles_cpu = handles_cpu  # type: ignore[assignment]
+        mixer.collective.handles_cpu = handles_cpu  # type: ignore[assignment]
 
 
 def _build(case: dict[str, Any], sources: list[mixer.Source]) -> dict[str, Any]:

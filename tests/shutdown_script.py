@@ -16,7 +16,7 @@ import time
 import torch.utils.data
 
 import mixer
-from mixer.decode import default_tokens
+from mixer.read.decode import default_tokens
 
 
 def live_children(pid: int) -> list[int]:

@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from mixer.adaptive import Adaptive, Exp3, ExpGradient, adapt, make_policy
+from mixer.mixing.adaptive import Adaptive, Exp3, ExpGradient, adapt, make_policy
 from mixer.errors import ConfigError, StateError
 
 PRIOR = np.array([0.5, 0.3, 0.2])
@@ -120,8 +120,8 @@ def test_reference_names_are_checked():
 
 
 def test_config_form_round_trips_and_names_the_key_path():
-    from mixer.schedule import Floored, Weights
-    from mixer.schedule_config import parse_schedule, schedule_to_dict
+    from mixer.mixing.schedule import Floored, Weights
+    from mixer.config.schedule_config import parse_schedule, schedule_to_dict
 
     m = {"weights": {"a": 1, "b": 3}, "min_prob": 0.1, "adaptive": {"policy": "exp3", "lr": 0.5, "update_every": 10}}
     s = parse_schedule(m, ["a", "b"])

@@ -71,7 +71,7 @@ def test_three_ranks_two_workers_agree_track_and_resume(patterns, tmp_path):
     assert len({json.dumps(r["adaptive"]) for r in ranks}) == 1
     # Realized token shares track the moving targets: at every step and for every source, the real
     # tokens delivered so far are within the deficit selector's bound (about one batch per reader,
-    # stated as two, as mixer.stats does for starvation) of the integrated target, sum over the
+    # stated as two, as mixer.observe.stats does for starvation) of the integrated target, sum over the
     # batches of target(step) x the batch's real tokens; per rank and over all ranks together.
     bound = 2 * WORKERS * MAX_TOKENS
     every = np.zeros((STEPS, 3))

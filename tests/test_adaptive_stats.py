@@ -13,8 +13,9 @@ import yaml
 
 import mixer
 import shardutil
-from mixer import Adaptive, cli
-from mixer.stats import History, plot_run, report
+from mixer import Adaptive
+from mixer.cli import commands as cli
+from mixer.observe.stats import History, plot_run, report
 from shardutil import RESUME_SOURCES
 
 WEIGHTS = {"web": 0.5, "code": 0.3, "tiny": 0.2}
@@ -37,7 +38,7 @@ def test_stats_log_lines_report_and_plot_show_the_adaptive_targets_and_loss(shar
     loader = mixer.make_loader(mixture(shards, schedule=schedule, seed=6))
     history = History(loader.mixture.names)
     batches = []
-    with caplog.at_level(logging.INFO, logger="mixer.stats"):
+    with caplog.at_level(logging.INFO, logger="mixer.observe.stats"):
         for batch in mixer.log_every(loader, 2 * U):
             loader.feedback(batch, fake_loss(batch))
             history.update(batch)
@@ -92,7 +93,7 @@ def test_a_plain_schedule_has_no_adaptive_part(shards):
         pass
     stats = loader.stats()
     assert stats["adaptive"] is None and report(stats)["adaptive"] is None
-    assert "adaptive" not in mixer.stats.format_line(stats)
+    assert "adaptive" not in mixer.observe.stats.format_line(stats)
 
 
 def test_cli_report_of_an_adaptive_config(shards, tmp_path, capsys):

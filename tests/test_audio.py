@@ -1,4 +1,4 @@
-"""The speech decode (mixer.audio): real FLAC and WAV written with soundfile, transcripts, sample
+"""The speech decode (mixer.read.audio): real FLAC and WAV written with soundfile, transcripts, sample
 rates, duration filters, and what happens without soundfile."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import mixer
-import mixer.audio
-from mixer.audio import SpeechDecode
+import mixer.read.audio
+from mixer.read.audio import SpeechDecode
 from shardutil import npy_bytes, write_samples
 
 sf = pytest.importorskip("soundfile")
@@ -160,7 +160,7 @@ def test_configuration_is_checked_at_the_door(kwargs, match):
 
 
 def test_without_soundfile_the_error_says_how_to_install_it(monkeypatch):
-    monkeypatch.setattr(mixer.audio, "_soundfile", None)
+    monkeypatch.setattr(mixer.read.audio, "_soundfile", None)
     monkeypatch.setitem(sys.modules, "soundfile", None)  # makes `import soundfile` raise ImportError
     with pytest.raises(mixer.ConfigError, match=r"pip install 'wds-mixer\[audio\]'"):
         SpeechDecode()

@@ -5,8 +5,8 @@ import pickle
 import numpy as np
 import torch
 
-from mixer.batch import Batch, BatchMeta
-from mixer.collate import collate
+from mixer.batching.batch import Batch, BatchMeta
+from mixer.batching.collate import collate
 
 
 def make(pad_id=0, dtype="int32"):

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from mixer import ConfigError, TokenBudget
-import mixer.batchers as batchers_module
-from mixer.batchers import Bucketer
-from mixer.edges import bucket_edges
+import mixer.batching.batchers as batchers_module
+from mixer.batching.batchers import Bucketer
+from mixer.plan.edges import bucket_edges
 from resume_oracle import assert_resumes_exactly
 
 

@@ -1,4 +1,4 @@
-"""The ``mixer`` command: ``run``, ``plan`` and ``demo`` in-process through ``mixer.cli.main``, and the
+"""The ``mixer`` command: ``run``, ``plan`` and ``demo`` in-process through ``mixer.cli.commands.main``, and the
 installed console script once in a subprocess."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 import mixer
-from mixer import cli, demo, stats
+from mixer.cli import commands as cli, demo
+from mixer.observe import stats
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE_KEYS = {
@@ -53,7 +54,7 @@ def strict_json(path):
 
 
 def capture(monkeypatch, name):
-    """Wrap ``mixer.cli.<name>`` (a plot function) to keep the figures it returns."""
+    """Wrap ``mixer.cli.commands.<name>`` (a plot function) to keep the figures it returns."""
     figures = []
     real = getattr(cli, name)
 
@@ -129,12 +130,12 @@ def test_run_prints_table_and_writes_report_and_plot(three_sources, tmp_path, ca
 def test_run_with_workers_and_logging(three_sources, tmp_path, capsys, caplog):
     cfg = write_config(tmp_path / "mix.yaml", run_config(three_sources))
     report_path = tmp_path / "r.json"
-    with caplog.at_level("INFO", logger="mixer.stats"):
+    with caplog.at_level("INFO", logger="mixer.observe.stats"):
         assert cli.main(["run", cfg, "--steps", "30", "--workers", "2", "--log-every", "10", "--report", str(report_path)]) == 0
     rep = strict_json(report_path)
     assert rep["batches"] == 30 and rep["workers"] == 2
     assert sum(s["tokens"] for s in rep["sources"].values()) == rep["tokens"]
-    lines = [r.getMessage() for r in caplog.records if r.name == "mixer.stats"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "mixer.observe.stats"]
     assert [line.split(" | ")[0] for line in lines] == ["step 9", "step 19", "step 29"]
 
 
@@ -330,7 +331,7 @@ def test_console_script(demo_cache):
 
 
 def cli_command(*args):
-    """``python -m mixer.cli ...`` importing this checkout's mixer, with its environment."""
+    """``python -m mixer.cli.commands ...`` importing this checkout's mixer, with its environment."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     return [sys.executable, "-m", "mixer.cli", *args], env
 

@@ -32,7 +32,7 @@ from mixer import storage as mio
 from mixer.storage.filesystems import close_filesystems
 from mixer.storage.compressed import CodecError, DecompressingStream, codec_of
 from mixer.errors import ShardError
-from mixer.tario import TarDamage, read_samples
+from mixer.read.tario import TarDamage, read_samples
 
 SHARDS = 3
 OURS = ("__key__", "__offset__", "__end__")
@@ -239,7 +239,7 @@ def test_corrupt_and_mislabelled_data(root: Path, tmp_path: Path) -> None:
     with pytest.raises(CodecError, match=r"junk\.tar\.gz: data after the end of the gzip stream \(\d+ bytes of tar\): it starts with b'JUNK'$"):
         mio.open_shard(str(tmp_path / "junk.tar.gz")).read()
 
-    # a gzip file named .tar says what it is (see mixer.tario)
+    # a gzip file named .tar says what it is (see mixer.read.tario)
     (tmp_path / "gz.tar").write_bytes((root / "gz" / "c-000000.tar.gz").read_bytes())
     with pytest.raises(TarDamage, match=r"gz\.tar: not a tar file .*gzip-compressed data: name the shard \.tar\.gz or \.tgz"):
         plain_or_gz(tmp_path / "gz.tar")
@@ -338,7 +338,7 @@ def test_resume_mid_shard_gives_the_uninterrupted_run(root: Path, http: FaultyHT
     )
     loader = mixer.make_loader(mix)
     reference = [batch_view(b) for b in take(loader, 7)]
-    stream = mixer.checkpoint.readable(loader.state_dict()["readers"][0]["snapshot"])["streams"][0]
+    stream = mixer.state.checkpoint.readable(loader.state_dict()["readers"][0]["snapshot"])["streams"][0]
     assert stream["next_offset"] > 0 and stream["buffer"], "the cut at 7 should fall mid-shard, with buffered samples"
     reference = [batch_view(b) for b in take(mixer.make_loader(mix), 60)]
     assert_resumes_exactly(lambda: mixer.make_loader(mix), cuts=[1, 7, 23, 41], window=12, view=batch_view, reference=reference)

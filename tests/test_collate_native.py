@@ -15,13 +15,13 @@ import pytest
 import torch
 
 import mixer
-from mixer import collate as collate_mod
-from mixer import tario
-from mixer.batch import BatchMeta
-from mixer.batchers import PackedGroup, Packer
-from mixer.collate import PackedLayout, collate
-from mixer.decode import Sample
-from mixer.transport import SlotPool
+from mixer.batching import collate as collate_mod
+from mixer.read import tario
+from mixer.batching.batch import BatchMeta
+from mixer.batching.batchers import PackedGroup, Packer
+from mixer.batching.collate import PackedLayout, collate
+from mixer.read.decode import Sample
+from mixer.runtime.transport import SlotPool
 
 needs_rows = pytest.mark.skipif(collate_mod._rows is None, reason="mixer._rows was not built (no C compiler at install)")
 
@@ -119,7 +119,7 @@ def test_compiled_rows_into_a_worker_slot_read_back_as_numpys() -> None:
             batch = collate(arrays, lengths, np.ones(20, np.int64), ["x"] * 20, pad_id=-1, out=writer.out, native=native)
             sealed = writer.seal()
             assert sealed is not None
-            _, worker, slot, stamp = sealed
+            _, worker, slot, stamp, _ = sealed
             n = batch.buffer.numel()
             del batch
             view = pool.view_out(worker, slot, stamp, n)

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from mixer import Field, Packed, Source, TokenBudget
-from mixer.config import (
+from mixer.config.mixture_config import (
     NEMO_KEYS,
     ImportPath,
     MixtureConfig,
@@ -25,8 +25,8 @@ from mixer.config import (
     resolve_import,
 )
 from mixer.errors import ConfigError, MixerError
-from mixer.hierarchical import Hierarchical
-from mixer.schedule import Curriculum, Floored, Phase, SourceInfo, Static, Temperature, Weights
+from mixer.mixing.hierarchical import Hierarchical
+from mixer.mixing.schedule import Curriculum, Floored, Phase, SourceInfo, Static, Temperature, Weights
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
@@ -272,7 +272,7 @@ def test_every_keyword_is_a_config_key():
     import inspect
 
     import mixer
-    from mixer.config import BATCHING_KEYS, FIELD_KEYS, NATIVE_KEYS, PACKED_KEYS, SOURCE_KEYS
+    from mixer.config.mixture_config import BATCHING_KEYS, FIELD_KEYS, NATIVE_KEYS, PACKED_KEYS, SOURCE_KEYS
 
     def keywords(cls: Any) -> set[str]:
         return set(inspect.signature(cls).parameters)
@@ -589,7 +589,7 @@ def test_yaml_is_loaded_safely(tmp_path):
 def test_yaml_numbers(tmp_path):
     text = "a: 1e12\nb: 2.0e11\nc: -1.5E-3\nd: .5e2\ne: 1_000\nf: '1e5'\ng: 1.0\nh: 12\n"
     path = write(tmp_path, text)
-    from mixer.config import read_yaml
+    from mixer.config.mixture_config import read_yaml
 
     assert read_yaml(path) == {"a": 1e12, "b": 2e11, "c": -1.5e-3, "d": 50.0, "e": 1000, "f": "1e5", "g": 1.0, "h": 12}
 
@@ -695,7 +695,7 @@ def test_build_mixture_from_yaml(tmp_path, three_sources):
     batching: {{max_tokens: 16384, multiple_of: 2, max_length: 16384}}
     sources:
       - {{name: web,   urls: "{three_sources['web'][0]}",   weight: 0.5, size: 1.0e6, group: en}}
-      - {{name: code,  urls: "{three_sources['code'][0]}",  weight: 0.3, size: 2.0e5, decode: "mixer.decode:default_tokens"}}
+      - {{name: code,  urls: "{three_sources['code'][0]}",  weight: 0.3, size: 2.0e5, decode: "mixer.read.decode:default_tokens"}}
       - {{name: books, urls: "{three_sources['books'][0]}", weight: 0.2, size: 4.0e5, group: en, on_error: skip}}
     schedule:
       phases:
@@ -711,7 +711,7 @@ def test_build_mixture_from_yaml(tmp_path, three_sources):
     assert [s.name for s in mix.sources] == ["web", "code", "books"]
     assert [s.weight for s in mix.sources] == [0.5, 0.3, 0.2]
     assert [s.group for s in mix.sources] == ["en", None, "en"]
-    assert mix.sources[1].decode is mixer.decode.default_tokens and mix.sources[0].decode is None
+    assert mix.sources[1].decode is mixer.read.decode.default_tokens and mix.sources[0].decode is None
     assert mix.sources[2].on_error == "skip"
     assert mix.sizes == {"web": 1e6, "code": 2e5, "books": 4e5}
     assert (mix.selector, mix.stop, mix.seed, mix.shuffle_buffer) == ("random", "first_exhausted", 5, 16)
@@ -787,7 +787,7 @@ def test_build_mixture_passes_every_batching_option(three_sources):
 
 def decode_halves(raw: dict[str, Any]) -> dict[str, np.ndarray]:
     """A config's decode (``test_config:decode_halves``): the tokens, and their first half, as fields."""
-    from mixer.decode import default_tokens
+    from mixer.read.decode import default_tokens
 
     tokens = default_tokens(raw)
     return {"text": tokens, "head": tokens[: (len(tokens) + 1) // 2]}
@@ -838,9 +838,9 @@ def test_build_mixture_packed(three_sources):
 
 
 def test_dtypes_match_the_core():
-    from mixer.batch import _DTYPES
+    from mixer.spec.dtypes import _DTYPES
 
-    # The Mixture's own check decides (mixer.mixture.check_options): every core dtype is a config value.
+    # The Mixture's own check decides (mixer.mixing.mixture.check_options): every core dtype is a config value.
     assert [parse_config(small(dtype=d)).dtype for d in _DTYPES] == list(_DTYPES)
 
 

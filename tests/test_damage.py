@@ -17,7 +17,7 @@ import pytest
 from shardutil import expected_tokens, token_key, write_token_shards
 
 import mixer
-from mixer.stats import format_table, report
+from mixer.observe.stats import format_table, report
 
 N = 40  # samples in the damaged shard; one member (tokens.npy) each
 

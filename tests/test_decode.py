@@ -1,4 +1,4 @@
-"""`mixer.decode`: the fast .npy parser against numpy's own reader, and every `SampleError`."""
+"""`mixer.read.decode`: the fast .npy parser against numpy's own reader, and every `SampleError`."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import webdataset as wds
 
-from mixer import decode
-from mixer.decode import Sample, decode_npy, default_tokens
+from mixer.read import decode
+from mixer.read.decode import Sample, decode_npy, default_tokens
 from mixer.errors import SampleError
-from mixer.tario import read_samples
+from mixer.read.tario import read_samples
 
 INT_DTYPES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
 

@@ -1,4 +1,4 @@
-"""The demo shards (mixer.demo) and the test suite's shard writer (tests/shardutil.py)."""
+"""The demo shards (mixer.cli.demo) and the test suite's shard writer (tests/shardutil.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 import webdataset as wds
 from braceexpand import braceexpand
 
-from mixer import demo
-from mixer.demo import ensure_demo_shards
+from mixer.cli import demo
+from mixer.cli.demo import ensure_demo_shards
 from shardutil import (
     expected_tokens,
     key_lengths,

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import mixer
-from mixer.batch import Batch, BatchMeta
-from mixer.collate import collate
+from mixer.batching.batch import Batch, BatchMeta
+from mixer.batching.collate import collate
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA (run benchmarks/gpu_check.sh on a GPU machine)")
@@ -117,7 +117,7 @@ def test_make_loader_device_cpu_gives_the_same_batches_and_counters(three_source
 
 
 class RecordingOps:
-    """Stands in for `mixer.device._CudaOps`: performs no copy, logs every stream operation."""
+    """Stands in for `mixer.runtime.device._CudaOps`: performs no copy, logs every stream operation."""
 
     def __init__(self, pinned: bool = True) -> None:
         self.log: list[tuple] = []

@@ -37,14 +37,23 @@ def test_readme_states_the_io_options_defaults():
         assert f"``{name}`` (default {shown})" in doc
 
 
-def test_readme_module_map_names_every_module_and_only_those():
-    """The README's module table is the map a new maintainer reads first: it must match the code."""
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    rows = [line for line in readme.splitlines() if line.startswith("| `")]
-    named = {m for row in rows for m in re.findall(r"`([\w/]+\.py|storage/)`", row.split(" | ")[0])}
-    storage_row = next(row for row in rows if row.startswith("| `storage/`"))
-    in_storage = set(re.findall(r"`(\w+)`", storage_row.split(" | ", 1)[1]))
-    modules = {p.name for p in (REPO / "mixer").glob("*.py")}
-    storage = {p.stem for p in (REPO / "mixer" / "storage").glob("*.py")} - {"__init__"}
-    assert named - {"storage/"} == modules
-    assert storage <= in_storage, f"storage modules missing from the README: {sorted(storage - in_storage)}"
+def test_the_architecture_page_names_every_layer_and_module_and_only_those():
+    """The architecture page is the map a new maintainer reads first: it must match the code."""
+    page = (REPO / "docs" / "internals" / "architecture.md").read_text(encoding="utf-8")
+    rows = [line for line in page.splitlines() if line.startswith("| ") and not line.startswith(("| layer", "|---"))]
+    named: set[str] = set()
+    for row in rows:
+        layer, modules = row.split(" | ")[:2]
+        package = "" if layer.strip("| ") == "foundation" else layer.strip("| `/")
+        for name in re.findall(r"`([\w/]+)`", modules):
+            if name.endswith("/"):  # a subpackage of the foundation, its modules listed after it
+                package = name.rstrip("/")
+                continue
+            named.add(f"{package}.{name}" if package else name)
+    modules = {
+        ".".join(p.relative_to(REPO / "mixer").with_suffix("").parts)
+        for p in (REPO / "mixer").rglob("*.py")
+        if p.name != "__init__.py"
+    }
+    assert modules <= named, f"modules missing from docs/internals/architecture.md: {sorted(modules - named)}"
+    assert named <= modules, f"docs/internals/architecture.md names modules that do not exist: {sorted(named - modules)}"

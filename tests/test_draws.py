@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mixer.errors import StateError
-from mixer.world import Draws, seed_for
+from mixer.plan.world import Draws, seed_for
 
 
 @pytest.mark.parametrize("cut", [0, 1, 100, Draws.BLOCK - 1, Draws.BLOCK, Draws.BLOCK + 3, 5 * Draws.BLOCK, 1000 * Draws.BLOCK + 17])

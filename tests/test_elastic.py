@@ -1,5 +1,5 @@
 """Elastic resume: a run saved on W ranks x N workers continues on W' x N', every sample of every
-source-epoch delivered exactly once across the change (mixer.elastic).
+source-epoch delivered exactly once across the change (mixer.mixing.elastic).
 
 Ranks are simulated in one process (each rank's Mixture gets its rank and world_size explicitly);
 workers are real DataLoader workers. Every state goes through JSON, as a checkpoint would.
@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 import mixer
-from mixer import elastic
-from mixer.checkpoint import readable
-from mixer.shards import plan, plan_all, slice_of
-from mixer.world import World
+from mixer.mixing import elastic
+from mixer.state.checkpoint import readable
+from mixer.plan.shards import plan, plan_all, slice_of
+from mixer.plan.world import World
 from resume_oracle import _equal, batch_view, tail_cuts, take
 import shardutil
 from shardutil import LogNormal, expected_tokens
@@ -306,7 +306,7 @@ def test_torchrun_two_ranks_saved_three_resume_every_sample_once(shards, tmp_pat
 def test_the_merged_selectors_owe_what_the_old_readers_owed_together():
     """Deficit: the new readers' (target - delivered) sum to the old readers' sum, per source, each
     new reader on one reader's scale; random: the mean amount per pick is the whole run's."""
-    from mixer.selector import Deficit, RandomPick, RoundRobin
+    from mixer.mixing.selector import Deficit, RandomPick, RoundRobin
 
     olds = []
     for k, picks in enumerate([[0, 1, 1], [2, 2, 0, 1], [1]]):

@@ -1,7 +1,7 @@
 """The reader's fast lane (`SourceStream._read_into` + `mixer._tarwalk.samples`): runs of samples in
 the default format become `Sample`s in one C call; every other sample goes through `make_sample`.
 The lane must change nothing a user can see: the same batches, counters and states as the
-per-sample path (``mixer.stream._convert = None``), on mixed formats, the length policy, shared
+per-sample path (``mixer.stream.source_stream._convert = None``), on mixed formats, the length policy, shared
 shards, damage, and the sample path's own oracle, Python's decode."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import pytest
 from shardutil import expected_tokens, write_samples
 
 import mixer
-import mixer.stream
-import mixer.world
-from mixer.world import Draws
+import mixer.stream.source_stream
+import mixer.plan.world
+from mixer.plan.world import Draws
 
-pytestmark = pytest.mark.skipif(mixer.stream._convert is None, reason="the compiled core was not built")
+pytestmark = pytest.mark.skipif(mixer.stream.source_stream._convert is None, reason="the compiled core was not built")
 
 
 def _mixed_source(folder: Path, shards: int = 3, per_shard: int = 90) -> str:
@@ -51,7 +51,7 @@ def _run(pattern: str, lane: bool, monkeypatch: pytest.MonkeyPatch, *, batches: 
     """Batches (keys, lengths, tokens), stats counters and the loader state after `batches` batches."""
     with monkeypatch.context() as m:
         if not lane:
-            m.setattr(mixer.stream, "_convert", None)
+            m.setattr(mixer.stream.source_stream, "_convert", None)
         source_options = options.pop("source", {})
         sources = [mixer.Source("m", pattern, **source_options), mixer.Source("n", pattern, weight=0.5, **source_options)]
         mix = mixer.Mixture(sources, batching=mixer.TokenBudget(4096, max_length=512), seed=3, shuffle_buffer=64, state_every=4, **options)
@@ -90,8 +90,8 @@ def test_the_lane_and_python_decode_agree(tmp_path: Path, monkeypatch: pytest.Mo
     pattern = _mixed_source(tmp_path)
     fast, _, fast_state = _run(pattern, True, monkeypatch)
     with monkeypatch.context() as m:
-        m.setattr(mixer.decode, "NATIVE", False)
-        m.setattr(mixer.tario, "NATIVE", False)
+        m.setattr(mixer.read.decode, "NATIVE", False)
+        m.setattr(mixer.read.tario, "NATIVE", False)
         oracle, _, oracle_state = _run(pattern, True, monkeypatch)
     _same(fast, oracle)
     assert fast_state == oracle_state
@@ -140,7 +140,7 @@ def test_samples_from_the_lane_are_untracked(tmp_path: Path) -> None:
     keys = [f"u-{i:03d}" for i in range(30)]
     pattern = write_samples(tmp_path, "u", [[{"__key__": k, "tokens.npy": expected_tokens(k, 10 + i)} for i, k in enumerate(keys)]])
     mix = mixer.Mixture([mixer.Source("u", pattern)], batching=mixer.TokenBudget(4096), seed=0, shuffle_buffer=8, stop="all_exhausted")
-    got = list(mix.reader(mixer.world.World()).streams[0])
+    got = list(mix.reader(mixer.plan.world.World()).streams[0])
     assert sorted(s.key for s in got) == keys
     for s in got:
         assert not gc.is_tracked(s)
@@ -149,7 +149,7 @@ def test_samples_from_the_lane_are_untracked(tmp_path: Path) -> None:
 
 def test_samples_checks_its_arguments() -> None:
     from mixer import _tarwalk
-    from mixer.decode import Sample
+    from mixer.read.decode import Sample
 
     with pytest.raises(TypeError):
         _tarwalk.samples((), 0, 0, 0, 10, Sample, [])
@@ -164,7 +164,7 @@ def test_samples_checks_its_arguments() -> None:
 def test_take_is_the_shuffle_pop(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Draws.take(items) is a draw of `random` and a swap-remove at int(u * len): the same items
     in the same order, across block refills, as the two written out (in C and in Python)."""
-    monkeypatch.setattr(mixer.world, "NATIVE", native)
+    monkeypatch.setattr(mixer.plan.world, "NATIVE", native)
     a, b = Draws(1, "shuffle", "x", 0), Draws(1, "shuffle", "x", 0)
     items_a, items_b = list(range(1000)), list(range(1000))
     for _ in range(999):
@@ -182,7 +182,7 @@ def test_take_is_the_shuffle_pop(native: bool, monkeypatch: pytest.MonkeyPatch) 
 
 def test_txt_tokens_in_c_are_pythons() -> None:
     """A sample with only a txt member: its UTF-8 bytes as uint8, the same array both ways."""
-    from mixer.decode import default_tokens
+    from mixer.read.decode import default_tokens
 
     for text in (b"", b"plain", "caf\u00e9 \u2603".encode()):
         fast, slow = default_tokens({"txt": text}), default_tokens({"txt": text}, native=False)

@@ -13,7 +13,7 @@ import torch
 
 import mixer
 import shardutil
-from mixer.adaptive import Exp3, ExpGradient
+from mixer.mixing.adaptive import Exp3, ExpGradient
 from mixer import Adaptive
 from mixer.errors import ConfigError, StateError
 from resume_oracle import assert_resumes_exactly, batch_view, take

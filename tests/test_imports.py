@@ -1,4 +1,12 @@
-"""No import cycle inside ``mixer``: the graph of what each module imports when it is imported.
+"""The package's import graph: layers that import only downwards, and no import cycle.
+
+**Layers.** ``mixer`` is built in layers, one subpackage each (:data:`LAYERS`, bottom first); a
+module may import from its own layer and the layers below, never above, and here every import
+statement counts: type-only ones under ``TYPE_CHECKING`` and those inside functions too (a type or a
+late import that runs up the layers is still a dependency on the layer above). The top-level
+``mixer/__init__.py`` (the public API) sits above them all.
+
+**Cycles.** The graph of what each module imports when it is imported must have no cycle.
 
 Each module of the package is parsed (never imported) and its import statements are resolved to
 modules of ``mixer``. Only imports that run when the module is imported count: those at module
@@ -32,6 +40,14 @@ def _modules() -> dict[str, tuple[Path, bool]]:
     return found
 
 
+def _every_import_node(body: Iterable[ast.AST]) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement, wherever it stands (functions and ``TYPE_CHECKING`` blocks included)."""
+    for node in body:
+        for sub in ast.walk(node):
+            if isinstance(sub, (ast.Import, ast.ImportFrom)):
+                yield sub
+
+
 def _import_time_nodes(body: Iterable[ast.AST]) -> Iterator[ast.Import | ast.ImportFrom]:
     """The import statements in ``body`` (and the blocks under it) that run when the module is imported."""
     for node in body:
@@ -56,12 +72,13 @@ def _with_parents(target: str, importer: str) -> set[str]:
     return out
 
 
-def _imports(name: str, package: bool, source: str, known: set[str]) -> set[str]:
+def _imports(name: str, package: bool, source: str, known: set[str], *, every: bool = False) -> set[str]:
     """The modules of ``known`` that importing module ``name`` (a package's ``__init__`` if
-    ``package``) with this source imports."""
+    ``package``) with this source imports; with ``every``, those any of its import statements name."""
     here = name if package else name.rpartition(".")[0]  # the package relative imports start from
     out: set[str] = set()
-    for node in _import_time_nodes(ast.parse(source).body):
+    nodes = _every_import_node if every else _import_time_nodes
+    for node in nodes(ast.parse(source).body):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         else:
@@ -79,9 +96,9 @@ def _imports(name: str, package: bool, source: str, known: set[str]) -> set[str]
     return out
 
 
-def _graph() -> dict[str, set[str]]:
+def _graph(*, every: bool = False) -> dict[str, set[str]]:
     modules = _modules()
-    return {name: _imports(name, package, path.read_text(), set(modules)) for name, (path, package) in modules.items()}
+    return {name: _imports(name, package, path.read_text(), set(modules), every=every) for name, (path, package) in modules.items()}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -139,6 +156,56 @@ def _path_through(graph: dict[str, set[str]], group: set[str], start: str) -> li
     raise AssertionError(f"{start} is in a cycle but none was found")
 
 
+#: Bottom first. The foundation: errors, the shared checks and warnings, bounded collectives and the state format.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("mixer.errors", "mixer._check", "mixer._warn", "mixer.collective", "mixer.state"),
+    ("mixer.storage",),
+    ("mixer.spec",),
+    ("mixer.read",),
+    ("mixer.plan",),
+    ("mixer.stream",),
+    ("mixer.batching",),
+    ("mixer.mixing",),
+    ("mixer.observe",),
+    ("mixer.runtime",),
+    ("mixer.config",),
+    ("mixer.cli",),
+)
+
+
+def layer_of(module: str) -> int:
+    for rank, members in enumerate(LAYERS):
+        if any(module == m or module.startswith(m + ".") for m in members):
+            return rank
+    raise AssertionError(f"{module} is in no layer: put it in a subpackage of LAYERS (or the foundation)")
+
+
+def test_every_import_points_down_the_layers() -> None:
+    graph = _graph(every=True)
+    upward = sorted(
+        f"{a} (layer {LAYERS[layer_of(a)][0]}) imports {b} (layer {LAYERS[layer_of(b)][0]})"
+        for a, targets in graph.items() if a != "mixer"
+        for b in targets if b != "mixer" and layer_of(b) > layer_of(a)
+    )  # fmt: skip
+    assert not upward, "imports that run up the layers:\n" + "\n".join(upward)
+
+
+def test_every_module_is_in_a_layer_and_only_the_foundation_is_at_the_top() -> None:
+    top = sorted(name for name in _modules() if name.count(".") == 1)
+    assert top == ["mixer._check", "mixer._warn", "mixer.batching", "mixer.cli", "mixer.collective", "mixer.config", "mixer.errors",
+                   "mixer.mixing", "mixer.observe", "mixer.plan", "mixer.read", "mixer.runtime", "mixer.spec", "mixer.state",
+                   "mixer.storage", "mixer.stream"]  # fmt: skip
+    for name in _modules():
+        if name != "mixer":
+            layer_of(name)
+
+
+def test_the_layer_check_sees_an_upward_import() -> None:
+    graph = {"mixer.spec.source": {"mixer.mixing.mixture"}}
+    assert layer_of("mixer.spec.source") < layer_of("mixer.mixing.mixture")
+    assert any(layer_of(b) > layer_of(a) for a, bs in graph.items() for b in bs)
+
+
 def test_no_import_cycle() -> None:
     cycles = _cycles(_graph())
     assert not cycles, "import cycles in mixer (move the shared piece down, or import inside the function):\n" + "\n".join(
@@ -148,25 +215,29 @@ def test_no_import_cycle() -> None:
 
 def test_the_graph_sees_imports() -> None:
     # Guards the test above against passing vacuously: each kind of import is found, or left out.
-    known = {"mixer", "mixer.errors", "mixer.world", "mixer.stats", "mixer.storage", "mixer.storage.urls", "mixer.mixture"}
+    known = {"mixer", "mixer.errors", "mixer.plan", "mixer.plan.world", "mixer.observe", "mixer.observe.stats", "mixer.storage",
+             "mixer.storage.urls", "mixer.mixing", "mixer.mixing.mixture", "mixer.spec", "mixer.spec.source", "mixer.spec.budget"}  # fmt: skip
     source = """
 from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
-from . import world
-from .errors import ConfigError
+from . import budget
+from mixer.errors import ConfigError
 import mixer.storage.urls
 try:
-    from .stats import log_every
+    from mixer.observe.stats import log_every
 except ImportError:
     pass
 if TYPE_CHECKING:
-    from .mixture import Mixture
+    from mixer.mixing.mixture import Mixture
 def build():
-    from .mixture import Mixture
+    from mixer.plan.world import World
 """
-    assert _imports("mixer.source", False, source, known) == {
-        "mixer.world", "mixer.errors", "mixer.storage", "mixer.storage.urls", "mixer.stats"
+    runtime = {"mixer.spec.budget", "mixer.errors", "mixer.storage", "mixer.storage.urls", "mixer.observe", "mixer.observe.stats"}
+    assert _imports("mixer.spec.source", False, source, known) == runtime
+    # every import counts for the layers: type-only and function-level ones too
+    assert _imports("mixer.spec.source", False, source, known, every=True) == runtime | {
+        "mixer.mixing", "mixer.mixing.mixture", "mixer.plan", "mixer.plan.world"
     }
     # Inside a package: relative imports start there, and its own __init__ is already running.
     assert _imports("mixer.storage.logsafe", False, "from .urls import redact\nfrom ..errors import X", known) == {

@@ -1,4 +1,4 @@
-"""Shard indexes (mixer.index): build, incremental refresh, stale detection, remote (HTTP and S3 on
+"""Shard indexes (mixer.plan.index): build, incremental refresh, stale detection, remote (HTTP and S3 on
 loopback), and what a mixture does with one: nothing read up front, sample ranges read by byte range
 only, every sample exactly once over all readers, exact loss counts."""
 
@@ -15,9 +15,9 @@ import pytest
 
 import mixer
 from mixer.errors import ShardError
-from mixer.shards import plan, range_bounds, shard_order
-from mixer.tario import read_samples
-from mixer.world import World
+from mixer.plan.shards import plan, range_bounds, shard_order
+from mixer.read.tario import read_samples
+from mixer.plan.world import World
 from servers import FaultyHTTPServer, make_bucket, remote_guard, s3_storage_options, s3_server  # noqa: F401 (remote_guard: a module-wide autouse fixture)
 from shardutil import LogNormal, expected_tokens, write_sources, write_token_shards
 
@@ -95,7 +95,7 @@ def test_stale_entries_are_named_then_reindexed_or_refused(sources, caplog):
     os.utime(changed, ns=(1, 1))  # same bytes, new modification time: the validator differs
     with pytest.raises(ShardError, match=r"stale for 1 shard\(s\): .*few-000001.tar \(indexed: \d+ bytes, mtime:\d+; now: \d+ bytes, mtime:1\).*stale='refuse'"):
         mixer.load_index(pattern, stale="refuse")
-    with caplog.at_level("WARNING", logger="mixer.index"):
+    with caplog.at_level("WARNING", logger="mixer.plan.index"):
         idx = mixer.load_index(pattern)  # auto: the folder is writable, so re-index
     assert [os.path.basename(u) for u in idx.reindexed] == ["few-000001.tar"]
     assert any("few-000001.tar" in r.getMessage() and "re-indexing" in r.getMessage() for r in caplog.records)
@@ -250,7 +250,7 @@ def test_a_lost_range_is_counted_exactly(tmp_path):
 
 
 def test_the_index_command_builds_then_refreshes(sources, tmp_path, capsys):
-    from mixer.cli import main
+    from mixer.cli.commands import main
 
     pattern, lengths = sources["few"]
     config = tmp_path / "mix.yaml"
@@ -287,7 +287,7 @@ def test_a_damaged_shard_is_indexed_up_to_the_damage_under_skip(tmp_path, caplog
     with pytest.raises(ShardError, match=r"indexing shard .*d-000001.tar.*truncated"):
         mixer.build_index(pattern)  # on_error="raise": the damage is an error, naming the shard
     src = mixer.Source("d", pattern, on_error="skip", index=True)
-    with caplog.at_level("WARNING", logger="mixer.index"):
+    with caplog.at_level("WARNING", logger="mixer.plan.index"):
         idx = mixer.build_index(src)
     assert idx.counts.tolist() == [30, 10] and idx.entries[1].damage is not None
     assert any("d-000001.tar is damaged" in r.getMessage() and "10 sample(s) before the damage" in r.getMessage() for r in caplog.records)

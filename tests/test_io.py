@@ -603,7 +603,7 @@ def test_retries_use_no_global_rng(
 def test_real_shard_over_faulty_http(http: FaultyHTTPServer, root: Path) -> None:
     # A real WebDataset shard read through tario: a reset, a 503 and a stall in the middle of it change
     # nothing in the samples (same keys, same bytes, same offsets as from local disk).
-    from mixer.tario import read_samples
+    from mixer.read.tario import read_samples
     from shardutil import write_token_shards
 
     write_token_shards(root / "real", "web", [[300] * 40])

@@ -11,7 +11,7 @@ import pytest
 
 import mixer
 import shardutil
-from mixer.world import World
+from mixer.plan.world import World
 from resume_oracle import assert_resumes_exactly, batch_view, take
 from shardutil import LogNormal
 
@@ -104,7 +104,7 @@ def test_the_state_of_a_reader_costs_bytes_per_source_not_objects(many, mix_mode
     reader = mix.reader(World())
     take(reader, 40)
     state = reader.state_dict()
-    buffered = sum(mixer.checkpoint.buffered(state["snapshot"]))
+    buffered = sum(mixer.state.checkpoint.buffered(state["snapshot"]))
     assert buffered == held(reader)
     size = len(json.dumps(state))
     assert buffered > 200
@@ -116,7 +116,7 @@ def test_a_budget_capped_release_keeps_padding_a_token_capped_one_tops_up():
     Over its token hold, a bucketer tops the longest bucket up with the shorter ones (400-slot rows:
     3 + 5 + 2 samples, ~49% efficient at the edges); over only its item cap (a budget share), a
     batch takes shorter samples only while it stays >= 95% efficient, so the 3 long ones leave alone."""
-    from mixer.batchers import Bucketer
+    from mixer.batching.batchers import Bucketer
 
     def filled():
         b = Bucketer([80, 104, 108, 200, 400], mixer.TokenBudget(max_tokens=4000))

@@ -139,9 +139,10 @@ def test_zero_and_two_workers_give_the_same_multiset(three_sources):
 def test_never_restarts_sources_with_a_new_reshuffled_epoch(small_sources):
     # Invariant at the source level: with stop="never" a reader's stream of one source is its
     # epochs back to back, each one exactly once, each in a new order.
-    from mixer.profiling import list_source
-    from mixer.stream import Counters, SourceStream
-    from mixer.world import World
+    from mixer.plan.profiling import list_source
+    from mixer.read.counters import Counters
+    from mixer.stream.source_stream import SourceStream
+    from mixer.plan.world import World
 
     # shuffle_buffer=0 so that epochs do not overlap in the output; the order then changes only
     # through the per-epoch shard order, hence the 5-shard source.
@@ -338,9 +339,10 @@ def test_error_bad_enums(three_sources):
 def test_shuffle_buffer_never_spans_several_epochs_of_a_small_source(small_sources):
     # 'few' has 37 samples, far fewer than the buffer: the buffer shrinks to one epoch, so reading
     # never runs more than about one epoch ahead of what was handed out.
-    from mixer.profiling import list_source
-    from mixer.stream import Counters, SourceStream
-    from mixer.world import World
+    from mixer.plan.profiling import list_source
+    from mixer.read.counters import Counters
+    from mixer.stream.source_stream import SourceStream
+    from mixer.plan.world import World
 
     stream = SourceStream(list_source(mixer.Source("few", small_sources["few"][0])), World(), seed=0, budget=mixer.TokenBudget(max_tokens=512),
                           shuffle_buffer=1000, finite=False, counters=Counters())
@@ -357,7 +359,7 @@ def test_shuffle_buffer_never_spans_several_epochs_of_a_small_source(small_sourc
 def test_fewer_shards_than_readers_warns_that_io_is_amplified(small_sources, caplog):
     srcs = [mixer.Source(name, pattern) for name, (pattern, _) in small_sources.items()]
     mix = mixer.Mixture(srcs, batching=mixer.TokenBudget(max_tokens=1024), stop="all_exhausted", rank=0, world_size=3)
-    with caplog.at_level("WARNING", logger="mixer.mixture"):
+    with caplog.at_level("WARNING", logger="mixer.mixing.mixture"):
         collect(mixer.make_loader(mix))
     amplified = [r.getMessage() for r in caplog.records if "I/O amplified" in r.getMessage()]
     assert len(amplified) == 1 and "source 'few' has 2 shard(s) for 3 readers" in amplified[0]  # 'many' has 5
@@ -380,8 +382,8 @@ def test_a_rare_source_reads_about_what_it_delivers(make_sources):
     every bucket (about num_buckets batches of tokens, several of its epochs when small) to hand
     out a batch now and then. What it holds ahead is now sized by its share: its shuffle buffer
     keeps MIN_SHUFFLE samples, its buckets about 2 batches of padded tokens."""
-    from mixer.holding import HOLD_MIN_BATCHES, MIN_SHUFFLE
-    from mixer.world import World
+    from mixer.mixing.holding import HOLD_MIN_BATCHES, MIN_SHUFFLE
+    from mixer.plan.world import World
 
     srcs = make_sources({
         "common": LogNormal(shards=4, samples=6000, median=30, sigma=0.7, lo=2, hi=400, seed=0),

@@ -106,7 +106,7 @@ def test_generic_fields_dtypes_casts_and_pads(tmp_path):
     pattern = write_samples(tmp_path, "gen", split_evenly(samples, 2))
 
     def decode(raw):
-        from mixer.decode import decode_npy
+        from mixer.read.decode import decode_npy
 
         return {"x": decode_npy(raw["x.npy"]), "y": decode_npy(raw["y.npy"])}
 
@@ -128,7 +128,7 @@ def test_generic_fields_dtypes_casts_and_pads(tmp_path):
 
 def test_a_float_field_never_silently_becomes_int(tmp_path):
     pattern = write_samples(tmp_path, "f", [[{"__key__": "a", "v.npy": np.array([0.5, 1.5])}]])
-    from mixer.decode import decode_npy
+    from mixer.read.decode import decode_npy
 
     decode = lambda raw: {"v": decode_npy(raw["v.npy"])}  # noqa: E731
     mix = mixer.Mixture([mixer.Source("f", pattern, decode=decode)], batching=mixer.TokenBudget(max_tokens=64), fields={"v": mixer.Field("int32")})

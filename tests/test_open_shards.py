@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import mixer
-from mixer.world import World
+from mixer.plan.world import World
 from mixer.storage import OpenShards
-from mixer.stream import Counters
+from mixer.read.counters import Counters
 from resume_oracle import assert_resumes_exactly, batch_view, take
 from servers import FaultyHTTPServer, remote_test_guard
 from shardutil import LogNormal, expected_tokens, write_token_shards
@@ -84,7 +84,7 @@ def test_a_reader_may_pick_which_shard_to_close():
 
 
 def test_the_deficit_selector_says_which_source_it_will_pick_last():
-    from mixer.selector import Deficit
+    from mixer.mixing.selector import Deficit
 
     d = Deficit(3)
     probs = np.array([0.5, 0.25, 0.25])

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import mixer
-from mixer.batch import BatchMeta
-from mixer.decode import Sample
-from mixer.batchers import PackedGroup, Packer
-from mixer.collate import PackedLayout
+from mixer.batching.batch import BatchMeta
+from mixer.read.decode import Sample
+from mixer.batching.batchers import PackedGroup, Packer
+from mixer.batching.collate import PackedLayout
 from resume_oracle import _equal, assert_resumes_exactly, take
 import shardutil
 from shardutil import LogNormal, expected_tokens

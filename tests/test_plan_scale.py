@@ -1,6 +1,6 @@
 """The split plan at scale (benchmarks/plan_scale.py, scaled down) and the size-balanced assignment.
 
-`mixer.shards._owners_by_size` is the vectorised form of the greedy longest-first heap the plan has
+`mixer.plan.shards._owners_by_size` is the vectorised form of the greedy longest-first heap the plan has
 always used; the reference below is that heap, written out, and the two must agree shard for shard
 (every reader computes the assignment on its own, so any difference would read shards twice or never).
 """
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from mixer.errors import ShardError
-from mixer.shards import _owners_by_size, plan, shard_order
-from mixer.world import World
+from mixer.plan.shards import _owners_by_size, plan, shard_order
+from mixer.plan.world import World
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import plan_scale  # noqa: E402
@@ -106,7 +106,7 @@ def test_an_index_balances_few_shards_per_reader_by_tokens():
 
 
 def test_range_plans_tile_every_shard_exactly_once():
-    from mixer.shards import plan
+    from mixer.plan.shards import plan
 
     index = plan_scale.SyntheticIndex(37, seed=1)
     for readers in (1, 5, 64, 300):

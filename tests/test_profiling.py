@@ -1,4 +1,4 @@
-"""The up-front look at the sources (`mixer.profiling`, `mixer.profile_cache`): skipped when nothing
+"""The up-front look at the sources (`mixer.plan.profiling`, `mixer.plan.profile_cache`): skipped when nothing
 needs it, bounded ranged reads, parallel with bounded concurrency (same result as one at a time),
 cached on disk keyed by the shard listing, errors and warnings in source order.
 
@@ -22,9 +22,9 @@ from servers import FaultyHTTPServer, loopback_only, no_aws_config, s3_storage_o
 from shardutil import write_token_shards
 
 import mixer
-import mixer.profiling
+import mixer.plan.profiling
 from mixer.errors import ConfigError, ShardError
-from mixer.profiling import FIRST_WINDOW, MIN_WINDOW
+from mixer.plan.profiling import FIRST_WINDOW, MIN_WINDOW
 from mixer.storage.filesystems import close_filesystems
 
 SOURCES = 12
@@ -106,7 +106,7 @@ def _sample_ends(path: Path) -> list[int]:
 
 def test_remote_reads_are_ranged_with_an_end_byte_and_about_what_is_used(http: FaultyHTTPServer, root: Path) -> None:
     mix = mixer.Mixture([mixer.Source("big", http.url("big/big-{000000..000002}.tar"))], batching=mixer.TokenBudget(4096))
-    per_shard = mixer.profiling.MAX_SAMPLES // BIG_SHARDS
+    per_shard = mixer.plan.profiling.MAX_SAMPLES // BIG_SHARDS
     assert mix.profiles[0].lengths.size == per_shard * BIG_SHARDS
     requests = gets(http)
     assert requests and all(r.start is not None and r.end is not None and r.status == 206 for r in requests), requests
@@ -116,7 +116,7 @@ def test_remote_reads_are_ranged_with_an_end_byte_and_about_what_is_used(http: F
     used = sum(_sample_ends(root / "big" / f"big-{i:06d}.tar")[per_shard] for i in range(BIG_SHARDS))
     asked = sum(r.end - r.start + 1 for r in requests)
     size = sum((root / "big" / f"big-{i:06d}.tar").stat().st_size for i in range(BIG_SHARDS))
-    assert used <= asked <= used * mixer.profiling.SLACK + FIRST_WINDOW + MIN_WINDOW * len(requests), (used, asked)
+    assert used <= asked <= used * mixer.plan.profiling.SLACK + FIRST_WINDOW + MIN_WINDOW * len(requests), (used, asked)
     assert asked < size / 2 and len(requests) <= 2 * BIG_SHARDS
     # The estimate is that of an unbounded look: tokens per byte over the same samples.
     unbounded = mixer.Mixture([mixer.Source("big", str(root / "big" / "big-{000000..000002}.tar"))], batching=mixer.TokenBudget(4096))
@@ -129,14 +129,14 @@ def test_many_sources_share_a_total_of_lengths(root: Path) -> None:
     # evenly over its 3 picked shards: 4 sources under a total of 2,400 read 600 each (200 a shard);
     # under a total of 400 the floor of 512 holds (170 a shard, 510); one source alone reads 2,048.
     pattern = str(root / "big" / "big-{000000..000002}.tar")
-    listed = [mixer.profiling.list_source(mixer.Source(f"b{i}", pattern)) for i in range(4)]
+    listed = [mixer.plan.profiling.list_source(mixer.Source(f"b{i}", pattern)) for i in range(4)]
     budget = mixer.TokenBudget(4096)
-    assert mixer.profiling.MIN_SAMPLES == 512 and mixer.profiling.MAX_SAMPLES == 2048
-    assert [p.lengths.size for p in mixer.profiling.profile_sources(listed, budget, max_total=2400)] == [600] * 4
-    assert [p.lengths.size for p in mixer.profiling.profile_sources(listed, budget, max_total=400)] == [510] * 4
-    assert [p.lengths.size for p in mixer.profiling.profile_sources(listed[:1], budget)] == [2046]
+    assert mixer.plan.profiling.MIN_SAMPLES == 512 and mixer.plan.profiling.MAX_SAMPLES == 2048
+    assert [p.lengths.size for p in mixer.plan.profiling.profile_sources(listed, budget, max_total=2400)] == [600] * 4
+    assert [p.lengths.size for p in mixer.plan.profiling.profile_sources(listed, budget, max_total=400)] == [510] * 4
+    assert [p.lengths.size for p in mixer.plan.profiling.profile_sources(listed[:1], budget)] == [2046]
     # The default total only bites beyond 32 sources.
-    assert mixer.profiling.MAX_TOTAL_SAMPLES // 32 == mixer.profiling.MAX_SAMPLES
+    assert mixer.plan.profiling.MAX_TOTAL_SAMPLES // 32 == mixer.plan.profiling.MAX_SAMPLES
 
 
 def test_end_offset_ends_the_stream_and_the_request(http: FaultyHTTPServer, root: Path) -> None:
@@ -174,8 +174,8 @@ class _OpenShards:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.now = self.peak = 0
         self.lock = threading.Lock()
-        self.real = mixer.profiling._open
-        monkeypatch.setattr(mixer.profiling, "_open", self.open)
+        self.real = mixer.plan.profiling._open
+        monkeypatch.setattr(mixer.plan.profiling, "_open", self.open)
 
     @contextlib.contextmanager
     def open(self, *args: Any) -> Iterator[Any]:
@@ -193,12 +193,12 @@ class _OpenShards:
 def test_parallel_look_equals_the_sequential_one_and_is_bounded(http: FaultyHTTPServer, monkeypatch: pytest.MonkeyPatch) -> None:
     http.delay = 0.05  # every GET waits: the looks overlap only if they run at once
     budget = mixer.TokenBudget(4096, num_buckets=4)
-    monkeypatch.setattr(mixer.profiling, "MAX_CONCURRENT", 1)
+    monkeypatch.setattr(mixer.plan.profiling, "MAX_CONCURRENT", 1)
     opened = _OpenShards(monkeypatch)
     one = mixer.Mixture(many(http, io_options={"read_ahead": 0}), batching=budget, seed=3)
     assert opened.peak == 1 and http.peak >= 1
     http.clear()
-    monkeypatch.setattr(mixer.profiling, "MAX_CONCURRENT", 5)
+    monkeypatch.setattr(mixer.plan.profiling, "MAX_CONCURRENT", 5)
     opened = _OpenShards(monkeypatch)
     par = mixer.Mixture(many(http, io_options={"read_ahead": 0}), batching=budget, seed=3)
     assert 1 < opened.peak <= 5  # bounded: never more sources at once than the knob
@@ -320,7 +320,7 @@ def test_profile_options_are_checked() -> None:
     with pytest.raises(ConfigError, match=r"profile_share: must be true, false or None, got 'yes' \(str\)"):
         mixer.Mixture([mixer.Source("a", "/nonexistent/a.tar")], batching=mixer.TokenBudget(64), profile_share="yes")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="profile_share=True needs an initialized torch.distributed process group"):
-        mixer.profiling._share_group(True, None)
+        mixer.plan.profiling._share_group(True, None)
 
 
 # ------------------------------------------------------------------------------ one look per job
@@ -394,7 +394,7 @@ def test_under_torchrun_rank_0_looks_and_the_other_ranks_receive(http: FaultyHTT
 
 
 def test_the_config_keys_reach_the_mixture(http: FaultyHTTPServer, tmp_path: Path) -> None:
-    from mixer.config import build_mixture, parse_config
+    from mixer.config.mixture_config import build_mixture, parse_config
 
     raw = {"sources": [{"name": "s00", "urls": http.url("many/s00-{000000..000002}.tar")}], "batching": {"max_tokens": 4096},
            "profile_cache": str(tmp_path / "c"), "profile_share": False}  # fmt: skip

@@ -55,7 +55,7 @@ def test_all_is_exactly_the_public_list():
 
 
 def test_every_public_name_is_exported_and_every_export_resolves():
-    # Submodules (mixer.storage, mixer.world, ...) are reachable but not part of the flat API.
+    # Submodules (mixer.storage, mixer.plan.world, ...) are reachable but not part of the flat API.
     public = {n for n in dir(mixer) if not n.startswith("_") and not isinstance(getattr(mixer, n), types.ModuleType)}
     assert public == set(mixer.__all__)
     for name in mixer.__all__:
@@ -67,14 +67,20 @@ def test_one_way_to_build_a_loader(three_sources):
     mix = mixer.Mixture([mixer.Source("web", three_sources["web"][0])], batching=mixer.TokenBudget(max_tokens=2048))
     loader = mixer.make_loader(mix)
     assert isinstance(loader, mixer.Loader) and loader.state_dict()["delivered"] == 0
-    with pytest.raises(TypeError, match=r"use mixer\.make_loader\(mixture, \*\*options\)"):
+    with pytest.raises(TypeError, match=r"use mixer\.make_loader\(mixture, \.\.\.\)"):
         mixer.Loader(mix)
     with pytest.raises(TypeError, match="no_such_option"):
         mixer.make_loader(mix, no_such_option=1)
+    # the options are spelled out (types and defaults for type checkers and IDEs), all keyword-only
+    import inspect
+
+    params = list(inspect.signature(mixer.make_loader).parameters.values())
+    assert params[0].name == "mixture" and len(params) > 10
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is not inspect.Parameter.empty for p in params[1:])
 
 
 def test_removed_spellings_stay_removed():
-    # Test-only helpers live in their modules (mixer.world.World, mixer.edges.bucket_edges); the
+    # Test-only helpers live in their modules (mixer.plan.world.World, mixer.plan.edges.bucket_edges); the
     # device feed is built by mixer.to_device (or make_loader(device=...)), never by its class.
     for name in ("World", "bucket_edges", "DeviceFeed"):
         assert not hasattr(mixer, name)
@@ -93,12 +99,12 @@ def test_user_facing_text_builds_loaders_and_device_feeds_one_way():
         for path in texts if path.is_file()
         for line in path.read_text(encoding="utf-8").splitlines() if direct.search(line)
     ]  # fmt: skip
-    assert found == ["mixer/device.py: return DeviceFeed(batches, device, prefetch=prefetch, timing=timing)"]
+    assert found == ["mixer/runtime/device.py: return DeviceFeed(batches, device, prefetch=prefetch, timing=timing)"]
 
 
 def test_elastic_resume_is_load_state_dict_with_the_list_of_all_rank_states():
     # One spelling: a new rank passes the list of every saved rank's state to load_state_dict
-    # (mixer.elastic re-splits it); there is no merge function to call first.
+    # (mixer.mixing.elastic re-splits it); there is no merge function to call first.
     import inspect
 
     annotation = str(inspect.signature(mixer.Loader.load_state_dict).parameters["state"].annotation)

@@ -9,7 +9,7 @@ counters say what was skipped and retried.
 Two facts fix where the expectations come from:
 
 * the source reads a few samples up front, in the main process, from shards 0, 2 and 3 of 4 (see
-  `mixer.profiling.profile_sources`), so the streaming faults hit shard 1 and are armed after the `Mixture` is
+  `mixer.plan.profiling.profile_sources`), so the streaming faults hit shard 1 and are armed after the `Mixture` is
   built; `test_fault_during_profiling` arms them before;
 * the tar reader yields a sample once the next sample's first header has arrived (or at the
   end-of-archive block), so a shard cut inside the data of member ``j`` (one member per sample here)

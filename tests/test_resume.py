@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import mixer
-from mixer.selector import Deficit, RandomPick, RoundRobin
+from mixer.mixing.selector import SELECTORS, Deficit, RandomPick, RoundRobin
 from resume_oracle import assert_resumes_exactly, batch_view, tail_cuts, take
 import shardutil
 from shardutil import RESUME_SOURCES
@@ -45,7 +45,7 @@ def test_fifty_random_cut_points_with_the_uninterrupted_run_as_oracle(shards):
     mix = mixture(shards)
     reference = [batch_view(b) for b in take(mixer.make_loader(mix), 260)]
     # Cuts right after 'tiny' restarted an epoch: find them from the counters the batches carry.
-    epochs = [b.meta.counters[2][mixer.stream.Counters.FIELDS.index("epochs")] for b in take(mixer.make_loader(mix), 240)]
+    epochs = [b.meta.counters[2][mixer.read.counters.Counters.FIELDS.index("epochs")] for b in take(mixer.make_loader(mix), 240)]
     after_restart = [i + 1 for i in range(1, len(epochs)) if epochs[i] != epochs[i - 1]][:8]
     assert after_restart, "the fixture should make 'tiny' restart its epoch"
     rng = random.Random(0)
@@ -59,7 +59,7 @@ def test_resume_with_workers(shards, num_workers):
     oracle(mix, num_workers=num_workers, cuts=[1, 7, 8, 9, 31, 50])
 
 
-@pytest.mark.parametrize("selector", ["deficit", "random", "round_robin"])
+@pytest.mark.parametrize("selector", list(SELECTORS))
 @pytest.mark.parametrize("stop", ["never", "first_exhausted", "all_exhausted"])
 def test_every_selector_and_stop_policy(shards, selector, stop):
     mix = mixture(shards, selector=selector, stop=stop)
@@ -135,9 +135,9 @@ def test_state_is_plain_small_and_torch_saveable(shards, tmp_path):
     # Issue 6's target: under 1 MiB per worker with default buffers; here each reader holds a full
     # shuffle buffer and bucket buffers after 40 batches, and issue 14's columns keep it to a few
     # bytes per buffered sample.
-    per_reader = [mixer.checkpoint.size_bytes(r) for r in state["readers"]]
+    per_reader = [mixer.state.checkpoint.size_bytes(r) for r in state["readers"]]
     assert len(per_reader) == 2 and all(r["snapshot"] is not None for r in state["readers"])
-    held = [sum(mixer.checkpoint.buffered(r["snapshot"])) for r in state["readers"]]
+    held = [sum(mixer.state.checkpoint.buffered(r["snapshot"])) for r in state["readers"]]
     assert min(held) > 2000, held  # the buffered locations really are in it
     assert all(size < 4 * n + 2000 for size, n in zip(per_reader, held)), (per_reader, held)
     torch.save({"data": state}, tmp_path / "ckpt.pt")
@@ -182,7 +182,7 @@ def test_the_fingerprint_is_computed_once_per_mixture(shards, monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("the fingerprint is computed when the mixture is built, not per state")
 
-    monkeypatch.setattr(mixer.checkpoint, "fingerprint", boom)
+    monkeypatch.setattr(mixer.mixing.fingerprint, "fingerprint", boom)
     state = loader.state_dict()
     assert state["fingerprint"] == mix.fingerprint and len(mix.fingerprint) == 32
     mixer.make_loader(mix).load_state_dict(state)
@@ -191,7 +191,7 @@ def test_the_fingerprint_is_computed_once_per_mixture(shards, monkeypatch):
 def test_every_part_refuses_unknown_and_missing_keys(shards):
     """Each part restores only itself, and a key it does not know (or lacks) is a StateError that
     names the part and the key. The streams' and batchers' states are columns over the sources
-    (mixer.compact): their fields are checked as one part each, and a damaged column is refused."""
+    (mixer.state.columns): their fields are checked as one part each, and a damaged column is refused."""
     for mix_mode, batching in (("batch", mixer.TokenBudget(max_tokens=2048)), ("sample", mixer.Packed(max_tokens=4096, seq_len=2048))):
         mix = mixture(shards, mix=mix_mode, batching=batching)
         loader = mixer.make_loader(mix)
@@ -233,7 +233,7 @@ def test_every_part_refuses_unknown_and_missing_keys(shards):
 def test_a_reader_resumes_exactly_from_its_own_state(shards, mix_mode, packed):
     """The Reader is a Stateful part like the others: its state_dict() at any batch (a snapshot of
     every part, nothing to replay) resumes it exactly, through the same oracle."""
-    from mixer.world import World
+    from mixer.plan.world import World
 
     batching = mixer.Packed(max_tokens=4096, seq_len=1024, split_documents=True) if packed else mixer.TokenBudget(max_tokens=2048)
     mix = mixture(shards, mix=mix_mode, batching=batching, stop="all_exhausted")
@@ -331,7 +331,7 @@ def test_tail_cuts_with_persistent_workers_the_device_feed_and_sample_mixing(mak
 
 @pytest.mark.slow
 def test_tail_cuts_through_the_elastic_entry_point_with_the_same_shape(make_sources):
-    """A list of one state per rank with the saved shape resumes batch for batch (mixer.elastic)."""
+    """A list of one state per rank with the saved shape resumes batch for batch (mixer.mixing.elastic)."""
     mix = tail_mixture(make_sources)
     assert_resumes_exactly(
         lambda: mixer.make_loader(mix, num_workers=4), cuts=[], window=1, tail=tail_cuts(4), view=batch_view,
@@ -353,7 +353,7 @@ def test_tail_cuts_with_readers_that_have_no_work_or_end_after_one_batch(make_so
 
 def test_the_turn_is_read_from_the_readers_counts():
     """Resume.turn on hand-made reader states: the reader after the highest one that handed out the most."""
-    from mixer.checkpoint import Resume
+    from mixer.state.checkpoint import Resume
 
     def readers(*counts):
         return [{"snapshot": None, "replay": c, "skips": []} for c in counts]
@@ -381,3 +381,23 @@ def test_a_pass_after_a_resumed_one_starts_afresh_with_persistent_workers(make_s
     rest, again = [batch_view(b) for b in resumed], [batch_view(b) for b in resumed]
     assert len(rest) == len(full) - 20 and all(oracle_equal(a, b) for a, b in zip(full[20:], rest))
     assert len(again) == len(full) and all(oracle_equal(a, b) for a, b in zip(full, again))
+
+
+def test_each_state_shape_has_one_builder_that_declares_its_fields(shards):
+    """The loader state, a reader's state, a reader snapshot and a stream's state are built only by
+    their owners' builders; the elastic re-split's stream state has exactly a stream's fields."""
+    from mixer.state import checkpoint
+    from mixer.stream.source_stream import SourceStream
+
+    mix = mixture(shards)
+    loader = mixer.make_loader(mix)
+    take(loader, 9)
+    state = loader.state_dict()
+    assert tuple(state) == checkpoint.LOADER_KEYS
+    assert all(tuple(r) == checkpoint.READER_KEYS for r in state["readers"])
+    assert tuple(state["readers"][0]["snapshot"]) == checkpoint.SNAPSHOT_KEYS
+    reader = mix.reader(mixer.plan.world.World())
+    stream_state = reader.streams[0].state_dict()
+    inheriting = SourceStream.inheriting_state(epoch=3, buffer_size=8, buffer=[(1, 512)], inherit=[])
+    assert tuple(inheriting) == tuple(stream_state) and set(inheriting) == set(SourceStream.STATE_DEPTHS)
+    reader.streams[0].load_state_dict(inheriting)  # a stream takes it as its own

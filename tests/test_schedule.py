@@ -10,9 +10,11 @@ import re
 import numpy as np
 import pytest
 
+import mixer
+
 from mixer.errors import ConfigError
-from mixer.hierarchical import Hierarchical
-from mixer.schedule import (
+from mixer.mixing.hierarchical import Hierarchical
+from mixer.mixing.schedule import (
     Curriculum,
     Floored,
     Phase,
@@ -535,3 +537,32 @@ def test_check_schedule_rejects_bad_vectors():
         check_schedule(Bad(), info())
     with pytest.raises(ConfigError, match=r"^schedule: must have probs\(info, step, tokens\), got 3$"):
         check_schedule(3, info())  # type: ignore[arg-type]
+
+
+class _AddressRepr:
+    """A user schedule without a repr of its own: ``object.__repr__`` holds its address."""
+
+    def probs(self, info, step, tokens):
+        return np.full(len(info.names), 1.0 / len(info.names))
+
+
+class _Described(_AddressRepr):
+    def describe(self):
+        return "uniform"
+
+
+def test_a_schedule_whose_description_holds_an_address_is_refused_when_the_mixture_is_built(three_sources):
+    from mixer.mixing.schedule import describe_schedule
+
+    with pytest.raises(mixer.ConfigError, match=r"schedule _AddressRepr: its description .* holds an object address.*describe\(\)"):
+        describe_schedule(_AddressRepr())
+    with pytest.raises(mixer.ConfigError, match=r"schedule Floored: its description .* holds an object address"):
+        describe_schedule(mixer.Floored(_AddressRepr(), 0.01))
+    sources = [mixer.Source(name, three_sources[name][0]) for name in three_sources]
+    with pytest.raises(mixer.ConfigError, match="holds an object address"):
+        mixer.Mixture(sources, batching=mixer.TokenBudget(max_tokens=65536), schedule=_AddressRepr())
+    # with describe(): the same fingerprint in every process, whatever the object's address
+    a = mixer.Mixture(sources, batching=mixer.TokenBudget(max_tokens=65536), schedule=_Described())
+    b = mixer.Mixture(sources, batching=mixer.TokenBudget(max_tokens=65536), schedule=_Described())
+    assert a.fingerprint == b.fingerprint
+    assert describe_schedule(mixer.Temperature(2.0)) == repr(mixer.Temperature(2.0))

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-import mixer.selector as selector_module
-from mixer.selector import Deficit, RandomPick, RoundRobin
+import mixer.mixing.selector as selector_module
+from mixer.mixing.selector import Deficit, RandomPick, RoundRobin
 
 
 def run(selector, probs, amounts, steps):
@@ -134,7 +134,7 @@ def test_compiled_deficit_leaves_odd_arrays_to_numpy():
 def test_the_compiled_selector_is_built_where_the_reader_core_is():
     """Both come from one setup.py and compiler: one built without the other is a build failure
     that `optional=True` would otherwise hide."""
-    from mixer import tario
+    from mixer.read import tario
 
     assert (selector_module._loops is None) == (tario._tarwalk is None)
 

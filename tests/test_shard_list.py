@@ -8,7 +8,7 @@ import pytest
 
 import mixer
 from mixer.storage import ShardList, expand_urls
-from mixer.source import ListedSource
+from mixer.spec.source import ListedSource
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,8 @@ from collections import Counter
 
 import pytest
 
-from mixer.shards import ShardSlice, plan, shard_order
-from mixer.world import World
+from mixer.plan.shards import ShardSlice, plan, shard_order
+from mixer.plan.world import World
 
 
 def readers(world_size, num_workers):

@@ -11,11 +11,11 @@ import zlib
 import pytest
 
 import mixer
-from mixer.batchers import Bucketer
-from mixer.checkpoint import LOCATION_COLUMNS, locate_pair, locate_sample, pack_located, readable
-from mixer.compact import pack, pack_items, pack_parts, unpack
-from mixer.decode import Sample
-from mixer.world import World
+from mixer.batching.batchers import Bucketer
+from mixer.state.checkpoint import LOCATION_COLUMNS, locate_pair, locate_sample, pack_located, readable
+from mixer.state.columns import pack, pack_items, pack_parts, unpack
+from mixer.read.decode import Sample
+from mixer.plan.world import World
 from resume_oracle import assert_resumes_exactly, batch_view
 import shardutil
 from shardutil import RESUME_SOURCES

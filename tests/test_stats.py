@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 import mixer
-from mixer.batch import BatchMeta
-from mixer.stream import Counters
-from mixer.stats import History, Stats, format_line, format_table, plot_run, plot_schedule, report
+from mixer.batching.batch import BatchMeta
+from mixer.read.counters import Counters
+from mixer.observe.stats import History, Stats, format_line, format_table, plot_run, plot_schedule, report
 from shardutil import write_token_shards
 
 WEIGHTS = {"web": 0.6, "code": 0.3, "books": 0.1}
@@ -206,7 +206,7 @@ def test_sample_unit_starvation_compares_sample_shares(tmp_path, caplog):
     counts = np.zeros(2, dtype=np.int64)
     tokens = np.zeros(2, dtype=np.int64)
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="mixer.stats"):
+    with caplog.at_level(logging.INFO, logger="mixer.observe.stats"):
         for k, batch in enumerate(mixer.log_every(loader, 5), 1):
             src = batch.source.numpy().astype(np.int64)
             counts += np.bincount(src, minlength=2)
@@ -274,11 +274,11 @@ def starving_mixture(three_sources, tiny, stop):
 
 def run_logged(loader, n, batches, caplog):
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="mixer.stats"):
+    with caplog.at_level(logging.INFO, logger="mixer.observe.stats"):
         for k, _ in enumerate(mixer.log_every(loader, n), 1):
             if k == batches:
                 break
-    return [r for r in caplog.records if r.name == "mixer.stats"]
+    return [r for r in caplog.records if r.name == "mixer.observe.stats"]
 
 
 def test_starvation_warning_fires_for_an_exhausted_source(three_sources, tiny, caplog):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import webdataset as wds
 
-from mixer import decode, tario
+from mixer.read import decode, tario
 from mixer.errors import SampleError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -1,4 +1,4 @@
-"""`mixer.tario` against webdataset/tarfile on real shards, and its failure modes (with and
+"""`mixer.read.tario` against webdataset/tarfile on real shards, and its failure modes (with and
 without the compiled core: the `reader` fixture runs each test both ways).
 
 Parity: on every shard here `read_samples` must give exactly what `webdataset.WebDataset(url,
@@ -24,9 +24,9 @@ import pytest
 import webdataset as wds
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
-from mixer import tario
+from mixer.read import tario
 from mixer.errors import ConfigError, SampleError, ShardError
-from mixer.tario import TarDamage, group_samples, iter_members, read_samples
+from mixer.read.tario import TarDamage, group_samples, iter_members, read_samples
 
 MTIME = 1_700_000_000
 OURS_ONLY = {"__key__", "__url__", "__offset__", "__end__", "__local_path__"}
@@ -38,7 +38,7 @@ OURS_ONLY = {"__key__", "__url__", "__offset__", "__end__", "__local_path__"}
 @pytest.fixture(autouse=True, params=["compiled", "python"])
 def reader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test here runs against both readers: `read_samples` with the compiled core (the
-    default where it was built) and with the pure-Python one (`mixer.tario.NATIVE = False`)."""
+    default where it was built) and with the pure-Python one (`mixer.read.tario.NATIVE = False`)."""
     if request.param == "compiled" and tario._tarwalk is None:
         pytest.skip("mixer._tarwalk was not built (no C compiler at install)")
     monkeypatch.setattr(tario, "NATIVE", request.param == "compiled")

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import mixer
-from mixer.batch import BatchMeta
-from mixer.collate import collate
+from mixer.batching.batch import BatchMeta
+from mixer.batching.collate import collate
 from mixer.errors import MixerError
-from mixer.transport import SlotPool, grouped, ungrouped
+from mixer.runtime.transport import SlotPool, grouped, ungrouped
 from shardutil import write_token_shards
 
 

@@ -21,12 +21,12 @@ One concern per module, from the bottom up:
 fsspec, s3fs and aiohttp are optional (the ``s3`` / ``http`` extras) and imported only when needed.
 """
 
-from .compressed import codec_of
-from .listing import expand_urls
-from .open_shards import OpenShards
-from .options import IOOptions
-from .shard import ReadAhead, open_shard, stream_size
-from .shard_list import ShardList
-from .urls import check_url, redact
+from mixer.storage.compressed import codec_of
+from mixer.storage.listing import expand_urls
+from mixer.storage.open_shards import OpenShards
+from mixer.storage.options import IOOptions
+from mixer.storage.shard import ReadAhead, open_shard, stream_size
+from mixer.storage.shard_list import ShardList
+from mixer.storage.urls import check_url, redact
 
 __all__ = ["IOOptions", "OpenShards", "ReadAhead", "ShardList", "check_url", "codec_of", "expand_urls", "open_shard", "redact", "stream_size"]

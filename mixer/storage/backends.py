@@ -16,11 +16,11 @@ import subprocess
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar, cast
 
-from ..errors import ConfigError, ShardError
-from .faults import Fault, http_status
-from .pump import AsyncRead, PumpRemote
-from .remote import Remote
-from .urls import redact
+from mixer.errors import ConfigError, ShardError
+from mixer.storage.faults import Fault, http_status
+from mixer.storage.pump import AsyncRead, PumpRemote
+from mixer.storage.remote import Remote
+from mixer.storage.urls import redact
 
 __all__ = ["PUMPED", "PipeStream", "remote_for"]
 

@@ -24,8 +24,8 @@ import re
 import zlib
 from typing import BinaryIO, Protocol
 
-from ..errors import ConfigError, ShardError
-from .streams import ForwardStream
+from mixer.errors import ConfigError, ShardError
+from mixer.storage.streams import ForwardStream
 
 __all__ = ["SHARD_SUFFIXES", "CodecError", "DecompressingStream", "codec_of", "is_shard_name"]
 

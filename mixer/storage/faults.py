@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from ..errors import ShardError
-from .urls import redact
+from mixer.errors import ShardError
+from mixer.storage.urls import redact
 
 __all__ = ["Backoff", "EndOfShard", "Fault", "classify", "http_status", "retrying", "safe_cause"]
 

@@ -9,10 +9,10 @@ import os
 import threading
 from typing import Any
 
-from ..errors import ConfigError
-from . import logsafe
-from .options import DEFAULT_MAX_CONNECTIONS
-from .urls import EXTRAS, require_backend
+from mixer.errors import ConfigError
+from mixer.storage import logsafe
+from mixer.storage.options import DEFAULT_MAX_CONNECTIONS
+from mixer.storage.urls import EXTRAS, require_backend
 
 __all__ = ["close_filesystems", "filesystem"]
 

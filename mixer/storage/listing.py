@@ -11,11 +11,11 @@ from typing import Any, TypeVar
 
 from braceexpand import braceexpand
 
-from ..errors import ShardError
-from .compressed import SHARD_SUFFIXES, is_shard_name
-from .faults import Backoff, retrying
-from .filesystems import filesystem
-from .urls import check_url, is_local, local_path, redact, scheme_of
+from mixer.errors import ShardError
+from mixer.storage.compressed import SHARD_SUFFIXES, is_shard_name
+from mixer.storage.faults import Backoff, retrying
+from mixer.storage.filesystems import filesystem
+from mixer.storage.urls import check_url, is_local, local_path, redact, scheme_of
 
 __all__ = ["expand_urls"]
 

@@ -26,7 +26,7 @@ import re
 import threading
 from typing import Any
 
-from .urls import redact
+from mixer.storage.urls import redact
 
 __all__ = ["LIBRARIES", "install", "scrub"]
 

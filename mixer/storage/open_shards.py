@@ -51,7 +51,7 @@ class OpenShards:
         self._last: Suspendable | None = None
         # Which open stream to close when the cap binds: the least recently read one, unless the
         # reader knows better (``pick``: given the others open, the one it will read last; see
-        # mixer.mixture.Reader, which ranks them by how far each source is ahead of its target).
+        # mixer.mixing.mixture.Reader, which ranks them by how far each source is ahead of its target).
         self.pick: Callable[[list[Suspendable]], Suspendable] | None = None
         self.peak = 0
         self.suspended = 0

@@ -8,8 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .. import _check
-from ..errors import ConfigError
+from mixer import _check
+from mixer.errors import ConfigError
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_MAX_CONNECTIONS", "DEFAULT_MAX_OPEN_SHARDS", "IO_OPTIONS", "IOOptions"]
 

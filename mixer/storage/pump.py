@@ -12,10 +12,10 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from .faults import EndOfShard, Fault
-from .options import DEFAULT_MAX_CONNECTIONS
-from .pool import ConnectionPool, pool_for
-from .remote import Remote
+from mixer.storage.faults import EndOfShard, Fault
+from mixer.storage.options import DEFAULT_MAX_CONNECTIONS
+from mixer.storage.pool import ConnectionPool, pool_for
+from mixer.storage.remote import Remote
 
 __all__ = ["AsyncRead", "PumpRemote"]
 

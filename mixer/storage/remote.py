@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .faults import Backoff, EndOfShard, Fault, retrying
-from .streams import ForwardStream
-from .urls import redact
+from mixer.storage.faults import Backoff, EndOfShard, Fault, retrying
+from mixer.storage.streams import ForwardStream
+from mixer.storage.urls import redact
 
 __all__ = ["Remote", "RemoteStream"]
 

@@ -8,15 +8,15 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any, BinaryIO, cast
 
-from ..errors import ConfigError, MixerError, ShardError
-from .backends import PUMPED, PipeStream, remote_for
-from .compressed import DecompressingStream, codec_of
-from .filesystems import filesystem
-from .options import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_CONNECTIONS, IOOptions
-from .remote import RemoteStream
-from .streams import ForwardStream
-from .windows import WindowedStream
-from .urls import check_url, is_local, local_path, redact, scheme_of
+from mixer.errors import ConfigError, MixerError, ShardError
+from mixer.storage.backends import PUMPED, PipeStream, remote_for
+from mixer.storage.compressed import DecompressingStream, codec_of
+from mixer.storage.filesystems import filesystem
+from mixer.storage.options import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_CONNECTIONS, IOOptions
+from mixer.storage.remote import RemoteStream
+from mixer.storage.streams import ForwardStream
+from mixer.storage.windows import WindowedStream
+from mixer.storage.urls import check_url, is_local, local_path, redact, scheme_of
 
 __all__ = ["ReadAhead", "open_shard", "stream_size"]
 

@@ -10,7 +10,7 @@ import importlib.util
 import os
 import re
 
-from ..errors import ConfigError
+from mixer.errors import ConfigError
 
 __all__ = ["EXTRAS", "check_url", "is_local", "local_path", "redact", "require_backend", "scheme_of"]
 

@@ -7,7 +7,7 @@ the HTTP client's buffer, the pump's queue: a few MB, or the whole of a small sh
 nothing, and is sent again when the shard is reopened at its byte. A reader that takes a few samples
 of a rare source and then moves on (`mixer.storage.open_shards` closes it) paid that at every visit.
 Asking for a window at a time bounds it by the window. Used by the up-front look
-(`mixer.profiling`: windows sized to the samples still wanted) and by the readers for sources read
+(`mixer.plan.profiling`: windows sized to the samples still wanted) and by the readers for sources read
 too rarely to keep their shards open (windows sized to what the source took at its last visit,
 doubling while it keeps reading, so a source that turns busy is soon read in large requests).
 `GrowingReads` is the same idea for a local file read while the open-shards cap binds: small reads
@@ -20,7 +20,7 @@ import io
 from collections.abc import Callable
 from typing import BinaryIO, cast
 
-from .streams import ForwardStream
+from mixer.storage.streams import ForwardStream
 
 __all__ = ["MIN_WINDOW", "GrowingReads", "WindowedStream", "growing_reads"]
 
@@ -121,7 +121,7 @@ class WindowedStream(ForwardStream):
 
 
 class GrowingReads:
-    """A local shard file as the tar reader reads it (`mixer.tario.read_samples`): its reads ask for
+    """A local shard file as the tar reader reads it (`mixer.read.tario.read_samples`): its reads ask for
     ``first`` bytes, then twice as many each time, up to what the reader asks for (its chunk).
 
     Why: what a reader has read of a shard and not yet parsed into samples is dropped when the
@@ -129,7 +129,7 @@ class GrowingReads:
     there. A reader read a shard in 1 MiB chunks: with many sources and the cap binding, a source
     that took a sample or a few per visit read the rest of a small shard at every visit (6.4 GB
     read for 0.35 GB uncapped, in the many-sources run the README reports). Read this way while the
-    cap binds (`mixer.stream.SourceStream._open_next`), it reads about what it takes. Reads may be
+    cap binds (`mixer.stream.source_stream.SourceStream._open_next`), it reads about what it takes. Reads may be
     short (the tar reader reads on until it has what it needs)."""
 
     def __init__(self, f: BinaryIO, first: int) -> None:

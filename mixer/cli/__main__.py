@@ -1,0 +1,7 @@
+"""``python -m mixer.cli``: the ``mixer`` command."""
+
+import sys
+
+from mixer.cli.commands import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""YAML and NeMo-style configuration to the same dataclasses the Python API takes."""

@@ -1,0 +1,138 @@
+"""The two mixing loops, as generator stages. Each picks sources with level 1 (a selector, at the
+shares ``probs()`` gives) and cuts batches with level 2 (:mod:`mixer.batching.batchers`), and yields
+:class:`Cut`\\ s: a batch's samples, their sources and what it delivers (the layout's
+:meth:`~mixer.batching.collate.Layout.account`), for the reader to count and collate.
+
+* :func:`mix_batches` (``mix="batch"``): every batch comes from one source, one batcher per source.
+* :func:`mix_samples` (``mix="sample"``): each sample's source is picked on its own; one batcher,
+  shared by every source, holds ``(source, sample)`` pairs.
+
+Both read their inputs as they go, owned by the caller: ``probs()`` is asked before every pick
+(progress moves once per batch, so it may cache; it also keeps ``holds`` current), ``active`` masks
+the sources with data left, and ``retire(i)`` takes source ``i`` out when it has no more and says
+whether the stream goes on. The selector has counted a batch (or its samples) before the batch is
+yielded, so a state taken while the consumer holds a cut is the state after that batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple, Protocol
+
+import numpy as np
+
+from mixer.batching.batchers import Batcher, PackedGroup
+from mixer.batching.collate import Delivered, Layout
+from mixer.read.decode import Sample
+
+
+class Cut(NamedTuple):
+    """One batch as level 2 cut it, not yet collated."""
+
+    samples: Sequence[Sample]  # a PackedGroup for packed batches
+    sources: np.ndarray  # int64 source index per sample
+    delivered: Delivered
+
+
+class Picker(Protocol):
+    """What the loops need of level 1 (:mod:`mixer.mixing.selector`)."""
+
+    def choose(self, probs: np.ndarray, active: np.ndarray) -> int: ...
+
+    def update(self, source: int, amount: float, probs: np.ndarray) -> None: ...
+
+
+def mix_batches(
+    streams: Sequence[Iterator[Sample]],
+    batchers: Sequence[Batcher[Sample]],
+    selector: Picker,
+    layout: Layout,
+    *,
+    probs: Callable[[], np.ndarray],
+    holds: Sequence[int],
+    caps: Sequence[int],
+    active: np.ndarray,
+    retire: Callable[[int], bool],
+    count_tokens: bool,
+) -> Iterator[Cut]:
+    """Batches, each from the source the selector picks, which is then told the real tokens
+    (``count_tokens``) or the samples the batch delivered. ``holds[i]``: what source ``i``'s
+    batcher may hold, in padded tokens, before it releases a batch early; ``caps[i]``: in items
+    (its part of the reader's buffer budget)."""
+    while active.any():
+        p = probs()
+        i = selector.choose(p, active)
+        samples = _next_batch(streams[i], batchers[i], holds[i], caps[i])
+        if samples is None:
+            if not retire(i):
+                return
+            continue
+        delivered = layout.account(samples)
+        selector.update(i, int(delivered.tokens.sum()) if count_tokens else len(samples), p)
+        yield Cut(samples, np.full(len(samples), i, dtype=np.int64), delivered)
+
+
+def _next_batch(stream: Iterator[Sample], batcher: Batcher[Sample], hold: int, cap: int) -> list[Sample] | None:
+    """The source's next batch: one ready or released, else read until one is; at the end of the
+    source's data whatever its batcher still holds, then None. ``ready`` is empty while reading,
+    so checking ``count`` after each add keeps buffers and ready batches within ``cap`` whenever
+    a batch leaves."""
+    ready = batcher.ready
+    if ready or batcher.release(hold, cap):
+        return ready.popleft()
+    add = batcher.add
+    for sample in stream:
+        if add(sample, sample.length) or ((batcher.held > hold or batcher.count > cap) and batcher.release(hold, cap)):
+            return ready.popleft()
+    return next(batcher.drain(), None)
+
+
+def mix_samples(
+    streams: Sequence[Iterator[Sample]],
+    batcher: Batcher[tuple[int, Sample]],
+    selector: Picker,
+    layout: Layout,
+    *,
+    probs: Callable[[], np.ndarray],
+    caps: Sequence[int],
+    active: np.ndarray,
+    retire: Callable[[int], bool],
+    count_tokens: bool,
+    drain: bool,
+) -> Iterator[Cut]:
+    """Batches of samples whose sources the selector picks one sample at a time (and is told each
+    sample's length, or 1), cut by one shared ``batcher``, which releases a batch early when it
+    holds more than ``caps[0]`` items (its part of the reader's buffer budget). ``drain``: when
+    the sources are done, the batches still held follow (a finite pass delivering everything)."""
+    live = bool(active.any())  # (asked again only when a source retires: per sample it costs)
+    while live:
+        p = probs()
+        i = selector.choose(p, active)
+        sample = next(streams[i], None)
+        if sample is None:
+            if not retire(i):
+                break
+            live = bool(active.any())
+            continue
+        selector.update(i, sample.length if count_tokens else 1, p)
+        if batcher.add((i, sample), sample.length) or (batcher.count > caps[0] and batcher.release(1 << 62, caps[0])):
+            while batcher.ready:
+                yield _cut(batcher.ready.popleft(), layout)
+    if drain:
+        for rest in batcher.drain():
+            yield _cut(rest, layout)
+
+
+def _cut(group: list[tuple[int, Sample]], layout: Layout) -> Cut:
+    samples, sources = unzip_sources(group)
+    return Cut(samples, sources, layout.account(samples))
+
+
+def unzip_sources(group: list[tuple[int, Sample]]) -> tuple[list[Sample], np.ndarray]:
+    """A group of ``(source, sample)`` pairs as its samples (a :class:`PackedGroup` stays one, with
+    the same placement) and their sources."""
+    samples = [s for _, s in group]
+    sources = np.fromiter((j for j, _ in group), dtype=np.int64, count=len(group))
+    if isinstance(group, PackedGroup):
+        return group.with_items(samples), sources
+    return samples, sources

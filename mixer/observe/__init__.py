@@ -1,0 +1,1 @@
+"""Counters turned into statistics, tables and plots."""

@@ -1,0 +1,1 @@
+"""What a user declares: sources and batching budgets (configuration only, no I/O)."""

@@ -1,0 +1,1 @@
+"""One reader's view of one source: shuffle buffer, cursor, source-epochs and re-reads on restore."""

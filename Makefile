@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test bench venv clean
 
-$(STAMP): pyproject.toml setup.py mixer/_tarwalk.c mixer/_rows.c mixer/_loops.c constraints-dev.txt Makefile
+$(STAMP): pyproject.toml setup.py mixer/_native/_tarwalk.c mixer/_native/_rows.c mixer/_native/_loops.c constraints-dev.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints-dev.txt -e '.[test,s3,http,plot,audio]'
@@ -28,4 +28,4 @@ bench: $(VENV)/.bench-installed
 	$(PY) -m benchmarks
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info mixer/*.so
+	rm -rf $(VENV) .pytest_cache build *.egg-info mixer/_native/*.so

@@ -12,8 +12,8 @@ from setuptools import Extension, setup
 
 setup(
     ext_modules=[
-        Extension("mixer._tarwalk", ["mixer/_tarwalk.c"], optional=True),
-        Extension("mixer._rows", ["mixer/_rows.c"], optional=True),
-        Extension("mixer._loops", ["mixer/_loops.c"], optional=True),
+        Extension("mixer._native._tarwalk", ["mixer/_native/_tarwalk.c"], optional=True),
+        Extension("mixer._native._rows", ["mixer/_native/_rows.c"], optional=True),
+        Extension("mixer._native._loops", ["mixer/_native/_loops.c"], optional=True),
     ]
 )

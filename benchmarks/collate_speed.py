@@ -1,5 +1,5 @@
 """Scratch benchmark: CPU-µs per sample of the padded and packed collates (`mixer.batching.collate`), their
-compiled copies (`mixer._rows`) against the numpy ones, on batches shaped like the loader's.
+compiled copies (`mixer._native._rows`) against the numpy ones, on batches shaped like the loader's.
 
     python -m benchmarks.collate_speed [--samples 200000] [--rounds 5] [--quick]
     python -m benchmarks.collate_speed --captured 700 [--loop]
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     if opts.quick:
         opts.samples, opts.rounds = 20_000, 2
     if not collate_mod.NATIVE:
-        raise SystemExit("mixer._rows was not built: nothing compiled to compare (python setup.py build_ext --inplace)")
+        raise SystemExit("mixer._native._rows was not built: nothing compiled to compare (python setup.py build_ext --inplace)")
     if opts.captured:
         main_captured(opts)
         return

@@ -104,7 +104,7 @@ def main() -> None:
     if opts.quick:
         opts.samples, opts.rounds = min(opts.samples, 10_000), 1
     if not tario.NATIVE:
-        print("mixer._tarwalk is not built: the compiled rows are missing")
+        print("mixer._native._tarwalk is not built: the compiled rows are missing")
     runs = contenders(opts.quick)
     with tempfile.TemporaryDirectory(prefix="reader_speed-") as folder:
         sets = {name: write_shards(os.path.join(folder, name), opts.samples, opts.shards, pax=name == "pax") for name in ("int-mtime", "pax")}

@@ -327,7 +327,7 @@ def under_asan(seconds: float, seed: int) -> int:
         subprocess.run(build, cwd=repo, env=env, check=True)
         libasan = subprocess.run(["gcc", "-print-file-name=libasan.so"], capture_output=True, text=True, check=True).stdout.strip()
         env = {**os.environ, "LD_PRELOAD": libasan, "PYTHONMALLOC": "malloc", "ASAN_OPTIONS": "detect_leaks=0", "PYTHONPATH": scratch}
-        cmd = [sys.executable, "-c", "import mixer._tarwalk as t; print('ASan build:', t.__file__)"]
+        cmd = [sys.executable, "-c", "import mixer._native._tarwalk as t; print('ASan build:', t.__file__)"]
         subprocess.run(cmd, cwd=scratch, env=env, check=True)
         run = [sys.executable, "-m", "benchmarks.tar_fuzz", "--seconds", str(seconds), "--seed", str(seed)]
         return subprocess.run(run, cwd=scratch, env=env).returncode

@@ -1,4 +1,4 @@
-"""The compiled copies of the padded and packed collates (`mixer._rows`) against numpy's, their
+"""The compiled copies of the padded and packed collates (`mixer._native._rows`) against numpy's, their
 oracle: the same buffers (tokens, pad, positions, lengths, sources, ...), keys and errors, batch by
 batch."""
 
@@ -23,7 +23,7 @@ from mixer.batching.collate import PackedLayout, collate
 from mixer.read.decode import Sample
 from mixer.runtime.transport import SlotPool
 
-needs_rows = pytest.mark.skipif(collate_mod._rows is None, reason="mixer._rows was not built (no C compiler at install)")
+needs_rows = pytest.mark.skipif(collate_mod._rows is None, reason="mixer._native._rows was not built (no C compiler at install)")
 
 TOKEN_DTYPES = ["int32", "int64", "uint16", "int8", "uint8", "int16", "uint32", "uint64"]
 
@@ -255,10 +255,10 @@ def test_collate_uses_the_compiled_rows_by_default_and_not_when_told(monkeypatch
         assert collate_mod._rows.pad(np.empty(120 * 300, np.int32), arrays, lengths.tolist(), 300, 0, 0, np.ndarray) == 120
     arrays = [rng.integers(0, 30000, k).astype(np.int32) for k in lengths.tolist()]
     args = (arrays, lengths, np.zeros(120, np.int64), ["k"] * 120)
-    assert _c_calls(lambda: collate(*args)).count("mixer._rows.pad") == 1
-    assert "mixer._rows.pad" not in _c_calls(lambda: collate(*args, native=False))
+    assert _c_calls(lambda: collate(*args)).count("mixer._native._rows.pad") == 1
+    assert "mixer._native._rows.pad" not in _c_calls(lambda: collate(*args, native=False))
     monkeypatch.setattr(collate_mod, "NATIVE", False)
-    assert "mixer._rows.pad" not in _c_calls(lambda: collate(*args))
+    assert "mixer._native._rows.pad" not in _c_calls(lambda: collate(*args))
 
 
 # ---- the packed layout's copies -----------------------------------------------------------------
@@ -386,8 +386,8 @@ def test_packed_collate_uses_the_compiled_copies_by_default() -> None:
     group = [*packer.ready, *packer.drain()][0]
     layout = PackedLayout(packed, dtype="int32", pad_id=0)
     sources = np.zeros(len(group), np.int64)
-    assert _c_calls(lambda: layout.collate(group, sources, meta=BatchMeta(step=0))).count("mixer._rows.pack") == 1
-    assert "mixer._rows.pack" not in _c_calls(lambda: layout.collate(group, sources, meta=BatchMeta(step=0), native=False))
+    assert _c_calls(lambda: layout.collate(group, sources, meta=BatchMeta(step=0))).count("mixer._native._rows.pack") == 1
+    assert "mixer._native._rows.pack" not in _c_calls(lambda: layout.collate(group, sources, meta=BatchMeta(step=0), native=False))
 
 
 @needs_rows

@@ -1,4 +1,4 @@
-"""The reader's fast lane (`SourceStream._read_into` + `mixer._tarwalk.samples`): runs of samples in
+"""The reader's fast lane (`SourceStream._read_into` + `mixer._native._tarwalk.samples`): runs of samples in
 the default format become `Sample`s in one C call; every other sample goes through `make_sample`.
 The lane must change nothing a user can see: the same batches, counters and states as the
 per-sample path (``mixer.stream.source_stream._convert = None``), on mixed formats, the length policy, shared
@@ -148,7 +148,7 @@ def test_samples_from_the_lane_are_untracked(tmp_path: Path) -> None:
 
 
 def test_samples_checks_its_arguments() -> None:
-    from mixer import _tarwalk
+    from mixer._native import _tarwalk
     from mixer.read.decode import Sample
 
     with pytest.raises(TypeError):

@@ -158,7 +158,7 @@ def _path_through(graph: dict[str, set[str]], group: set[str], start: str) -> li
 
 #: Bottom first. The foundation: errors, the shared checks and warnings, bounded collectives and the state format.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("mixer.errors", "mixer._check", "mixer._warn", "mixer.collective", "mixer.state"),
+    ("mixer.errors", "mixer._check", "mixer._warn", "mixer.collective", "mixer._native", "mixer.state"),
     ("mixer.storage",),
     ("mixer.spec",),
     ("mixer.read",),
@@ -192,7 +192,7 @@ def test_every_import_points_down_the_layers() -> None:
 
 def test_every_module_is_in_a_layer_and_only_the_foundation_is_at_the_top() -> None:
     top = sorted(name for name in _modules() if name.count(".") == 1)
-    assert top == ["mixer._check", "mixer._warn", "mixer.batching", "mixer.cli", "mixer.collective", "mixer.config", "mixer.errors",
+    assert top == ["mixer._check", "mixer._native", "mixer._warn", "mixer.batching", "mixer.cli", "mixer.collective", "mixer.config", "mixer.errors",
                    "mixer.mixing", "mixer.observe", "mixer.plan", "mixer.read", "mixer.runtime", "mixer.spec", "mixer.state",
                    "mixer.storage", "mixer.stream"]  # fmt: skip
     for name in _modules():

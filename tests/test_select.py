@@ -115,7 +115,7 @@ def test_compiled_deficit_is_numpys_bit_for_bit(n, monkeypatch):
 @pytest.mark.skipif(not selector_module.NATIVE, reason="the compiled selector loops were not built")
 def test_compiled_deficit_leaves_odd_arrays_to_numpy():
     """Anything but 1-D contiguous float64 (bool for active) of one length: None, numpy decides."""
-    from mixer import _loops
+    from mixer._native import _loops
 
     t, d = np.zeros(4), np.zeros(4)
     p = np.full(4, 0.25)

@@ -40,7 +40,7 @@ def reader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
     """Every test here runs against both readers: `read_samples` with the compiled core (the
     default where it was built) and with the pure-Python one (`mixer.read.tario.NATIVE = False`)."""
     if request.param == "compiled" and tario._tarwalk is None:
-        pytest.skip("mixer._tarwalk was not built (no C compiler at install)")
+        pytest.skip("mixer._native._tarwalk was not built (no C compiler at install)")
     monkeypatch.setattr(tario, "NATIVE", request.param == "compiled")
     return str(request.param)
 

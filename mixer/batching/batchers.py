@@ -24,6 +24,7 @@ from mixer.errors import StateError
 from mixer.spec.budget import Packed
 from mixer.state.checkpoint import Location, expect_keys, locate_sample
 from mixer.batching.packer import PackedGroup, Packer  # noqa: F401 (level 2 for Packed; imported from here too)
+from mixer import _native
 
 if TYPE_CHECKING:
     from mixer.spec.budget import TokenBudget
@@ -72,13 +73,15 @@ def make_batcher(edges: Sequence[int], batching: TokenBudget | Packed, *, locate
     return Packer(batching, locate=locate) if isinstance(batching, Packed) else Bucketer(edges, batching, locate=locate)
 
 
-try:
-    from mixer._loops import BucketCore as _Core  # type: ignore[import-not-found]
-except ImportError:  # built without a C compiler: Bucketer.add is _py_add
-    _Core = object
+class _PythonCore:
+    """The bucketer's base without the compiled cores: its counters are plain attributes and ``add``
+    is ``_py_add``. A class of its own, not ``object``: ``(object, Generic)`` has no consistent MRO."""
 
-NATIVE: bool = _Core is not object
-"""Whether a bucketer's counters and per-sample ``add`` are compiled (`mixer/_loops.c`, ``BucketCore``)."""
+
+_Core: Any = _native.loops.BucketCore if _native.loops is not None else _PythonCore
+
+NATIVE: bool = _Core is not _PythonCore
+"""Whether a bucketer's counters and per-sample ``add`` are compiled (`mixer/_native/_loops.c`, ``BucketCore``)."""
 
 
 class Bucketer(_Core, Generic[T]):  # type: ignore[valid-type,misc]

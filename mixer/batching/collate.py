@@ -30,16 +30,14 @@ from mixer.batching.batchers import PackedGroup
 from mixer.read.decode import Sample
 from mixer.errors import ConfigError, SampleError
 from mixer.spec.budget import Field, Packed, check_fields
+from mixer import _native
 
 if TYPE_CHECKING:
     from mixer.spec.budget import TokenBudget
     from mixer.read.counters import Counters
 
-# the compiled row copies (mixer/_rows.c), optional like mixer._tarwalk
-try:
-    from mixer import _rows  # type: ignore[attr-defined]
-except ImportError:  # built without a C compiler: numpy copies the rows
-    _rows = None
+# the compiled row copies (mixer/_native/_rows.c); None without the compiled cores: numpy copies the rows
+_rows = _native.rows
 
 NATIVE: bool = _rows is not None
 """Whether :func:`collate` copies rows with the compiled core by default (True when it was built)."""
@@ -140,7 +138,7 @@ def _numpy_rows(flat: np.ndarray, token_arrays: Sequence[np.ndarray], rows: list
 
 
 def _native_rows(flat: np.ndarray, arrays: list[np.ndarray], rows: list[int], seq_len: int, pad_id: int) -> bool:
-    """The rows by ``_rows.pad`` (see mixer/_rows.c); each row it leaves goes by numpy's slice
+    """The rows by ``_rows.pad`` (see mixer/_native/_rows.c); each row it leaves goes by numpy's slice
     assignment, as in :func:`_numpy_rows` (then its padding), so that row's result or error is
     numpy's. False, with nothing written, for a batch it does not take at all."""
     assert _rows is not None
@@ -268,7 +266,7 @@ class PackedLayout:
         v = _numpy_views(flat, spec)
         v["cu_seqlens"][:n] = pos
         v["cu_seqlens"][n] = total
-        # The compiled copies (see mixer/_rows.c) write tokens and positions straight into place;
+        # The compiled copies (see mixer/_native/_rows.c) write tokens and positions straight into place;
         # for any batch they decline, numpy's code below (their oracle) writes both whole.
         if not (n and _rows is not None and (NATIVE if native is None else native) and _rows.pack(
             v["tokens"], v["position_ids"], list(map(_TOKENS, group)), group.starts, group.counts, pos.tolist(),

@@ -24,13 +24,10 @@ from mixer.state.columns import pack_floats, unpack_floats
 from mixer.errors import ConfigError
 from mixer.plan.world import rng_for
 
-try:
-    from mixer import _loops  # type: ignore[attr-defined]
-except ImportError:  # built without a C compiler: numpy does the deficit selector's arithmetic
-    _loops = None
+from mixer._native import loops as _loops  # None without the compiled cores: numpy does the arithmetic
 
 NATIVE: bool = _loops is not None
-"""Whether the deficit selector's per-pick loops run in C (`mixer/_loops.c`); False: numpy."""
+"""Whether the deficit selector's per-pick loops run in C (`mixer/_native/_loops.c`); False: numpy."""
 
 
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from mixer.state.checkpoint import expect_keys
 from mixer.errors import ConfigError, StateError
+from mixer import _native
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,13 +87,10 @@ def rng_for(*parts: object) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(seed_for(*parts)))
 
 
-try:
-    from mixer._loops import take as _take  # type: ignore[import-not-found]
-except ImportError:  # built without a C compiler
-    _take = None
+_take: Any = _native.loops.take if _native.loops is not None else None  # None: the same lines in Python
 
 NATIVE: bool = _take is not None
-"""Whether `Draws.take` swaps in C (`mixer/_loops.c`); False: the same lines in Python."""
+"""Whether `Draws.take` swaps in C (`mixer/_native/_loops.c`); False: the same lines in Python."""
 
 
 class Draws:

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from mixer.errors import SampleError
+from mixer import _native
 
 __all__ = ["Sample", "decode_npy", "decoded_fields", "default_tokens", "field_length"]
 
@@ -201,9 +202,8 @@ def default_tokens(sample: dict[str, Any], *, native: bool | None = None) -> np.
     )
 
 
-try:
-    from mixer import _tarwalk  # type: ignore[attr-defined]
-except ImportError:  # built without a C compiler
+_tarwalk = _native.tarwalk
+if _tarwalk is None:  # without the compiled cores
     _tokens = None
 else:
     # The dtypes np.save spells '<i4', '|u1', ... (their .str) on this machine: native integer ones only.

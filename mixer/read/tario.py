@@ -7,7 +7,7 @@ checksum is verified, the end-of-archive block is required, and the per-member w
 slices on one large buffer.
 
 Pipeline: ``iter_members(stream) -> group_samples(members) -> samples``; `read_samples` chains them,
-through the compiled core (`mixer._tarwalk`) where it was built, which defers to this code.
+through the compiled core (`mixer._native._tarwalk`) where it was built, which defers to this code.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any, BinaryIO, cast
 from zlib import adler32
 
 from mixer.errors import ConfigError, SampleError, ShardError
+from mixer import _native
 from mixer.read.tarheader import (
     TarDamage, BLOCK, EXTENSIONS, NO_DATA, REGULAR, SPARSE, ZERO_BLOCK, apply_extensions, checksum_ok, corrupt, extension, header_number, nts, signed_mismatch,
 )
@@ -351,12 +352,9 @@ def read_chunks(stream: BinaryIO, *, url: str, start_offset: int = 0, chunk_size
 
 
 # ---------------------------------------------------------------------------------------------
-# the compiled core (mixer/_tarwalk.c): a pure parser over the bytes read here
+# the compiled core (mixer/_native/_tarwalk.c): a pure parser over the bytes read here
 
-try:
-    from mixer import _tarwalk  # type: ignore[attr-defined]
-except ImportError:  # built without a C compiler: the pure-Python reader is the reader
-    _tarwalk = None
+_tarwalk = _native.tarwalk  # None without the compiled cores: the pure-Python reader is the reader
 
 NATIVE: bool = _tarwalk is not None
 """Whether `read_samples` uses the compiled core by default (True when it was built)."""

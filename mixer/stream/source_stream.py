@@ -387,7 +387,7 @@ class SourceStream:
         self.buffer, self._restoring = [lookup(loc) for loc in self._restoring], []
 
 
-# make_sample's default case for runs of samples, in C (mixer/_tarwalk.c); None without the compiled core
+# make_sample's default case for runs of samples, in C (mixer/_native/_tarwalk.c); None without the compiled core
 _convert = _tarwalk.samples if _tarwalk is not None else None
 
 

@@ -1,4 +1,4 @@
-/* mixer._loops: per-sample loops of mixing in C: the deficit selector's choose and update
+/* mixer._native._loops: per-sample loops of mixing in C: the deficit selector's choose and update
  * (mixer/selector.py, class Deficit), a shuffle buffer's pop (mixer.world.Draws.take) and a
  * bucketer's add (BucketCore, the base of mixer.batchers.Bucketer; see its comment below).
  *
@@ -405,7 +405,7 @@ static PyMemberDef core_members[] = {
 
 static PyTypeObject BucketCoreType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "mixer._loops.BucketCore",
+    .tp_name = "mixer._native._loops.BucketCore",
     .tp_basicsize = sizeof(BucketCore),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "The base of mixer.batchers.Bucketer: its counters in C and its per-sample add.",

@@ -1,4 +1,4 @@
-/* mixer._rows: the copies of the padded collate (mixer.collate.collate) and of the packed one
+/* mixer._native._rows: the copies of the padded collate (mixer.collate.collate) and of the packed one
  * (mixer.collate.PackedLayout.collate) in C.
  *
  * Contract (see mixer/collate.py, `_native_rows`): `pad` never decides anything numpy might decide
@@ -392,7 +392,7 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_rows", "The padded collate's row copies (see mixer/collate.py).", -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_rows", "The padded collate's row copies (see mixer/batching/collate.py).", -1, methods};
 
 PyMODINIT_FUNC PyInit__rows(void)
 {

@@ -1,4 +1,4 @@
-/* mixer._tarwalk: the common case of mixer.tario (tar walk + key grouping) and of
+/* mixer._native._tarwalk: the common case of mixer.tario (tar walk + key grouping) and of
  * mixer.decode.default_tokens (canonical 1-D integer .npy), as a pure parser over bytes.
  *
  * Contract (see mixer/tario.py, `_read_native`): `scan` never decides anything the pure-Python

@@ -8,6 +8,17 @@ import pytest
 
 from shardutil import LogNormal, Sources, write_sources
 
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    # For an intended change of output only: the golden files are what a refactor is checked against.
+    parser.addoption(
+        "--regen-golden",
+        action="store_true",
+        default=False,
+        help="tests/test_golden.py: rewrite tests/golden/*.json from the current code instead of comparing with them",
+    )
+
+
 # Clearly different length distributions.
 THREE_SOURCES = {
     "web": LogNormal(shards=8, samples=512, median=200, sigma=0.7, lo=8, hi=2048, seed=0),

@@ -203,15 +203,37 @@ class FaultyHTTPServer:
 
 
 def _client_closed(conn: socket.socket) -> bool:
-    """Whether the client has closed this connection (a FIN or an RST arrived), without reading."""
+    """Whether the client has closed its end of this connection (a FIN or an RST arrived), without
+    reading and without ever waiting: `_Handler.setup` asks it of every counted connection while it
+    holds the server's lock.
+
+    Not ``recv(MSG_PEEK | MSG_DONTWAIT)``: on a socket with a timeout (the handlers' 10 s) CPython
+    polls for readability before that recv, flag or not, so a peek that lost the race to the
+    connection's own handler thread (``select`` saw a request, the handler read it first) waited the
+    full 10 s, lock held, stalling every new connection and every GET behind it (and then counted the
+    live connection closed). Nor the socket switched to non-blocking for the peek: its handler thread
+    may call recv meanwhile and would get EAGAIN. ``poll`` with POLLRDHUP is one syscall with a zero
+    timeout, and it reports the FIN even when a request is still unread before it.
+    """
     try:
-        if not select.select([conn], [], [], 0)[0]:
-            return False
-        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        if conn.fileno() < 0:  # the handler already closed it (a reset or stall fault)
+            return True
+        if _RDHUP:
+            poller = select.poll()
+            poller.register(conn, select.POLLIN | _RDHUP)
+            events = poller.poll(0)
+            return bool(events) and bool(events[0][1] & (_RDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL))
+        # Without POLLRDHUP (not Linux): peek through a duplicate of the descriptor that has no
+        # timeout, so that CPython calls recv straight away and MSG_DONTWAIT returns at once.
+        with socket.socket(fileno=os.dup(conn.fileno())) as view:
+            return view.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
     except (BlockingIOError, InterruptedError):
         return False
     except (OSError, ValueError):
         return True
+
+
+_RDHUP = getattr(select, "POLLRDHUP", 0)
 
 
 class _Server(ThreadingHTTPServer):

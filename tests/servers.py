@@ -19,11 +19,11 @@ import struct
 import threading
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -41,6 +41,40 @@ class Request:
     end: int | None
     headers: Mapping[str, str]
     status: int = 0
+    fault: str = ""
+    """The injected fault this request was served (see `Fault`): ``"status 503"``, ``"reset"``, ``"close"``,
+    ``"stall"``, ``"hang"``, ``"ignore_range"`` (only when it changed the answer: a Range was asked); ""
+    when none. Tests compare a client's retry count with these, not with what timing suggests."""
+    version: str = ""
+    """The broken version of the file it was answered from (``"truncate"``, ``"corrupt"``, ``"replace"``);
+    "" for the file itself."""
+
+    @property
+    def retriable(self) -> bool:
+        """Whether the fault served is one a client retries: a 5xx, 408, 425 or 429, or a response cut,
+        stalled or never answered (as `mixer.storage.faults.classify` has it)."""
+        if self.fault.startswith("status "):
+            code = int(self.fault.split()[1])
+            return code >= 500 or code in (408, 425, 429)
+        return self.fault in ("reset", "close", "stall", "hang")
+
+
+class Resends(NamedTuple):
+    """How a stream's GETs of one path followed one another, as the server saw them (`resends`)."""
+
+    after_fault: int  # GETs that re-asked after a retriable fault: the retries the faults called for
+    after_healthy: int  # GETs that re-asked after an answer that needed none (a timeout on a slow but healthy response)
+
+
+def resends(gets: Sequence[Request]) -> Resends:
+    """Count the GETs after the first of one stream's GETs (in order), each by what the previous one
+    was served. A client that re-asks only to retry, as a stream with no pool pressure does, then
+    made exactly ``after_fault + after_healthy`` retries: the count its stats must report, taken
+    from what the server served instead of from the wall clock. ``after_healthy`` is not 0 only when
+    a client gave up on a healthy answer (under load, with a read timeout short enough to catch a
+    stall), and the server saw that too."""
+    after_fault = sum(1 for prev in gets[:-1] if prev.retriable)
+    return Resends(after_fault, max(len(gets) - 1, 0) - after_fault)
 
 
 @dataclass
@@ -50,10 +84,12 @@ class Fault:
     kind: ``"status"`` (answer ``status`` with no body), ``"reset"`` (send the headers and ``after``
     bytes of the body, then reset the connection with an RST), ``"close"`` (same, but a clean FIN:
     an incomplete body), ``"stall"`` (send ``after`` body bytes, then go silent for ``seconds`` and
-    close), ``"hang"`` (read the request, answer nothing for ``seconds``, close), ``"ignore_range"`` (answer 200 with the whole file even to a Range request). ``pause``
-    seconds pass between the ``after`` bytes and the reset / close, so that the client has received
-    them (a reset makes the client's kernel drop whatever it has not yet handed to the client).
-    ``head=True`` lets HEAD requests consume (and suffer) the fault too.
+    close), ``"hang"`` (read the request, answer nothing for ``seconds``, close), ``"ignore_range"``
+    (answer 200 with the whole file even to a Range request). ``pause`` seconds pass between the
+    ``after`` bytes and the reset / close, so that the client has received them (a reset makes the
+    client's kernel drop whatever it has not yet handed to the client). ``head=True`` lets HEAD
+    requests consume (and suffer) the fault too. Each request that is served a fault records it
+    (`Request.fault`).
     """
 
     kind: str
@@ -76,7 +112,8 @@ class FaultyHTTPServer:
     be served as a different *version* of its file (``truncate`` / ``corrupt`` / ``replace``), which
     changes its bytes, Content-Length and ETag consistently: the server is then honestly serving a
     broken file. Every request is recorded (``requests(path)``) so tests can assert that retries and
-    ranged resumes happened, and from which byte.
+    ranged resumes happened, and from which byte; each records the fault or broken version it was
+    served (``served(path)``), so that a test counts the faults that really reached a client.
     """
 
     def __init__(self, root: str | os.PathLike[str], *, count_connections: bool = False) -> None:
@@ -89,7 +126,7 @@ class FaultyHTTPServer:
         self.peak_connections = 0
         self._lock = threading.Lock()
         self._faults: dict[str, list[Fault]] = {}
-        self._versions: dict[str, bytes] = {}
+        self._versions: dict[str, tuple[bytes, str]] = {}  # path: (content, "truncate" / "corrupt" / "replace")
         self._log: list[Request] = []
         self._stop = threading.Event()
         self._conns: set[socket.socket] = set()
@@ -149,17 +186,21 @@ class FaultyHTTPServer:
 
     def truncate(self, path: str, size: int) -> None:
         """Serve only the first ``size`` bytes of ``path`` from now on."""
-        self.replace(path, self._read(path)[:size])
+        self._replace(path, self._read(path)[0][:size], "truncate")
 
     def corrupt(self, path: str, offset: int, data: bytes = b"\xff" * 8) -> None:
         """Serve ``path`` with ``data`` written over its bytes at ``offset``."""
-        content = bytearray(self._read(path))
+        content = bytearray(self._read(path)[0])
         content[offset : offset + len(data)] = data
-        self.replace(path, bytes(content))
+        self._replace(path, bytes(content), "corrupt")
 
     def replace(self, path: str, content: bytes) -> None:
+        """Serve ``content`` as ``path`` from now on (a new version of the file: another ETag)."""
+        self._replace(path, content, "replace")
+
+    def _replace(self, path: str, content: bytes, kind: str) -> None:
         with self._lock:
-            self._versions[_norm(path)] = content
+            self._versions[_norm(path)] = (content, kind)
 
     def clear(self) -> None:
         """Forget faults, versions, the request log and the peak of GETs in flight."""
@@ -168,6 +209,11 @@ class FaultyHTTPServer:
             self._versions.clear()
             self._log.clear()
             self.peak = 0
+
+    def served(self, path: str | None = None, method: str | None = "GET") -> list[Request]:
+        """The requests (GETs unless ``method`` says otherwise; None: all) that were served an injected
+        fault or a broken version, in order: what the clients really met, whatever their timing."""
+        return [r for r in self.requests(path, method) if r.fault or r.version]
 
     def requests(self, path: str | None = None, method: str | None = "GET") -> list[Request]:
         with self._lock:
@@ -178,12 +224,13 @@ class FaultyHTTPServer:
             ]
 
     # ----------------------------------------------------------------------------- internals
-    def _read(self, path: str) -> bytes:
+    def _read(self, path: str) -> tuple[bytes, str]:
+        """The bytes served as ``path`` and which broken version they are ("" for the file itself)."""
         with self._lock:
             version = self._versions.get(_norm(path))
         if version is not None:
             return version
-        return (self.root / _norm(path)).read_bytes()
+        return (self.root / _norm(path)).read_bytes(), ""
 
     def _next_fault(self, path: str, head: bool) -> Fault | None:
         with self._lock:
@@ -203,15 +250,37 @@ class FaultyHTTPServer:
 
 
 def _client_closed(conn: socket.socket) -> bool:
-    """Whether the client has closed this connection (a FIN or an RST arrived), without reading."""
+    """Whether the client has closed its end of this connection (a FIN or an RST arrived), without
+    reading and without ever waiting: `_Handler.setup` asks it of every counted connection while it
+    holds the server's lock.
+
+    Not ``recv(MSG_PEEK | MSG_DONTWAIT)``: on a socket with a timeout (the handlers' 10 s) CPython
+    polls for readability before that recv, flag or not, so a peek that lost the race to the
+    connection's own handler thread (``select`` saw a request, the handler read it first) waited the
+    full 10 s, lock held, stalling every new connection and every GET behind it (and then counted the
+    live connection closed). Nor the socket switched to non-blocking for the peek: its handler thread
+    may call recv meanwhile and would get EAGAIN. ``poll`` with POLLRDHUP is one syscall with a zero
+    timeout, and it reports the FIN even when a request is still unread before it.
+    """
     try:
-        if not select.select([conn], [], [], 0)[0]:
-            return False
-        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        if conn.fileno() < 0:  # the handler already closed it (a reset or stall fault)
+            return True
+        if _RDHUP:
+            poller = select.poll()
+            poller.register(conn, select.POLLIN | _RDHUP)
+            events = poller.poll(0)
+            return bool(events) and bool(events[0][1] & (_RDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL))
+        # Without POLLRDHUP (not Linux): peek through a duplicate of the descriptor that has no
+        # timeout, so that CPython calls recv straight away and MSG_DONTWAIT returns at once.
+        with socket.socket(fileno=os.dup(conn.fileno())) as view:
+            return view.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
     except (BlockingIOError, InterruptedError):
         return False
     except (OSError, ValueError):
         return True
+
+
+_RDHUP = getattr(select, "POLLRDHUP", 0)
 
 
 class _Server(ThreadingHTTPServer):
@@ -313,15 +382,15 @@ class _Handler(BaseHTTPRequestHandler):
         if full.is_dir():
             return self._listing(path, full, head)
         try:
-            content = owner._read(path)
+            content, version = owner._read(path)
         except (FileNotFoundError, IsADirectoryError):
             return self._status(404, path, range_header)
 
         fault = owner._next_fault(path, head)
         if fault is not None and fault.kind == "status":
-            return self._status(fault.status, path, range_header, fault.headers)
+            return self._status(fault.status, path, range_header, fault.headers, f"status {fault.status}", version)
         if fault is not None and fault.kind == "hang":
-            self._record(path, range_header, 0)
+            self._record(path, range_header, 0, "hang", version)
             owner._stop.wait(fault.seconds)
             self.close_connection = True
             return
@@ -330,19 +399,21 @@ class _Handler(BaseHTTPRequestHandler):
         etag = '"' + hashlib.md5(content).hexdigest() + '"'
         if_match = self.headers.get("If-Match")
         if if_match is not None and if_match.strip() != "*" and etag not in [t.strip() for t in if_match.split(",")]:
-            return self._status(412, path, range_header)
+            return self._status(412, path, range_header, version=version)
         parsed = _parse_range(range_header, size)
+        served = fault.kind if fault is not None else ""
         if fault is not None and fault.kind == "ignore_range":
+            served = "ignore_range" if parsed is not None else ""  # without a Range the answer is the usual 200
             parsed = None
         if parsed == "bad":
-            return self._status(416, path, range_header, {"Content-Range": f"bytes */{size}"})
+            return self._status(416, path, range_header, {"Content-Range": f"bytes */{size}"}, version=version)
         if parsed is None:
             status, first, last = 200, 0, size - 1
         else:
             assert isinstance(parsed, tuple)
             status, (first, last) = 206, parsed
         body = content[first : last + 1]
-        self._record(path, range_header, status)
+        self._record(path, range_header, status, served, version)
         self.send_response(status)
         self.send_header("Content-Type", "application/x-tar")
         self.send_header("Content-Length", str(len(body)))
@@ -375,17 +446,25 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(data)
             self.wfile.flush()
 
-    def _record(self, path: str, range_header: str | None, status: int) -> None:
+    def _record(self, path: str, range_header: str | None, status: int, fault: str = "", version: str = "") -> None:
         start = end = None
         if range_header is not None and range_header.startswith("bytes="):
             first_s, _, last_s = range_header[len("bytes=") :].partition("-")
             with contextlib.suppress(ValueError):
                 start = int(first_s) if first_s else None
                 end = int(last_s) if last_s else None
-        self.owner._record(Request(self.command, path, start, end, dict(self.headers.items()), status))
+        self.owner._record(Request(self.command, path, start, end, dict(self.headers.items()), status, fault, version))
 
-    def _status(self, status: int, path: str, range_header: str | None, headers: Mapping[str, str] = {}) -> None:
-        self._record(path, range_header, status)
+    def _status(
+        self,
+        status: int,
+        path: str,
+        range_header: str | None,
+        headers: Mapping[str, str] = {},
+        fault: str = "",
+        version: str = "",
+    ) -> None:
+        self._record(path, range_header, status, fault, version)
         self.send_response(status)
         for k, v in headers.items():
             self.send_header(k, v)

@@ -77,7 +77,10 @@ def test_streams_beyond_the_pool_take_turns(server: FaultyHTTPServer, files: dic
     else:
         options = s3_storage_options(server.url().rstrip("/"))
         url = lambda path: f"s3://{path}"  # noqa: E731
-    kw: dict[str, Any] = {"timeout": 5.0, "block_size": 4096, "max_connections": limit, "backoff": 0.01}
+    # A 30 s timeout: giving way is not a fault, and a machine loaded by parallel jobs must not make a
+    # healthy answer look stalled either (a stream that gave way asks again too, so the server's log
+    # cannot tell such a retry from giving way).
+    kw: dict[str, Any] = {"timeout": 30.0, "block_size": 4096, "max_connections": limit, "backoff": 0.01}
     names = sorted(files)
     streams = [mio.open_shard(url(name), storage_options=options, **kw) for name in names]
     got: list[list[bytes]] = [[] for _ in names]
@@ -96,7 +99,8 @@ def test_streams_beyond_the_pool_take_turns(server: FaultyHTTPServer, files: dic
             s.close()
     for i, name in enumerate(names):
         assert b"".join(got[i]) == files[name], name
-        assert streams[i].retries == 0  # giving way is not a fault
+        # giving way is not a fault: the retries are those of the faults the server served (none)
+        assert streams[i].retries == sum(r.retriable for r in server.served(name)) == 0
     assert server.peak_connections <= limit
     # Streams did give way and resume where they were: ranged GETs from inside the files.
     resumed = [r for r in server.requests() if r.start]

@@ -52,6 +52,20 @@ def _ranges(server: FaultyHTTPServer, path: str) -> list[tuple[int | None, int]]
     return [(r.start, r.status) for r in server.requests(path)]
 
 
+def _served(server: FaultyHTTPServer, path: str) -> list[str]:
+    """The faults the server served the GETs of ``path``, in order."""
+    return [r.fault for r in server.served(path)]
+
+
+def _retried(server: FaultyHTTPServer, path: str) -> int:
+    """The retries a lone stream of ``path`` made as the server saw them: its GETs that asked again
+    after a retriable fault the server served. A GET that asked again after a healthy answer would be
+    a false timeout (none: what a test expects of the stream's retries is taken from what it was served)."""
+    seen = servers.resends(server.requests(path))
+    assert seen.after_healthy == 0, [(r.start, r.status, r.fault) for r in server.requests(path)]
+    return seen.after_fault
+
+
 # ------------------------------------------------------------------------------------ fixtures
 
 
@@ -408,8 +422,9 @@ def test_http_transient_status_then_ok(http: FaultyHTTPServer, files: dict[str, 
     http.fail("data/a.tar", "status", status=status, times=2)
     with mio.open_shard(http.url("data/a.tar"), **FAST) as stream:
         assert stream.read() == files["data/a.tar"]
-        assert stream.retries == 2  # type: ignore[attr-defined]
     assert _ranges(http, "data/a.tar") == [(None, status), (None, status), (None, 200)]
+    assert _served(http, "data/a.tar") == [f"status {status}"] * 2
+    assert stream.retries == _retried(http, "data/a.tar") == 2  # type: ignore[attr-defined]
 
 
 def test_http_retry_after_is_honoured(http: FaultyHTTPServer, files: dict[str, bytes]) -> None:
@@ -430,8 +445,9 @@ def test_http_cut_mid_body_resumes_at_that_byte(
     http.fail("data/a.tar", kind, after=K, pause=0.1)
     with mio.open_shard(http.url("data/a.tar"), start_offset=start, block_size=16384, **FAST) as stream:
         assert _read_all(stream, 10_000) == files["data/a.tar"][start:]
-        assert stream.retries == 1  # type: ignore[attr-defined]
     assert _ranges(http, "data/a.tar") == [(start or None, 206 if start else 200), (start + K, 206)]
+    assert _served(http, "data/a.tar") == [kind]
+    assert stream.retries == _retried(http, "data/a.tar") == 1  # type: ignore[attr-defined]
 
 
 def test_http_reset_without_pause(http: FaultyHTTPServer, files: dict[str, bytes]) -> None:
@@ -449,9 +465,10 @@ def test_http_stall_resumes_after_timeout(http: FaultyHTTPServer, files: dict[st
     t0 = time.monotonic()
     with mio.open_shard(http.url("data/a.tar"), block_size=16384, **STALLS) as stream:
         assert stream.read() == files["data/a.tar"]
-        assert stream.retries == 1  # type: ignore[attr-defined]
     assert 0.5 <= time.monotonic() - t0 < 3.0
     assert _ranges(http, "data/a.tar") == [(None, 200), (K, 206)]
+    assert _served(http, "data/a.tar") == ["stall"]
+    assert stream.retries == _retried(http, "data/a.tar") == 1  # type: ignore[attr-defined]
 
 
 def test_http_no_response_times_out(http: FaultyHTTPServer, files: dict[str, bytes]) -> None:
@@ -469,8 +486,9 @@ def test_http_several_faults_in_one_shard(http: FaultyHTTPServer, files: dict[st
     http.fail("data/a.tar", "close", after=1, pause=0.05)
     with mio.open_shard(http.url("data/a.tar"), block_size=4096, **STALLS) as stream:
         assert _read_all(stream, 3333) == files["data/a.tar"]
-        assert stream.retries == 4  # type: ignore[attr-defined]
     assert _ranges(http, "data/a.tar") == [(None, 200), (10_000, 503), (10_000, 206), (30_000, 206), (30_001, 206)]
+    assert _served(http, "data/a.tar") == ["close", "status 503", "stall", "close"]
+    assert stream.retries == _retried(http, "data/a.tar") == 4  # type: ignore[attr-defined]
 
 
 def test_http_server_ignoring_range(http: FaultyHTTPServer, files: dict[str, bytes]) -> None:
@@ -563,13 +581,14 @@ def test_http_retries_exhausted(http: FaultyHTTPServer) -> None:
 def test_http_retries_exhausted_mid_shard(http: FaultyHTTPServer) -> None:
     http.fail("data/a.tar", "close", after=K, pause=0.05)
     http.fail("data/a.tar", "status", status=502, times=None)
-    with mio.open_shard(http.url("data/a.tar"), retries=2, **FAST) as stream:
-        with pytest.raises(ShardError, match=f"at byte {K}: HTTP 502; gave up after 2 retries"):
-            stream.read()
-        # The cut and the 502s are one streak without progress: retry 1 after the cut, retry 2 after
-        # the first 502, and the second 502 ends it.
-        assert stream.retries == 2  # type: ignore[attr-defined]
+    stream = mio.open_shard(http.url("data/a.tar"), retries=2, **FAST)
+    with stream, pytest.raises(ShardError, match=f"at byte {K}: HTTP 502; gave up after 2 retries"):
+        stream.read()
+    # The cut and the 502s are one streak without progress: retry 1 after the cut, retry 2 after
+    # the first 502, and the second 502 ends it.
     assert _ranges(http, "data/a.tar") == [(None, 200), (K, 502), (K, 502)]
+    assert _served(http, "data/a.tar") == ["close", "status 502", "status 502"]
+    assert stream.retries == _retried(http, "data/a.tar") == 2  # type: ignore[attr-defined]
 
 
 def test_connection_refused(aws_env: None) -> None:
@@ -619,8 +638,9 @@ def test_real_shard_over_faulty_http(http: FaultyHTTPServer, root: Path) -> None
 
     with mio.open_shard(str(path)) as local, mio.open_shard(url, block_size=4096, **STALLS) as remote:
         expected, got = samples(local), samples(remote)
-        assert remote.retries == 3  # type: ignore[attr-defined]
     assert len(expected) == 40 and got == expected
+    assert _served(http, "real/web-000000.tar") == ["reset", "status 503", "stall"]
+    assert remote.retries == _retried(http, "real/web-000000.tar") == 3  # type: ignore[attr-defined]
 
 
 # ------------------------------------------------------------------------------------ S3 faults
@@ -643,8 +663,10 @@ def test_s3_faults(
     options = s3_storage_options(fake_s3.url().rstrip("/"))
     with mio.open_shard("s3://data/a.tar", storage_options=options, block_size=16384, **(STALLS if kind == "stall" else FAST)) as stream:
         assert stream.read() == files["data/a.tar"]
-        assert stream.retries == len(resume) - 1  # type: ignore[attr-defined]
     assert _ranges(fake_s3, "data/a.tar") == resume
+    fault = f"status {kwargs['status']}" if kind == "status" else kind
+    assert _served(fake_s3, "data/a.tar") == [fault] * (len(resume) - 1)
+    assert stream.retries == _retried(fake_s3, "data/a.tar") == len(resume) - 1  # type: ignore[attr-defined]
 
 
 def test_s3_permanent(fake_s3: FaultyHTTPServer) -> None:
@@ -712,16 +734,18 @@ def test_read_ahead_faults_surface_at_their_turn(http: FaultyHTTPServer, files: 
         assert stream.read() == files["data/a.tar"]
     with pytest.raises(ShardError, match=r"data/b\.tar at byte 0: not found \(HTTP 404\)") as info:
         ahead.open(b, 0, [c])
-    assert info.value.retries == 0  # type: ignore[attr-defined]
+    assert info.value.retries == 0 and _served(http, "data/b.tar") == ["status 404"]  # type: ignore[attr-defined]
     with ahead.open(c) as stream:  # the 503s of the request begun ahead are retried at c's turn
         assert stream.read() == files["data/c.tar"]
-        assert stream.retries == 2  # type: ignore[attr-defined]
     assert _ranges(http, "data/c.tar") == [(None, 503), (None, 503), (None, 200)]
-    # a shard that gives up after retries says how many it made
+    assert stream.retries == _retried(http, "data/c.tar") == 2  # type: ignore[attr-defined]
+    # a shard that gives up after retries says how many it made (the last 503 is not retried)
+    http.clear()
     http.fail("data/a.tar", "status", status=503, times=None)
     with pytest.raises(ShardError, match="gave up after 2 retries") as info:
         mio.ReadAhead(options={**FAST, "retries": 2}).open(a)
-    assert info.value.retries == 2  # type: ignore[attr-defined]
+    assert _served(http, "data/a.tar") == ["status 503"] * 3
+    assert info.value.retries == _retried(http, "data/a.tar") == 2  # type: ignore[attr-defined]
 
 
 def test_read_ahead_drops_what_is_no_longer_next(http: FaultyHTTPServer, files: dict[str, bytes]) -> None:

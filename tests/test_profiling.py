@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from servers import FaultyHTTPServer, loopback_only, no_aws_config, s3_storage_options
+from servers import FaultyHTTPServer, loopback_only, no_aws_config, resends, s3_storage_options
 from shardutil import write_token_shards
 
 import mixer
@@ -229,8 +229,15 @@ def test_retries_and_skips_of_the_look_are_counted(http: FaultyHTTPServer) -> No
     http.fail("many/s02-000002.tar", "status", status=404, times=None)  # permanent: skipped (on_error="skip")
     with pytest.warns(RuntimeWarning, match="source 's02': profiling skips shard"):
         mix = mixer.Mixture(many(http, 3, on_error="skip", io_options={"backoff": 0.01}), batching=mixer.TokenBudget(4096))
-    assert [p.retries for p in mix.profiles] == [0, 2, 0]
     assert [p.lengths.size for p in mix.profiles] == [90, 90, 60]
+    # Each source's retries are the retriable faults the server served its shards, each asked again
+    # once (and nothing else asked again: the default 60 s timeout takes no healthy answer for a stall).
+    assert sorted((r.path, r.fault) for r in http.served()) == [("many/s01-000001.tar", "status 503")] * 2 + [
+        ("many/s02-000002.tar", "status 404")
+    ]
+    seen = [[resends(http.requests(f"many/s{i:02d}-{k:06d}.tar")) for k in range(3)] for i in range(3)]
+    assert all(s.after_healthy == 0 for shards in seen for s in shards), seen
+    assert [p.retries for p in mix.profiles] == [sum(s.after_fault for s in shards) for shards in seen] == [0, 2, 0]
 
 
 def test_warnings_come_in_source_order_from_the_callers_line(http: FaultyHTTPServer) -> None:

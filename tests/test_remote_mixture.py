@@ -11,6 +11,9 @@ Two facts fix where the expectations come from:
 * the source reads a few samples up front, in the main process, from shards 0, 2 and 3 of 4 (see
   `mixer.plan.profiling.profile_sources`), so the streaming faults hit shard 1 and are armed after the `Mixture` is
   built; `test_fault_during_profiling` arms them before;
+* the retries the loader counts are those the server saw: every fault the server serves is recorded
+  (`FaultyHTTPServer.served`), and a reader GETs a shard again only to retry it (`readers_resends`),
+  so the expected count is taken from the server's log, never from how long anything took;
 * the tar reader yields a sample once the next sample's first header has arrived (or at the
   end-of-archive block), so a shard cut inside the data of member ``j`` (one member per sample here)
   delivers samples ``0 .. j-1`` and loses ``j`` (counted: its header was read) and whatever the cut
@@ -31,11 +34,23 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
-from servers import FaultyHTTPServer, make_bucket, remote_guard, s3_client, s3_server, s3_storage_options  # noqa: F401 (remote_guard: a module-wide autouse fixture)
+from servers import (  # noqa: F401 (remote_guard: a module-wide autouse fixture)
+    FaultyHTTPServer,
+    Request,
+    Resends,
+    make_bucket,
+    remote_guard,
+    resends,
+    s3_client,
+    s3_server,
+    s3_storage_options,
+)
 from shardutil import expected_tokens, token_key, write_token_shards
 
 import mixer
 from mixer import storage as mio
+
+log = logging.getLogger(__name__)
 from mixer.storage.filesystems import close_filesystems
 from mixer.errors import ConfigError, SampleError, ShardError
 
@@ -43,8 +58,9 @@ SHARDS = 4
 PER_SHARD = 10
 FAULTY = 1  # not among the shards the profile reads (0, 2, 3), so its faults hit while streaming
 # Retries wait ~10 ms. Reads time out only after 30 s, so that a machine loaded by parallel jobs
-# never makes a healthy response look stalled (retries are counted exactly); the cases that inject
-# a stall (5 s) add STALLS, which counts it after 1 s.
+# never makes a healthy response look stalled; the cases that inject a stall (5 s) add STALLS, which
+# counts it after 1 s, short enough that a healthy answer slowed by load may time out too: those
+# cases count such a retry where the server saw it (`readers_resends`), and only there.
 FAST = {"timeout": 30.0, "retries": 3, "backoff": 0.01}
 STALLS = {"timeout": 1.0}
 NAME = f"bucket/x-{FAULTY:06d}.tar"
@@ -154,17 +170,61 @@ def keys_from(layout: dict[int, list[Member]], shard: int, first: int) -> set[st
     return {m.key for m in layout[shard][first:]}
 
 
+def readers_resends(http: FaultyHTTPServer) -> Resends:
+    """The readers' retries as the server saw them: over each shard's reader GETs, in order, those
+    that asked again after a retriable fault and those that asked again after a healthy answer. The
+    up-front look's GETs carry an end byte, the readers' never; and a reader GETs a shard again only
+    to retry (the shards are small and 64 connections plenty: no stream ever gives way), so the
+    loader's ``retries`` counter must be the sum of the two."""
+    gets: dict[str, list[Request]] = {}
+    for r in http.requests():
+        if r.end is None:
+            gets.setdefault(r.path, []).append(r)
+    seen = [resends(g) for g in gets.values()]
+    return Resends(sum(s.after_fault for s in seen), sum(s.after_healthy for s in seen))
+
+
+def check_retries(http: FaultyHTTPServer, counters: dict[str, int], *, short_timeout: bool = False) -> None:
+    """The loader's ``retries`` equal what the server saw: one per retriable fault it served a reader
+    (each retried once: no shard here gives up), plus, where the read timeout is short, the healthy
+    answers a reader gave up on (the server saw each asked for again); with the 30 s timeout none."""
+    served = [r for r in http.served() if r.end is None]
+    seen = readers_resends(http)
+    assert seen.after_fault == sum(r.retriable for r in served), (seen, served)
+    if not short_timeout:
+        assert seen.after_healthy == 0, [(r.path, r.start, r.status, r.fault) for r in http.requests()]
+    elif seen.after_healthy:
+        log.warning("%d healthy answer(s) timed out under load and were retried", seen.after_healthy)
+    assert counters["retries"] == seen.after_fault + seen.after_healthy, (counters, seen)
+
+
 # ------------------------------------------------------------------------------------ faults
 
 # (id, arm(server, members of the faulty shard), index of the first lost sample or None, lost member
-# or None, expected counters given the members and the intact shard's size)
+# or None, expected counters but the retries given the members and the intact shard's size, the faults
+# the server must have served, in order: the retries are checked against these by `check_retries`)
 Counts = Callable[[list[Member], int], dict[str, int]]
-FAULTS: list[tuple[str, Callable[[FaultyHTTPServer, list[Member]], None], int | None, int | None, Counts]] = [
-    ("503_twice", lambda s, m: s.fail(NAME, "status", status=503, times=2), None, None, lambda m, size: {"retries": 2}),
-    ("reset_mid_shard", lambda s, m: s.fail(NAME, "reset", after=m[4].data + 100, pause=0.05), None, None, lambda m, size: {"retries": 1}),
-    ("stall", lambda s, m: s.fail(NAME, "stall", after=m[6].data + 7, seconds=5), None, None, lambda m, size: {"retries": 1}),
+Arm = Callable[[FaultyHTTPServer, list[Member]], None]
+FAULTS: list[tuple[str, Arm, int | None, int | None, Counts, list[str]]] = [
+    ("503_twice", lambda s, m: s.fail(NAME, "status", status=503, times=2), None, None, lambda m, size: {}, ["status 503"] * 2),
+    (
+        "reset_mid_shard",
+        lambda s, m: s.fail(NAME, "reset", after=m[4].data + 100, pause=0.05),
+        None,
+        None,
+        lambda m, size: {},
+        ["reset"],
+    ),
+    ("stall", lambda s, m: s.fail(NAME, "stall", after=m[6].data + 7, seconds=5), None, None, lambda m, size: {}, ["stall"]),
     # the whole shard, uncounted (a brace pattern lists no sizes, and no response told one)
-    ("404", lambda s, m: s.fail(NAME, "status", status=404, times=None), 0, None, lambda m, size: {"skipped_shards": 1, "skipped_unknown": 1}),
+    (
+        "404",
+        lambda s, m: s.fail(NAME, "status", status=404, times=None),
+        0,
+        None,
+        lambda m, size: {"skipped_shards": 1, "skipped_unknown": 1},
+        ["status 404"],
+    ),
     # cut inside member 6's data: samples 0..5 arrive (6's header proves 5 complete); 6 is lost,
     # counted exactly, and the shard ends there: the bytes from 6's header to the cut
     (
@@ -173,9 +233,10 @@ FAULTS: list[tuple[str, Callable[[FaultyHTTPServer, list[Member]], None], int | 
         6,
         None,
         lambda m, size: {"skipped_shards": 1, "skipped_samples": 1, "skipped_bytes": m[6].data + 10 - m[6].header},
+        ["truncate"],
     ),
     # the first 8 bytes of member 3's data (the .npy magic) overwritten: that sample alone fails to decode
-    ("corrupt_member", lambda s, m: s.corrupt(NAME, m[3].data), None, 3, lambda m, size: {"skipped_samples": 1}),
+    ("corrupt_member", lambda s, m: s.corrupt(NAME, m[3].data), None, 3, lambda m, size: {"skipped_samples": 1}, ["corrupt"]),
     # member 7's tar header overwritten (bad checksum): sample 6 might have continued there, so it is
     # lost with the rest; the rest is unknown in samples, known in bytes (the server told the size)
     (
@@ -184,14 +245,15 @@ FAULTS: list[tuple[str, Callable[[FaultyHTTPServer, list[Member]], None], int | 
         6,
         None,
         lambda m, size: {"skipped_shards": 1, "skipped_samples": 1, "skipped_unknown": 1, "skipped_bytes": size - m[6].header},
+        ["corrupt"],
     ),
 ]
-ZERO = {"retries": 0, "skipped_shards": 0, "skipped_samples": 0, "skipped_bytes": 0, "skipped_unknown": 0}
+ZERO = {"skipped_shards": 0, "skipped_samples": 0, "skipped_bytes": 0, "skipped_unknown": 0}
 
 
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("transport", ["http", "s3"])
-@pytest.mark.parametrize("fault, arm, lost_from, lost_member, counts", FAULTS, ids=[f[0] for f in FAULTS])
+@pytest.mark.parametrize("fault, arm, lost_from, lost_member, counts, served", FAULTS, ids=[f[0] for f in FAULTS])
 def test_fault_while_streaming(
     http: FaultyHTTPServer,
     layout: dict[int, list[Member]],
@@ -203,6 +265,7 @@ def test_fault_while_streaming(
     lost_from: int | None,
     lost_member: int | None,
     counts: Counts,
+    served: list[str],
     root: Path,
 ) -> None:
     urls, options = where(http, transport)
@@ -219,6 +282,9 @@ def test_fault_while_streaming(
     size = (root / NAME).stat().st_size
     assert {k: counters[k] for k in ZERO} == {**ZERO, **counts(members, size)}
     assert counters["samples"] == len(everything) - len(missing)
+    # The faults a reader met, on the faulty shard, each exactly once (the 404 too: it is not retried).
+    assert [(r.path, r.fault or r.version, r.end) for r in http.served()] == [(NAME, f, None) for f in served]
+    check_retries(http, counters, short_timeout=fault == "stall")
     if workers == 0 and missing:  # (a worker's warnings stay in the worker)
         skipping = [str(w.message) for w in caught if "skipping" in str(w.message)]
         assert len(skipping) == 1 and f"x-{FAULTY:06d}.tar" in skipping[0], skipping
@@ -248,7 +314,15 @@ def test_fault_during_profiling(
     # the look's requests are ranged with an end byte (206), the readers' whole (200)
     first = http.requests("bucket/x-000000.tar")
     assert [r.status for r in first][:2] == [503, 206] and first[1].start == 0 and first[1].end is not None
-    assert (counters["skipped_shards"], counters["skipped_samples"], counters["retries"]) == (1, 0, 0)
+    assert (counters["skipped_shards"], counters["skipped_samples"]) == (1, 0)
+    # The look met the 503 and a 404, a reader the other 404 (the look's retry is counted in its
+    # profile, not by the readers: they retried nothing, and the server saw them ask nothing twice).
+    assert sorted((r.path, r.fault, r.end is None) for r in http.served()) == [
+        ("bucket/x-000000.tar", "status 503", False),
+        ("bucket/x-000002.tar", "status 404", False),
+        ("bucket/x-000002.tar", "status 404", True),
+    ]
+    check_retries(http, counters)
 
     # under on_error="raise", building the Mixture fails and names the shard
     with pytest.raises(ShardError, match=r"^source 'x': shard http://127\.0\.0\.1:\d+/bucket/x-000002\.tar at byte 0: not found \(HTTP 404\)"):
@@ -369,7 +443,14 @@ def test_presigned_urls_never_appear_in_errors_warnings_or_logs(
         warnings.simplefilter("always")
         keys, counters = run(secret_url, workers=0, arm=arm)
     check(keys, everything, keys_from(layout, 3, 0) | {members[3].key})
-    assert (counters["retries"], counters["skipped_shards"], counters["skipped_samples"]) == (2, 1, 1)
+    assert (counters["skipped_shards"], counters["skipped_samples"]) == (1, 1)
+    assert sorted((r.path, r.fault or r.version) for r in http.served()) == [
+        ("bucket/x-000000.tar", "status 503"),
+        (NAME, "corrupt"),
+        ("bucket/x-000002.tar", "reset"),
+        ("bucket/x-000003.tar", "status 404"),
+    ]
+    check_retries(http, counters)  # the 503 and the reset: 2
     texts += [str(w.message) for w in caught] + [r.getMessage() for r in caplog.records]
     assert any("x-000003.tar" in t for t in texts) and any("retry" in t for t in texts)
 

@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test bench venv clean format
 
 $(STAMP): pyproject.toml setup.py mixer/_native/_tarwalk.c mixer/_native/_rows.c mixer/_native/_loops.c constraints-dev.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,8 +17,11 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/mixer demo
 
+# Two pytest processes (pytest-xdist) on 2-core machines (mypy runs as a test); then lint and format.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 $(VENV)/.bench-installed: $(STAMP)
 	$(PY) -m pip install -q -c constraints-dev.txt -e '.[bench]'
@@ -26,6 +29,10 @@ $(VENV)/.bench-installed: $(STAMP)
 
 bench: $(VENV)/.bench-installed
 	$(PY) -m benchmarks
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info mixer/_native/*.so

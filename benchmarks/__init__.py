@@ -16,4 +16,15 @@ ratios. CPU time (this process plus its waited-for children, from `resource.getr
 beside wall time because neighbours swing wall time far more than CPU time.
 """
 
-BENCHMARKS = ("throughput", "cpu_per_sample", "plan_scale", "resume", "remote", "layouts", "many_sources", "buffer_budget", "adaptive", "snapshot_cost")
+BENCHMARKS = (
+    "throughput",
+    "cpu_per_sample",
+    "plan_scale",
+    "resume",
+    "remote",
+    "layouts",
+    "many_sources",
+    "buffer_budget",
+    "adaptive",
+    "snapshot_cost",
+)

@@ -19,15 +19,39 @@ from . import BENCHMARKS, common
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
-    p.add_argument("names", nargs="*", metavar="name", help=f"benchmarks to run (default: all of {', '.join(BENCHMARKS)})")
+    p.add_argument(
+        "names", nargs="*", metavar="name", help=f"benchmarks to run (default: all of {', '.join(BENCHMARKS)})"
+    )
     p.add_argument("--quick", action="store_true", help="small shard set, 1 round: a smoke run (< 30 s)")
     p.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 3; 1 with --quick)")
-    p.add_argument("--bench-dir", type=Path, default=common.DEFAULT_BENCH_DIR, help="shard cache and JSON results (default .bench/)")
-    p.add_argument("--decode", choices=sorted(common.DECODERS), default="frombuffer", help="tokens.npy decode for the webdataset baselines")
-    p.add_argument("--methods", type=lambda s: [m for m in s.split(",") if m], default=None, help="throughput: comma-separated subset of raw,wds,randommix,randommix_tokprobs,mixer_reader,mixer,mixer_all_exhausted,"
-        "torchdata,torchdata_tokprobs,mixer_w1,mixer_w2")
-    p.add_argument("--budget", type=float, default=1.0, help="mixing methods stop after this many times the shard set's tokens")
-    p.add_argument("--window-tokens", type=int, default=None, help="window for the windowed share error (default 8Mi tokens; 512Ki with --quick)")
+    p.add_argument(
+        "--bench-dir",
+        type=Path,
+        default=common.DEFAULT_BENCH_DIR,
+        help="shard cache and JSON results (default .bench/)",
+    )
+    p.add_argument(
+        "--decode",
+        choices=sorted(common.DECODERS),
+        default="frombuffer",
+        help="tokens.npy decode for the webdataset baselines",
+    )
+    p.add_argument(
+        "--methods",
+        type=lambda s: [m for m in s.split(",") if m],
+        default=None,
+        help="throughput: comma-separated subset of raw,wds,randommix,randommix_tokprobs,mixer_reader,mixer,mixer_all_exhausted,"
+        "torchdata,torchdata_tokprobs,mixer_w1,mixer_w2",
+    )
+    p.add_argument(
+        "--budget", type=float, default=1.0, help="mixing methods stop after this many times the shard set's tokens"
+    )
+    p.add_argument(
+        "--window-tokens",
+        type=int,
+        default=None,
+        help="window for the windowed share error (default 8Mi tokens; 512Ki with --quick)",
+    )
     p.add_argument(
         "--torch-threads",
         type=int,

@@ -85,7 +85,13 @@ def _write(folder: Path, name: str, chunks: list[bytes], shards: int) -> str:
     per = -(-len(chunks) // shards)
     with wds.ShardWriter(str(folder / f"{name}-%04d.tar"), maxcount=per, verbose=0, mtime=common.MTIME) as w:
         for k, c in enumerate(chunks):
-            w.write({"__key__": f"{name}-{k:07d}", "txt": c, "tokens.npy": np.frombuffer(c, dtype=np.uint8).astype(np.int32)})
+            w.write(
+                {
+                    "__key__": f"{name}-{k:07d}",
+                    "txt": c,
+                    "tokens.npy": np.frombuffer(c, dtype=np.uint8).astype(np.int32),
+                }
+            )
     return str(folder / f"{name}-{{0000..{shards - 1:04d}}}.tar")
 
 
@@ -124,7 +130,10 @@ def ensure_data(bench_dir: Path, log: Callable[[str], None], demo_cache: Path | 
         train["dup"] = _write(root / "dup", "dup", _near_duplicates(templates, DUP_SAMPLES, rng), 2)
         held["dup"] = _near_duplicates(templates, 256, rng)
         held_path = root / "held_out.npz"
-        np.savez(held_path, **{f"{n}_{k}": np.frombuffer(c, dtype=np.uint8) for n, cs in held.items() for k, c in enumerate(cs)})
+        np.savez(
+            held_path,
+            **{f"{n}_{k}": np.frombuffer(c, dtype=np.uint8) for n, cs in held.items() for k, c in enumerate(cs)},
+        )
         manifest.write_text(json.dumps({"train": train, "held_out": {n: len(cs) for n, cs in held.items()}}))
         log(f"adaptive: data written to {root} in {time.perf_counter() - t0:.1f} s")
     meta = json.loads(manifest.read_text())
@@ -141,7 +150,9 @@ def _model(seed: int) -> Any:
     from torch import nn
 
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Embedding(257, EMBED), nn.Flatten(), nn.Linear(CONTEXT * EMBED, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, 256))
+    return nn.Sequential(
+        nn.Embedding(257, EMBED), nn.Flatten(), nn.Linear(CONTEXT * EMBED, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, 256)
+    )
 
 
 def _per_sample_loss(model: Any, tokens: Any, lengths: Any) -> Any:
@@ -190,7 +201,9 @@ def _schedules(profile: str, reference: dict[str, float] | None) -> dict[str, An
         "exp3": mixer.Adaptive(prior, policy="exp3", lr=0.002, update_every=u, smoothing=0.1),
     }
     if reference is not None:
-        methods["exp_gradient_ref"] = mixer.Adaptive(prior, policy="exp_gradient", lr=2.0, update_every=u, smoothing=0.1, reference=reference)
+        methods["exp_gradient_ref"] = mixer.Adaptive(
+            prior, policy="exp_gradient", lr=2.0, update_every=u, smoothing=0.1, reference=reference
+        )
     return methods
 
 
@@ -202,8 +215,13 @@ def train(data: dict[str, Any], schedule: Any, *, budget: int, seed: int, eval_c
 
     names = list(data["train"])
     sources = [mixer.Source(n, data["train"][n]) for n in names]
-    mix = mixer.Mixture(sources, batching=mixer.TokenBudget(max_tokens=MAX_TOKENS, max_length=CHUNK), schedule=schedule, seed=seed,
-                        shuffle_buffer=256)  # fmt: skip
+    mix = mixer.Mixture(
+        sources,
+        batching=mixer.TokenBudget(max_tokens=MAX_TOKENS, max_length=CHUNK),
+        schedule=schedule,
+        seed=seed,
+        shuffle_buffer=256,
+    )
     loader = mixer.make_loader(mix)
     adaptive = isinstance(schedule, mixer.Adaptive)
     model = _model(seed)
@@ -227,12 +245,20 @@ def train(data: dict[str, Any], schedule: Any, *, budget: int, seed: int, eval_c
     seconds = time.perf_counter() - t0
     held = _evaluate(model, data["held_out"], eval_chunks)
     return {
-        "held_out": held, "worst": max(held.values()), "worst_source": max(held, key=held.__getitem__),
-        "mean": float(np.mean(list(held.values()))), "tokens": int(tokens.sum()), "steps": len(targets),
-        "realized": dict(zip(names, (tokens / tokens.sum()).tolist())), "targets": targets, "train_loss": train_loss,
-        "final_target": dict(zip(names, targets[-1])), "seconds": seconds, "sizes": dict(mix.sizes),
+        "held_out": held,
+        "worst": max(held.values()),
+        "worst_source": max(held, key=held.__getitem__),
+        "mean": float(np.mean(list(held.values()))),
+        "tokens": int(tokens.sum()),
+        "steps": len(targets),
+        "realized": dict(zip(names, (tokens / tokens.sum()).tolist())),
+        "targets": targets,
+        "train_loss": train_loss,
+        "final_target": dict(zip(names, targets[-1])),
+        "seconds": seconds,
+        "sizes": dict(mix.sizes),
         "adaptive": loader.stats()["adaptive"],
-    }  # fmt: skip
+    }
 
 
 def _average(runs: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
@@ -267,15 +293,30 @@ def plot(results: dict[str, dict[str, Any]], names: list[str], path: Path) -> No
 
 
 def table(results: dict[str, dict[str, Any]], names: list[str]) -> str:
-    header = ["method", *(f"{n} held-out" for n in names), "worst (source)", "mean", "realized token shares " + "/".join(names),
-              "final target", "steps", "s"]  # fmt: skip
+    header = [
+        "method",
+        *(f"{n} held-out" for n in names),
+        "worst (source)",
+        "mean",
+        "realized token shares " + "/".join(names),
+        "final target",
+        "steps",
+        "s",
+    ]
     body = []
     for method, r in results.items():
-        body.append([
-            method, *(f"{r['held_out'][n]:.3f}" for n in names), f"{r['worst']:.3f} ({r['worst_source']})", f"{r['mean']:.3f}",
-            "/".join(f"{r['realized'][n]:.3f}" for n in names), "/".join(f"{r['final_target'][n]:.3f}" for n in names),
-            f"{r['steps']:.0f}", f"{r['seconds']:.1f}",
-        ])  # fmt: skip
+        body.append(
+            [
+                method,
+                *(f"{r['held_out'][n]:.3f}" for n in names),
+                f"{r['worst']:.3f} ({r['worst_source']})",
+                f"{r['mean']:.3f}",
+                "/".join(f"{r['realized'][n]:.3f}" for n in names),
+                "/".join(f"{r['final_target'][n]:.3f}" for n in names),
+                f"{r['steps']:.0f}",
+                f"{r['seconds']:.1f}",
+            ]
+        )
     return common.markdown_table(header, body)
 
 
@@ -297,8 +338,10 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchRes
             r = train(data, _schedules(opts.profile, reference)[method], budget=budget, seed=seed, eval_chunks=evals)
             static = r if method == "static" else static
             runs.setdefault(method, []).append(r)
-            log(f"seed {seed} {method}: held-out {json.dumps({k: round(v, 3) for k, v in r['held_out'].items()})}, worst {r['worst']:.3f}, "
-                f"mean {r['mean']:.3f}, {r['steps']} steps [{r['seconds']:.1f} s]")  # fmt: skip
+            log(
+                f"seed {seed} {method}: held-out {json.dumps({k: round(v, 3) for k, v in r['held_out'].items()})}, worst {r['worst']:.3f}, "
+                f"mean {r['mean']:.3f}, {r['steps']} steps [{r['seconds']:.1f} s]"
+            )
     results = {m: _average(rs, names) for m, rs in runs.items()}
     png = getattr(opts, "png", None) or opts.bench_dir / f"{NAME}{'.quick' if opts.profile == 'quick' else ''}.png"
     try:
@@ -311,30 +354,81 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchRes
     rows, checks = [], []
     for method, r in results.items():
         losses = "/".join(format(r["held_out"][n], ".3f") for n in names)
-        note = (f"held-out {losses} ({'/'.join(names)}); worst {r['worst']:.3f} ({r['worst_source']}), mean {r['mean']:.3f}; "
-                f"vs static: worst {r['worst'] - base['worst']:+.3f}, mean {r['mean'] - base['mean']:+.3f}")  # fmt: skip
-        rows.append({"bench": NAME, "method": method, "label": method, "kind": "quality", "status": "ok", "note": note,
-                     "share": [r["realized"][n] for n in names], "wall_s": r["seconds"],
-                     **{k: v for k, v in r.items() if k not in ("targets", "train_loss")}})  # fmt: skip
+        note = (
+            f"held-out {losses} ({'/'.join(names)}); worst {r['worst']:.3f} ({r['worst_source']}), mean {r['mean']:.3f}; "
+            f"vs static: worst {r['worst'] - base['worst']:+.3f}, mean {r['mean'] - base['mean']:+.3f}"
+        )
+        rows.append(
+            {
+                "bench": NAME,
+                "method": method,
+                "label": method,
+                "kind": "quality",
+                "status": "ok",
+                "note": note,
+                "share": [r["realized"][n] for n in names],
+                "wall_s": r["seconds"],
+                **{k: v for k, v in r.items() if k not in ("targets", "train_loss")},
+            }
+        )
         if method != "static":
             for key, what in (("worst", "worst-source"), ("mean", "mean")):
                 per = [a[key] / b[key] for a, b in zip(r["per_seed"], base["per_seed"])]
-                checks.append(common.value_check(NAME, f"{method}: {what} held-out loss / static's", float(np.median(per)), None, "<=") | {"per_round": per})
-    config = {"profile": opts.profile, "steps": steps, "budget_tokens": budget, "seeds": seeds, "max_tokens": MAX_TOKENS, "chunk": CHUNK,
-              "eval_chunks": evals, "update_every": UPDATE_EVERY[opts.profile], "sources": names, "sizes": base["sizes"], "png": png,
-              "targets": None, "table": table(results, names),
-              "trajectories": {m: r["targets"] for m, r in results.items()}}  # fmt: skip
+                checks.append(
+                    common.value_check(
+                        NAME, f"{method}: {what} held-out loss / static's", float(np.median(per)), None, "<="
+                    )
+                    | {"per_round": per}
+                )
+    config = {
+        "profile": opts.profile,
+        "steps": steps,
+        "budget_tokens": budget,
+        "seeds": seeds,
+        "max_tokens": MAX_TOKENS,
+        "chunk": CHUNK,
+        "eval_chunks": evals,
+        "update_every": UPDATE_EVERY[opts.profile],
+        "sources": names,
+        "sizes": base["sizes"],
+        "png": png,
+        "targets": None,
+        "table": table(results, names),
+        "trajectories": {m: r["targets"] for m, r in results.items()},
+    }
     return common.BenchResult(NAME, rows, checks, config)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.adaptive", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help=f"{STEPS['quick']} steps per method (about 1-2 minutes on 2 cores)")
-    p.add_argument("--steps", type=int, default=None, help=f"steps per method (default {STEPS['full']}; {STEPS['quick']} with --quick)")
-    p.add_argument("--seeds", type=int, default=None, help=f"seeds per method (default {SEEDS['full']}; {SEEDS['quick']} with --quick)")
-    p.add_argument("--png", type=Path, default=None, help="where to draw the target shares over steps (default <bench-dir>/adaptive[.quick].png)")
+    p.add_argument(
+        "--quick", action="store_true", help=f"{STEPS['quick']} steps per method (about 1-2 minutes on 2 cores)"
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"steps per method (default {STEPS['full']}; {STEPS['quick']} with --quick)",
+    )
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=None,
+        help=f"seeds per method (default {SEEDS['full']}; {SEEDS['quick']} with --quick)",
+    )
+    p.add_argument(
+        "--png",
+        type=Path,
+        default=None,
+        help="where to draw the target shares over steps (default <bench-dir>/adaptive[.quick].png)",
+    )
     p.add_argument("--bench-dir", type=Path, default=common.DEFAULT_BENCH_DIR)
-    p.add_argument("--demo-cache", type=Path, default=None, help="where the demo shards are (made on first use; default: mixer demo's cache)")
+    p.add_argument(
+        "--demo-cache",
+        type=Path,
+        default=None,
+        help="where the demo shards are (made on first use; default: mixer demo's cache)",
+    )
     return common.standalone(NAME, p, run, argv, tables=("table",))
 
 

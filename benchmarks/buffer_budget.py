@@ -65,20 +65,43 @@ def measure(n: int, root: Path, mix: str, budget: int | None, batches: int, max_
     state = json.dumps(reader.state_dict())
     target = shares / shares.sum()
     return {
-        "sources": n, "mix": mix, "budget": budget, "batches": k,
-        "padding_efficiency": real / padded, "batch_fill": real / (k * max_tokens),
+        "sources": n,
+        "mix": mix,
+        "budget": budget,
+        "batches": k,
+        "padding_efficiency": real / padded,
+        "batch_fill": real / (k * max_tokens),
         "share_tv": 0.5 * float(np.abs(per_source / per_source.sum() - target).sum()),
-        "held_max": held, "state_bytes": len(state), "cpu_ms_per_batch": 1e3 * cpu / k,
-    }  # fmt: skip
+        "held_max": held,
+        "state_bytes": len(state),
+        "cpu_ms_per_batch": 1e3 * cpu / k,
+    }
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    header = ["mix", "buffer_budget", "padding eff.", "batch fill", "share error (TV)", "most held", "reader state", "CPU ms/batch"]
+    header = [
+        "mix",
+        "buffer_budget",
+        "padding eff.",
+        "batch fill",
+        "share error (TV)",
+        "most held",
+        "reader state",
+        "CPU ms/batch",
+    ]
     body = [
-        [r["mix"], "None" if r["budget"] is None else f"{r['budget']:,}", f"{r['padding_efficiency']:.3f}", f"{r['batch_fill']:.2f}",
-         f"{r['share_tv']:.3f}", f"{r['held_max']:,}", f"{r['state_bytes'] / 1e3:.1f} kB", f"{r['cpu_ms_per_batch']:.1f}"]
+        [
+            r["mix"],
+            "None" if r["budget"] is None else f"{r['budget']:,}",
+            f"{r['padding_efficiency']:.3f}",
+            f"{r['batch_fill']:.2f}",
+            f"{r['share_tv']:.3f}",
+            f"{r['held_max']:,}",
+            f"{r['state_bytes'] / 1e3:.1f} kB",
+            f"{r['cpu_ms_per_batch']:.1f}",
+        ]
         for r in rows
-    ]  # fmt: skip
+    ]
     return common.markdown_table(header, body)
 
 
@@ -94,10 +117,36 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchRes
             rows.append(r)
     text = table(rows)
     log("\n" + text)
-    checks = [common.value_check(NAME, f"padding efficiency, mix={r['mix']}, budget={r['budget']}", r["padding_efficiency"], 0.95, ">=") for r in rows]
-    result_rows = [{"bench": NAME, "method": f"{r['mix']}/{r['budget']}", "label": f"mix={r['mix']} budget={r['budget']}", "kind": "scale",
-                    "status": "ok", "note": "", **r} for r in rows]  # fmt: skip
-    return common.BenchResult(NAME, result_rows, checks, {"profile": opts.profile, "sources": n, "batches": batches, "max_tokens": getattr(opts, "max_tokens", MAX_TOKENS), "table": text})
+    checks = [
+        common.value_check(
+            NAME, f"padding efficiency, mix={r['mix']}, budget={r['budget']}", r["padding_efficiency"], 0.95, ">="
+        )
+        for r in rows
+    ]
+    result_rows = [
+        {
+            "bench": NAME,
+            "method": f"{r['mix']}/{r['budget']}",
+            "label": f"mix={r['mix']} budget={r['budget']}",
+            "kind": "scale",
+            "status": "ok",
+            "note": "",
+            **r,
+        }
+        for r in rows
+    ]
+    return common.BenchResult(
+        NAME,
+        result_rows,
+        checks,
+        {
+            "profile": opts.profile,
+            "sources": n,
+            "batches": batches,
+            "max_tokens": getattr(opts, "max_tokens", MAX_TOKENS),
+            "table": text,
+        },
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--sources", type=int, default=None)
     p.add_argument("--batches", type=int, default=None)
-    p.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="TokenBudget(max_tokens) (default: many_sources')")
+    p.add_argument(
+        "--max-tokens", type=int, default=MAX_TOKENS, help="TokenBudget(max_tokens) (default: many_sources')"
+    )
     p.add_argument("--bench-dir", type=Path, default=common.DEFAULT_BENCH_DIR)
     return common.standalone(NAME, p, run, argv, tables=("table",))
 

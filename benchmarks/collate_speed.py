@@ -47,7 +47,9 @@ from mixer.batching.batch import BatchMeta
 from mixer.batching.collate import collate
 
 
-def make_batches(samples: int, max_tokens: int, seed: int = 0) -> list[tuple[list[np.ndarray], np.ndarray, np.ndarray, list[str]]]:
+def make_batches(
+    samples: int, max_tokens: int, seed: int = 0
+) -> list[tuple[list[np.ndarray], np.ndarray, np.ndarray, list[str]]]:
     rng = np.random.default_rng(seed)
     lengths = np.clip(rng.lognormal(np.log(300), 0.6, samples).astype(int), 1, max_tokens)
     edges = 1 << np.ceil(np.log2(lengths)).astype(int)
@@ -59,7 +61,12 @@ def make_batches(samples: int, max_tokens: int, seed: int = 0) -> list[tuple[lis
         for a in range(0, len(idx), cap):
             part = idx[a : a + cap]
             batches.append(
-                ([arrays[i] for i in part.tolist()], lengths[part].astype(np.int64), rng.integers(0, 3, len(part)), [f"s{i}" for i in part.tolist()])
+                (
+                    [arrays[i] for i in part.tolist()],
+                    lengths[part].astype(np.int64),
+                    rng.integers(0, 3, len(part)),
+                    [f"s{i}" for i in part.tolist()],
+                )
             )
     order = rng.permutation(len(batches))  # buckets release interleaved
     return [batches[i] for i in order.tolist()]
@@ -102,7 +109,9 @@ def main_packed(opts: argparse.Namespace) -> None:
 
     rng = np.random.default_rng(0)
     lengths = np.clip(rng.lognormal(np.log(300), 0.6, opts.samples).astype(int), 1, 8192)
-    samples = [Sample(f"s{i}", rng.integers(1, 30000, n, dtype=np.int32), n, 0, i) for i, n in enumerate(lengths.tolist())]
+    samples = [
+        Sample(f"s{i}", rng.integers(1, 30000, n, dtype=np.int32), n, 0, i) for i, n in enumerate(lengths.tolist())
+    ]
     meta = BatchMeta()
     print(f"{opts.samples} documents; CPU-µs/document, best of {opts.rounds}")
     print("| packing | compiled | numpy | compiled / numpy |")
@@ -120,7 +129,10 @@ def main_packed(opts: argparse.Namespace) -> None:
         sources = [np.zeros(len(g), np.int64) for g in groups]
         for g, src in zip(groups, sources):
             a, b = (layout.collate(g, src, meta=meta, native=x) for x in (True, False))
-            assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("tokens", "position_ids", "cu_seqlens", "lengths", "offsets"))
+            assert all(
+                torch.equal(getattr(a, f), getattr(b, f))
+                for f in ("tokens", "position_ids", "cu_seqlens", "lengths", "offsets")
+            )
         best = {True: float("inf"), False: float("inf")}
         for _ in range(opts.rounds):
             for native in best:
@@ -155,7 +167,9 @@ def main_captured(opts: argparse.Namespace) -> None:
                 layout.collate(g, src, meta=meta, out=out)
             best[name] = min(best.get(name, float("inf")), time.process_time() - t0)
     collate_mod.NATIVE = True
-    print(f"{len(groups)} captured batches, {n} samples, rows per batch median {int(np.median(rows))} (max {rows.max()})")
+    print(
+        f"{len(groups)} captured batches, {n} samples, rows per batch median {int(np.median(rows))} (max {rows.max()})"
+    )
     report(best, n, opts.rounds)
     if opts.loop:
         loops: dict[str, list[float]] = {"compiled": [], "python": []}
@@ -166,15 +180,19 @@ def main_captured(opts: argparse.Namespace) -> None:
                 loops[name].append(t / k * 1e6)
         collate_mod.NATIVE = True
         for name, ts in loops.items():
-            print(f"whole loop, {name}: CPU-µs/sample per round {', '.join(f'{t:.2f}' for t in ts)} (median {np.median(ts):.2f})")
+            print(
+                f"whole loop, {name}: CPU-µs/sample per round {', '.join(f'{t:.2f}' for t in ts)} (median {np.median(ts):.2f})"
+            )
 
 
 def report(best: dict[str, float], n: int, rounds: int) -> None:
-    print("| method | CPU-µs/sample (best of %d) |" % rounds)
+    print(f"| method | CPU-µs/sample (best of {rounds}) |")
     print("|---|---|")
     for name, t in best.items():
         print(f"| {name} | {t / n * 1e6:.3f} |")
-    print(f"compiled / python: {best['compiled'] / best['python']:.2f}; slot: {best['compiled-slot'] / best['python-slot']:.2f}")
+    print(
+        f"compiled / python: {best['compiled'] / best['python']:.2f}; slot: {best['compiled-slot'] / best['python-slot']:.2f}"
+    )
 
 
 def run(batches: list, *, native: bool, slot: np.ndarray | None, keep: bool = False) -> list:
@@ -194,7 +212,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=65_536)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="20k samples, 2 rounds")
-    p.add_argument("--captured", type=int, default=0, metavar="N", help="the throughput benchmark's first N batches instead")
+    p.add_argument(
+        "--captured", type=int, default=0, metavar="N", help="the throughput benchmark's first N batches instead"
+    )
     p.add_argument("--packed", action="store_true", help="the packed layout's collate instead")
     p.add_argument("--loop", action="store_true", help="with --captured: also whole-loop runs, NATIVE on and off")
     p.add_argument("--bench-dir", type=Path, default=None, help="shard cache (default: the suite's .bench/)")
@@ -206,7 +226,9 @@ def main(argv: list[str] | None = None) -> None:
     if opts.quick:
         opts.samples, opts.rounds = 20_000, 2
     if not collate_mod.NATIVE:
-        raise SystemExit("mixer._native._rows was not built: nothing compiled to compare (python setup.py build_ext --inplace)")
+        raise SystemExit(
+            "mixer._native._rows was not built: nothing compiled to compare (python setup.py build_ext --inplace)"
+        )
     if opts.captured:
         main_captured(opts)
         return
@@ -236,6 +258,7 @@ def main(argv: list[str] | None = None) -> None:
             best[name] = min(best.get(name, float("inf")), time.process_time() - t0)
     print(f"{len(batches)} batches, {n} samples, rows per batch median {int(np.median(rows))} (max {rows.max()})")
     report(best, n, opts.rounds)
+
 
 if __name__ == "__main__":
     main()

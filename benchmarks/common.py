@@ -132,7 +132,9 @@ def _spec_dict(profile: str) -> dict[str, Any]:
     }
 
 
-def ensure_shards(profile: str, bench_dir: Path = DEFAULT_BENCH_DIR, log: Callable[[str], None] | None = None) -> ShardSet:
+def ensure_shards(
+    profile: str, bench_dir: Path = DEFAULT_BENCH_DIR, log: Callable[[str], None] | None = None
+) -> ShardSet:
     """The cached shard set for `profile` under `bench_dir/shards/<profile>`, written on first use.
 
     The cache is reused when its manifest records the same spec and every shard has its recorded size.
@@ -575,7 +577,9 @@ def ratio_check(
     return _check(bench, name, _median(ratios) if ratios else math.nan, target, op, per_round=ratios)
 
 
-def values_check(bench: str, name: str, values: Sequence[float], target: float | None, op: str = ">=") -> dict[str, Any]:
+def values_check(
+    bench: str, name: str, values: Sequence[float], target: float | None, op: str = ">="
+) -> dict[str, Any]:
     """Median of a figure computed inside each round (the rounds' values are kept beside it)."""
     return _check(bench, name, _median(values) if values else math.nan, target, op, per_round=list(values))
 
@@ -761,7 +765,13 @@ def select_methods(bench: str, table: dict[str, Any], names: list[str] | None) -
     return [table[n] for n in names]
 
 
-def standalone(name: str, parser: Any, run: Callable[[Any, Callable[[str], None]], BenchResult], argv: list[str] | None, tables: Sequence[str] = ("table",)) -> int:
+def standalone(
+    name: str,
+    parser: Any,
+    run: Callable[[Any, Callable[[str], None]], BenchResult],
+    argv: list[str] | None,
+    tables: Sequence[str] = ("table",),
+) -> int:
     """``python -m benchmarks.NAME``: parse, run with a timestamped log on stderr, write
     ``<bench-dir>/NAME[.quick].json``, print the benchmark's tables (keys of its config) and checks;
     the exit status says whether a check missed. ``parser`` must define ``--quick`` and ``--bench-dir``."""

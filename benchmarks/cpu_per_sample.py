@@ -49,7 +49,9 @@ def methods(shards: ShardSet, budget: int) -> list[Method]:
 
 
 def _pairs(full: Outcome, half: Outcome) -> list[tuple[Measurement, Measurement]]:
-    return [(f, h) for f, h in zip(full.rounds, half.rounds) if f is not None and h is not None and f.samples > h.samples]
+    return [
+        (f, h) for f, h in zip(full.rounds, half.rounds) if f is not None and h is not None and f.samples > h.samples
+    ]
 
 
 def marginal_us(full: Outcome, half: Outcome) -> list[float]:
@@ -68,12 +70,18 @@ def split_checks(outcomes: dict[str, Outcome]) -> list[dict]:
     m0, m2 = marginal_us(*w0), marginal_us(*w2)
     ratios = [b / a for a, b in zip(m0, m2) if a > 0]
     extra = [b - a for a, b in zip(fixed_s(*w0), fixed_s(*w2))]
-    main = [1e6 * r.main_cpu_s / r.batches for r in w2[0].rounds if r is not None and r.main_cpu_s is not None and r.batches]
+    main = [
+        1e6 * r.main_cpu_s / r.batches for r in w2[0].rounds if r is not None and r.main_cpu_s is not None and r.batches
+    ]
     return [
-        common.values_check(NAME, "marginal CPU-µs/sample (half budget to budget), 2 workers / 0 workers", ratios, None, "<="),
+        common.values_check(
+            NAME, "marginal CPU-µs/sample (half budget to budget), 2 workers / 0 workers", ratios, None, "<="
+        ),
         common.values_check(NAME, "marginal CPU-µs/sample, 0 workers", m0, None, "<="),
         common.values_check(NAME, "fixed CPU-s per pass, 2 workers minus 0 workers", extra, None, "<="),
-        common.values_check(NAME, "main-process CPU-µs per batch with 2 workers (receiving, bookkeeping, start, stop)", main, None, "<="),
+        common.values_check(
+            NAME, "main-process CPU-µs per batch with 2 workers (receiving, bookkeeping, start, stop)", main, None, "<="
+        ),
     ]
 
 
@@ -87,8 +95,13 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchRes
     checks = [
         common.ratio_check(NAME, "CPU-µs/sample, 2 workers / 0 workers", w2, w0, "cpu_us_per_sample", 1.2, "<="),
         common.ratio_check(
-            NAME, "CPU-µs/sample at half the budget, 2 workers / 0 workers", outcomes["mixer_w2" + HALF],
-            outcomes["mixer_w0" + HALF], "cpu_us_per_sample", None, "<=",
+            NAME,
+            "CPU-µs/sample at half the budget, 2 workers / 0 workers",
+            outcomes["mixer_w2" + HALF],
+            outcomes["mixer_w0" + HALF],
+            "cpu_us_per_sample",
+            None,
+            "<=",
         ),
         *split_checks(outcomes),
         common.ratio_check(NAME, "wall samples/s, 2 workers / 0 workers", w2, w0, "samples_per_s", None),

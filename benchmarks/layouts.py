@@ -80,7 +80,9 @@ def text_method(shards: ShardSet, kind: str, budget: int) -> Callable[[Tally], N
 # ---- speech ------------------------------------------------------------------------------------
 
 
-def ensure_speech(profile: str, bench_dir: Path, log: Callable[[str], None] | None) -> dict[str, tuple[str, int, float]]:
+def ensure_speech(
+    profile: str, bench_dir: Path, log: Callable[[str], None] | None
+) -> dict[str, tuple[str, int, float]]:
     """Cached FLAC shards: ``{name: (pattern, utterances, audio seconds)}``."""
     root = Path(bench_dir) / "speech" / profile
     spec = {"version": SPEECH_VERSION, "profile": profile, "counts": list(SPEECH[profile]), "rate": RATE}
@@ -88,8 +90,13 @@ def ensure_speech(profile: str, bench_dir: Path, log: Callable[[str], None] | No
     if manifest.exists():
         try:
             saved = json.loads(manifest.read_text())
-            if saved["spec"] == spec and all((root / f).is_file() for src in saved["sources"].values() for f in src["files"]):
-                return {n: (str(root / src["pattern"]), src["utterances"], src["seconds"]) for n, src in saved["sources"].items()}
+            if saved["spec"] == spec and all(
+                (root / f).is_file() for src in saved["sources"].values() for f in src["files"]
+            ):
+                return {
+                    n: (str(root / src["pattern"]), src["utterances"], src["seconds"])
+                    for n, src in saved["sources"].items()
+                }
         except (OSError, ValueError, KeyError, TypeError):
             pass
     import soundfile as sf
@@ -101,7 +108,9 @@ def ensure_speech(profile: str, bench_dir: Path, log: Callable[[str], None] | No
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     sources = {}
-    for seed, (name, n, median_s, per_shard) in enumerate([("read", SPEECH[profile][0], 6.0, 100), ("commands", SPEECH[profile][1], 1.5, 20)]):
+    for seed, (name, n, median_s, per_shard) in enumerate(
+        [("read", SPEECH[profile][0], 6.0, 100), ("commands", SPEECH[profile][1], 1.5, 20)]
+    ):
         rng = np.random.default_rng([20240801, seed])
         seconds = np.clip(rng.lognormal(math.log(median_s), 0.5, n), 0.3, 25.0)
         total = 0.0
@@ -112,14 +121,21 @@ def ensure_speech(profile: str, bench_dir: Path, log: Callable[[str], None] | No
                 f0 = 120 + 80 * rng.random()
                 # a gliding harmonic tone with a -40 dB noise floor: FLAC compresses it about as
                 # well as it does speech (~55-65% of PCM), so decoding costs what it would on speech
-                audio = 0.3 * np.sin(2 * np.pi * f0 * t * (1 + 0.1 * np.sin(2 * np.pi * 0.5 * t))) + 0.01 * rng.standard_normal(frames)
+                audio = 0.3 * np.sin(
+                    2 * np.pi * f0 * t * (1 + 0.1 * np.sin(2 * np.pi * 0.5 * t))
+                ) + 0.01 * rng.standard_normal(frames)
                 buf = io.BytesIO()
                 sf.write(buf, audio.astype(np.float32), RATE, format="FLAC", subtype="PCM_16")
                 words = rng.integers(1, 5000, size=max(1, int(sec * 2.5)))
                 sink.write({"__key__": f"{name}-{i:06d}", "flac": buf.getvalue(), "tokens.npy": words.astype(np.int32)})
                 total += frames / RATE
         files = sorted(p.name for p in tmp.glob(f"{name}-*.tar"))
-        sources[name] = {"pattern": f"{name}-{{0000..{len(files) - 1:04d}}}.tar", "files": files, "utterances": int(n), "seconds": total}
+        sources[name] = {
+            "pattern": f"{name}-{{0000..{len(files) - 1:04d}}}.tar",
+            "files": files,
+            "utterances": int(n),
+            "seconds": total,
+        }
     (tmp / "manifest.json").write_text(json.dumps({"spec": spec, "sources": sources}, indent=1))
     shutil.rmtree(root, ignore_errors=True)
     os.replace(tmp, root)
@@ -163,8 +179,8 @@ def speech_method(mixture, utterances: int, workers: int) -> Callable[[Tally], N
 def speech_decode_only(corpora: dict[str, tuple[str, int, float]]) -> Callable[[Tally], None]:
     def run(tally: Tally) -> None:
         import mixer
-        from mixer.storage import expand_urls
         from mixer.read.tario import read_samples
+        from mixer.storage import expand_urls
 
         decode = mixer.SpeechDecode(sample_rate=RATE)
         for pattern, _, _ in corpora.values():
@@ -186,9 +202,23 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchRes
     note = f"stops at {budget / 1e6:.1f}M real tokens"
     text = [
         Method("padded", "padded: TokenBudget(65536)", text_method(shards, "padded", budget), skip=skip, note=note),
-        Method("packed_rows", "packed: 8 x 8192 rows, split", text_method(shards, "packed_rows", budget), skip=skip, note=note),
-        Method("packed_rows_whole", "packed: 2 x 32768 rows, whole docs", text_method(shards, "packed_rows_whole", budget), skip=skip, note=note),
-        Method("packed_flat", "packed: flat, no padding", text_method(shards, "packed_flat", budget), skip=skip, note=note),
+        Method(
+            "packed_rows",
+            "packed: 8 x 8192 rows, split",
+            text_method(shards, "packed_rows", budget),
+            skip=skip,
+            note=note,
+        ),
+        Method(
+            "packed_rows_whole",
+            "packed: 2 x 32768 rows, whole docs",
+            text_method(shards, "packed_rows_whole", budget),
+            skip=skip,
+            note=note,
+        ),
+        Method(
+            "packed_flat", "packed: flat, no padding", text_method(shards, "packed_flat", budget), skip=skip, note=note
+        ),
     ]
     text_out = common.run_rounds(text, opts.rounds, shards.weights, opts.window_tokens, log)
     rows = [common.summarize(NAME, text_out[m.name], shards) for m in text]
@@ -206,9 +236,22 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchRes
         built_s = time.perf_counter() - t0
         log(f"speech mixture built (profiling included) in {built_s:.2f} s")
     speech = [
-        Method("speech_decode", "speech: tar read + FLAC decode only", speech_decode_only(corpora), kind="read", skip=speech_skip, note=describe),
+        Method(
+            "speech_decode",
+            "speech: tar read + FLAC decode only",
+            speech_decode_only(corpora),
+            kind="read",
+            skip=speech_skip,
+            note=describe,
+        ),
         *(
-            Method(f"speech_w{w}", f"speech batches, num_workers={w}", speech_method(mixture, utterances, w), skip=speech_skip, note=f"{describe}; TokenBudget(60 s), one pass")
+            Method(
+                f"speech_w{w}",
+                f"speech batches, num_workers={w}",
+                speech_method(mixture, utterances, w),
+                skip=speech_skip,
+                note=f"{describe}; TokenBudget(60 s), one pass",
+            )
             for w in (0, 2)
         ),
     ]
@@ -228,15 +271,52 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchRes
         common.value_check(NAME, "packed rows (split) padding efficiency", by["packed_rows"].get("pad_eff"), 0.99),
         common.value_check(NAME, "packed flat padding efficiency", by["packed_flat"].get("pad_eff"), 0.99),
         common.value_check(NAME, "padded (TokenBudget) padding efficiency", by["padded"].get("pad_eff"), None),
-        common.value_check(NAME, "packed rows (whole docs) padding efficiency", by["packed_rows_whole"].get("pad_eff"), None),
-        common.ratio_check(NAME, "packed rows / padded, real tokens/s", text_out["packed_rows"], text_out["padded"], "tokens_per_s", None),
-        common.ratio_check(NAME, "packed flat / padded, real tokens/s", text_out["packed_flat"], text_out["padded"], "tokens_per_s", None),
-        common.ratio_check(NAME, "packed rows / padded, real tokens per CPU-s", text_out["packed_rows"], text_out["padded"], "tokens_per_cpu_s", None),
+        common.value_check(
+            NAME, "packed rows (whole docs) padding efficiency", by["packed_rows_whole"].get("pad_eff"), None
+        ),
+        common.ratio_check(
+            NAME,
+            "packed rows / padded, real tokens/s",
+            text_out["packed_rows"],
+            text_out["padded"],
+            "tokens_per_s",
+            None,
+        ),
+        common.ratio_check(
+            NAME,
+            "packed flat / padded, real tokens/s",
+            text_out["packed_flat"],
+            text_out["padded"],
+            "tokens_per_s",
+            None,
+        ),
+        common.ratio_check(
+            NAME,
+            "packed rows / padded, real tokens per CPU-s",
+            text_out["packed_rows"],
+            text_out["padded"],
+            "tokens_per_cpu_s",
+            None,
+        ),
         common.value_check(NAME, "speech Mixture(...) construction incl. profiling, s", built_s, None),
         common.value_check(NAME, "speech audio-seconds/s, 0 workers", by["speech_w0"].get("audio_seconds_per_s"), None),
         common.value_check(NAME, "speech audio-seconds/s, 2 workers", by["speech_w2"].get("audio_seconds_per_s"), None),
-        common.ratio_check(NAME, "speech samples/s, 2 workers / 0 workers", speech_out["speech_w2"], speech_out["speech_w0"], "samples_per_s", None),
-        common.ratio_check(NAME, "speech batches (0 workers) / decode only, samples/s", speech_out["speech_w0"], speech_out["speech_decode"], "samples_per_s", None),
+        common.ratio_check(
+            NAME,
+            "speech samples/s, 2 workers / 0 workers",
+            speech_out["speech_w2"],
+            speech_out["speech_w0"],
+            "samples_per_s",
+            None,
+        ),
+        common.ratio_check(
+            NAME,
+            "speech batches (0 workers) / decode only, samples/s",
+            speech_out["speech_w0"],
+            speech_out["speech_decode"],
+            "samples_per_s",
+            None,
+        ),
     ]
     config = {
         "profile": opts.profile,

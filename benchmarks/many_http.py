@@ -18,8 +18,6 @@ TTFB_MS = 50
 SLOW = "ttfb/"  # a path prefix the server answers after TTFB_MS
 
 
-
-
 def served_path(handler: BaseHTTPRequestHandler, root: Path) -> Path | None:
     """The file under ``root`` a GET asks for, after ``TTFB_MS`` when under ``SLOW`` (an object
     store's first byte); None when there is none, once a 404 has been sent."""
@@ -97,7 +95,9 @@ class _Handler(BaseHTTPRequestHandler):
 
 def _serve(root: str, conn: Any, counters: tuple[Any, ...]) -> None:
     sent, gets, conns, peak = counters
-    handler = type("Handler", (_Handler,), {"root": Path(root).resolve(), "sent": sent, "gets": gets, "conns": conns, "peak": peak})
+    handler = type(
+        "Handler", (_Handler,), {"root": Path(root).resolve(), "sent": sent, "gets": gets, "conns": conns, "peak": peak}
+    )
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True
     server.request_queue_size = 1024

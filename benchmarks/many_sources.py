@@ -166,8 +166,15 @@ def _buffered(state: dict[str, Any]) -> tuple[float | None, float | None]:
 # one measurement
 
 
-def measure(n: int, root: Path, sizes: dict[str, int], batches: int, log: Callable[[str], None], base: str | None = None,
-            counters: tuple[Any, ...] | None = None) -> dict[str, Any]:  # fmt: skip
+def measure(
+    n: int,
+    root: Path,
+    sizes: dict[str, int],
+    batches: int,
+    log: Callable[[str], None],
+    base: str | None = None,
+    counters: tuple[Any, ...] | None = None,
+) -> dict[str, Any]:
     import mixer
 
     prefix = base if base is not None else str(root) + "/"
@@ -252,7 +259,9 @@ def _consumed(loader: Any) -> int:
     return sum(c["bytes"] for c in loader.counters().values())
 
 
-def startup(n: int, root: Path, port: int, counters: tuple[Any, ...], cache_dir: Path, log: Callable[[str], None]) -> dict[str, Any]:
+def startup(
+    n: int, root: Path, port: int, counters: tuple[Any, ...], cache_dir: Path, log: Callable[[str], None]
+) -> dict[str, Any]:
     """`Mixture` construction over ``n`` HTTP sources answered after ``TTFB_MS``: without a profile
     cache, then with one twice (cold: profiles and writes it; warm: must read no shard)."""
     import mixer
@@ -261,7 +270,9 @@ def startup(n: int, root: Path, port: int, counters: tuple[Any, ...], cache_dir:
         sources = [mixer.Source(f"s{i:04d}", f"http://127.0.0.1:{port}/{SLOW}" + _pattern(i)) for i in range(n)]
         gets0, sent0 = counters[1].value, counters[0].value
         t0 = time.perf_counter()
-        mixer.Mixture(sources, batching=mixer.TokenBudget(MAX_TOKENS), seed=0, profile_cache=None if cache is None else str(cache))
+        mixer.Mixture(
+            sources, batching=mixer.TokenBudget(MAX_TOKENS), seed=0, profile_cache=None if cache is None else str(cache)
+        )
         return time.perf_counter() - t0, counters[1].value - gets0, counters[0].value - sent0
 
     import shutil
@@ -271,9 +282,19 @@ def startup(n: int, root: Path, port: int, counters: tuple[Any, ...], cache_dir:
     cold = build(cache_dir)
     warm = build(cache_dir)
     shutil.rmtree(cache_dir, ignore_errors=True)
-    log(f"start-up, {n} HTTP sources at {TTFB_MS} ms TTFB: {plain[0]:.2f} s ({plain[1]} GETs); cached: cold {cold[0]:.2f} s, warm {warm[0]:.2f} s ({warm[1]} GETs)")
-    return {"sources": n, "ttfb_ms": TTFB_MS, "build_s": plain[0], "build_gets": plain[1], "build_sent_bytes": plain[2],
-            "cold_s": cold[0], "warm_s": warm[0], "warm_gets": warm[1]}  # fmt: skip
+    log(
+        f"start-up, {n} HTTP sources at {TTFB_MS} ms TTFB: {plain[0]:.2f} s ({plain[1]} GETs); cached: cold {cold[0]:.2f} s, warm {warm[0]:.2f} s ({warm[1]} GETs)"
+    )
+    return {
+        "sources": n,
+        "ttfb_ms": TTFB_MS,
+        "build_s": plain[0],
+        "build_gets": plain[1],
+        "build_sent_bytes": plain[2],
+        "cold_s": cold[0],
+        "warm_s": warm[0],
+        "warm_gets": warm[1],
+    }
 
 
 def _mb(x: float) -> str:
@@ -281,38 +302,71 @@ def _mb(x: float) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    header = ["sources", "via", "RSS per worker", "buffered per reader (shuffle / buckets)", "state_dict() per rank (pickled / JSON; build)",
-              "open fds per worker", "Mixture() s", "read / delivered (steady)"]  # fmt: skip
+    header = [
+        "sources",
+        "via",
+        "RSS per worker",
+        "buffered per reader (shuffle / buckets)",
+        "state_dict() per rank (pickled / JSON; build)",
+        "open fds per worker",
+        "Mixture() s",
+        "read / delivered (steady)",
+    ]
     body = []
     for r in rows:
         rss = r["worker_rss_mb"]
         fds = r["worker_fds"]
-        buffered = "—" if r["buffered_shuffle"] is None else f"{r['buffered_shuffle']:,.0f} / {r['buffered_buckets']:,.0f}"
+        buffered = (
+            "—" if r["buffered_shuffle"] is None else f"{r['buffered_shuffle']:,.0f} / {r['buffered_buckets']:,.0f}"
+        )
         ratio = "—"
         if r.get("read_over_delivered") is not None:
             ratio = f"{r['read_over_delivered']:.2f} ({r['steady_gets']} GETs, peak {r['peak_connections']} conns)"
-        body.append([
-            f"{r['sources']:,}", r["transport"],
-            "—" if not rss else "-".join(f"{x:.0f}" for x in (min(rss), max(rss))) + " MB",
-            buffered,
-            f"{_mb(r['state_pickled_bytes'])} / {_mb(r['state_json_bytes'])}; {1e3 * r['state_s']:.0f} ms",
-            "—" if not fds else "-".join(str(x) for x in sorted({min(fds), max(fds)})),
-            f"{r['build_s']:.2f}", ratio,
-        ])  # fmt: skip
+        body.append(
+            [
+                f"{r['sources']:,}",
+                r["transport"],
+                "—" if not rss else "-".join(f"{x:.0f}" for x in (min(rss), max(rss))) + " MB",
+                buffered,
+                f"{_mb(r['state_pickled_bytes'])} / {_mb(r['state_json_bytes'])}; {1e3 * r['state_s']:.0f} ms",
+                "—" if not fds else "-".join(str(x) for x in sorted({min(fds), max(fds)})),
+                f"{r['build_s']:.2f}",
+                ratio,
+            ]
+        )
     return common.markdown_table(header, body)
 
 
 def io_table(rows: list[dict[str, Any]], start: dict[str, Any] | None) -> str:
     """The I/O rows: bytes the server sent per byte delivered, split into the storage layer's share
     (sent / tar bytes the readers took) and the buffers' (taken / delivered); start-up at TTFB_MS."""
-    header = ["sources (HTTP)", "sent / delivered", "sent / taken (I/O)", "taken / delivered (buffers)", "GETs (steady)", "peak conns"]
-    body = [[f"{r['sources']:,}", f"{r['read_over_delivered']:.2f}", _ratio(r.get("sent_over_consumed")), _ratio(r.get("consumed_over_delivered")),
-             str(r["steady_gets"]), str(r["peak_connections"])] for r in rows if r.get("read_over_delivered") is not None]  # fmt: skip
+    header = [
+        "sources (HTTP)",
+        "sent / delivered",
+        "sent / taken (I/O)",
+        "taken / delivered (buffers)",
+        "GETs (steady)",
+        "peak conns",
+    ]
+    body = [
+        [
+            f"{r['sources']:,}",
+            f"{r['read_over_delivered']:.2f}",
+            _ratio(r.get("sent_over_consumed")),
+            _ratio(r.get("consumed_over_delivered")),
+            str(r["steady_gets"]),
+            str(r["peak_connections"]),
+        ]
+        for r in rows
+        if r.get("read_over_delivered") is not None
+    ]
     out = common.markdown_table(header, body)
     if start is not None:
-        out += (f"\n\n`Mixture()` over {start['sources']} HTTP sources at {start['ttfb_ms']} ms to first byte: {start['build_s']:.2f} s "
-                f"({start['build_gets']} GETs, {_mb(start['build_sent_bytes'])} sent); with a profile cache: cold {start['cold_s']:.2f} s, "
-                f"warm {start['warm_s']:.2f} s with {start['warm_gets']} GETs")  # fmt: skip
+        out += (
+            f"\n\n`Mixture()` over {start['sources']} HTTP sources at {start['ttfb_ms']} ms to first byte: {start['build_s']:.2f} s "
+            f"({start['build_gets']} GETs, {_mb(start['build_sent_bytes'])} sent); with a profile cache: cold {start['cold_s']:.2f} s, "
+            f"warm {start['warm_s']:.2f} s with {start['warm_gets']} GETs"
+        )
     return out
 
 
@@ -329,9 +383,17 @@ def to_row(r: dict[str, Any]) -> dict[str, Any]:
     )
     if r.get("read_over_delivered") is not None:
         note += f"; read/delivered {r['read_over_delivered']:.2f}, {r['steady_gets']} GETs, peak {r['peak_connections']} connections"
-    return {"bench": NAME, "method": label, "label": label, "kind": "scale", "status": "ok", "note": note,
-            "worker_rss_mb": max(rss) if rss else None, **{k: v for k, v in r.items() if k != "worker_rss_mb"},
-            "worker_rss_mb_all": rss}  # fmt: skip
+    return {
+        "bench": NAME,
+        "method": label,
+        "label": label,
+        "kind": "scale",
+        "status": "ok",
+        "note": note,
+        "worker_rss_mb": max(rss) if rss else None,
+        **{k: v for k, v in r.items() if k != "worker_rss_mb"},
+        "worker_rss_mb_all": rss,
+    }
 
 
 def checks_for(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -341,30 +403,68 @@ def checks_for(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     if local[lo]["worker_rss_mb"] and local[hi]["worker_rss_mb"]:
         ratio = max(local[hi]["worker_rss_mb"]) / max(local[lo]["worker_rss_mb"])
         checks.append(common.value_check(NAME, f"RSS per worker, {hi} / {lo} sources", ratio, 1.5, "<="))
-    checks.append(common.value_check(NAME, f"state_dict() pickled KB per rank at {hi} sources", local[hi]["state_pickled_bytes"] / 1024, 256, "<="))
-    checks.append(common.value_check(NAME, f"state_dict() build ms at {hi} sources", 1e3 * local[hi]["state_s"], 50, "<="))
+    checks.append(
+        common.value_check(
+            NAME,
+            f"state_dict() pickled KB per rank at {hi} sources",
+            local[hi]["state_pickled_bytes"] / 1024,
+            256,
+            "<=",
+        )
+    )
+    checks.append(
+        common.value_check(NAME, f"state_dict() build ms at {hi} sources", 1e3 * local[hi]["state_s"], 50, "<=")
+    )
     if local[hi]["worker_fds"]:
-        checks.append(common.value_check(NAME, f"open fds per worker at {hi} sources", max(local[hi]["worker_fds"]), 64, "<="))
+        checks.append(
+            common.value_check(NAME, f"open fds per worker at {hi} sources", max(local[hi]["worker_fds"]), 64, "<=")
+        )
         if lo < hi and len(local[lo]["worker_fds"]) == len(local[hi]["worker_fds"]):
             # What a worker holds besides shards (DataLoader pipes, shared memory, the interpreter;
             # the workers differ by a few): its fds at `lo` sources less those `lo` shards, paired
             # worker for worker in sorted order; the rest must stay within the cap.
             own = [f - lo for f in sorted(local[lo]["worker_fds"])]
             beyond = max(f - o for f, o in zip(sorted(local[hi]["worker_fds"]), own))
-            checks.append(common.value_check(NAME, f"open fds per worker at {hi} sources beyond a worker's own ({own})", beyond, 64, "<="))
+            checks.append(
+                common.value_check(
+                    NAME, f"open fds per worker at {hi} sources beyond a worker's own ({own})", beyond, 64, "<="
+                )
+            )
     for r in rows:
         if r.get("read_over_delivered") is not None:
-            checks.append(common.value_check(NAME, f"bytes read / delivered at {r['sources']} HTTP sources", r["read_over_delivered"], 1.2, "<="))
+            checks.append(
+                common.value_check(
+                    NAME, f"bytes read / delivered at {r['sources']} HTTP sources", r["read_over_delivered"], 1.2, "<="
+                )
+            )
         if r.get("sent_over_consumed") is not None:
-            checks.append(common.value_check(NAME, f"bytes sent / taken by readers at {r['sources']} HTTP sources", r["sent_over_consumed"], 1.2, "<="))
+            checks.append(
+                common.value_check(
+                    NAME,
+                    f"bytes sent / taken by readers at {r['sources']} HTTP sources",
+                    r["sent_over_consumed"],
+                    1.2,
+                    "<=",
+                )
+            )
     return checks
 
 
 def startup_checks(start: dict[str, Any] | None) -> list[dict[str, Any]]:
     if start is None:
         return []
-    return [common.value_check(NAME, f"Mixture() s, {start['sources']} HTTP sources at {start['ttfb_ms']} ms TTFB", start["build_s"], 3.0, "<="),
-            common.value_check(NAME, "shard GETs of a Mixture() with the profile cache present", start["warm_gets"], 0, "<=")]  # fmt: skip
+    return [
+        common.value_check(
+            NAME,
+            f"Mixture() s, {start['sources']} HTTP sources at {start['ttfb_ms']} ms TTFB",
+            start["build_s"],
+            3.0,
+            "<=",
+        ),
+        common.value_check(
+            NAME, "shard GETs of a Mixture() with the profile cache present", start["warm_gets"], 0, "<="
+        ),
+    ]
 
 
 def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchResult:
@@ -382,26 +482,56 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchRes
             r = measure(n, root, sizes, batches, log)
         except Exception as exc:  # noqa: BLE001 (reported as a failed row, the rest still runs)
             log(f"{n} sources: failed: {type(exc).__name__}: {exc}")
-            rows.append({"bench": NAME, "method": f"{n} sources (local)", "label": f"{n} sources (local)", "status": "error", "note": str(exc)[:300]})
+            rows.append(
+                {
+                    "bench": NAME,
+                    "method": f"{n} sources (local)",
+                    "label": f"{n} sources (local)",
+                    "status": "error",
+                    "note": str(exc)[:300],
+                }
+            )
             continue
-        log(f"{n} local sources: RSS/worker {r['worker_rss_mb']} MB, state {r['state_pickled_bytes']} B [{time.perf_counter() - t0:.1f} s]")
+        log(
+            f"{n} local sources: RSS/worker {r['worker_rss_mb']} MB, state {r['state_pickled_bytes']} B [{time.perf_counter() - t0:.1f} s]"
+        )
         rows.append(r)
     if http_n:
         with counting_server(root) as (port, counters):
             t0 = time.perf_counter()
             try:
                 r = measure(http_n, root, sizes, batches, log, base=f"http://127.0.0.1:{port}/", counters=counters)
-                log(f"{http_n} HTTP sources: read/delivered {r['read_over_delivered']}, peak {r['peak_connections']} connections [{time.perf_counter() - t0:.1f} s]")
+                log(
+                    f"{http_n} HTTP sources: read/delivered {r['read_over_delivered']}, peak {r['peak_connections']} connections [{time.perf_counter() - t0:.1f} s]"
+                )
                 rows.append(r)
             except Exception as exc:  # noqa: BLE001
                 log(f"{http_n} HTTP sources: failed: {type(exc).__name__}: {exc}")
-                rows.append({"bench": NAME, "method": f"{http_n} sources (http)", "label": f"{http_n} sources (http)", "status": "error", "note": str(exc)[:300]})
+                rows.append(
+                    {
+                        "bench": NAME,
+                        "method": f"{http_n} sources (http)",
+                        "label": f"{http_n} sources (http)",
+                        "status": "error",
+                        "note": str(exc)[:300],
+                    }
+                )
             start = startup(http_n, root, port, counters, opts.bench_dir / f"{NAME}.profiles", log)
     good = [r for r in rows if r.get("status") != "error"]
     log("\n" + table(good) + "\n\n" + io_table(good, start))
-    config = {"profile": opts.profile, "counts": counts, "shards_per_source": SHARDS, "samples_per_shard": SAMPLES, "batches": batches,
-              "max_tokens": MAX_TOKENS, "workers": WORKERS, "http_sources": http_n, "table": table(good),
-              "io_table": io_table(good, start), "startup": start}  # fmt: skip
+    config = {
+        "profile": opts.profile,
+        "counts": counts,
+        "shards_per_source": SHARDS,
+        "samples_per_shard": SAMPLES,
+        "batches": batches,
+        "max_tokens": MAX_TOKENS,
+        "workers": WORKERS,
+        "http_sources": http_n,
+        "table": table(good),
+        "io_table": io_table(good, start),
+        "startup": start,
+    }
     result_rows = [to_row(r) if r.get("status") != "error" else r for r in rows]
     checks = checks_for(good) if any(r["transport"] == "local" for r in good) else []
     return common.BenchResult(NAME, result_rows, checks + startup_checks(start), config)
@@ -410,11 +540,22 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchRes
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.many_sources", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--sources", type=lambda s: [int(x) for x in s.split(",")], default=None, help="comma-separated source counts")
+    p.add_argument(
+        "--sources", type=lambda s: [int(x) for x in s.split(",")], default=None, help="comma-separated source counts"
+    )
     p.add_argument("--batches", type=int, default=None)
     p.add_argument("--http-sources", type=int, default=None, help="sources of the HTTP run (0: none)")
     p.add_argument("--bench-dir", type=Path, default=common.DEFAULT_BENCH_DIR)
-    return common.standalone(NAME, p, run, argv, tables=("table", "io_table",))
+    return common.standalone(
+        NAME,
+        p,
+        run,
+        argv,
+        tables=(
+            "table",
+            "io_table",
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -294,19 +294,39 @@ def table(results: list[dict[str, Any]]) -> str:
     from benchmarks.common import fmt_si, markdown_table
 
     header = [
-        "device", "ranks", "workers/rank", "step ms (measured)", "rank", "real tok/s", "H2D GB/s", "plain copy_ GB/s",
-        "data ms/step mean (p99, max)", "stall %", "idle %", "1st batch s",
-    ]  # fmt: skip
+        "device",
+        "ranks",
+        "workers/rank",
+        "step ms (measured)",
+        "rank",
+        "real tok/s",
+        "H2D GB/s",
+        "plain copy_ GB/s",
+        "data ms/step mean (p99, max)",
+        "stall %",
+        "idle %",
+        "1st batch s",
+    ]
     body = []
     for res in results:
         cfg = res["config"]
         for r in res["rows"]:
-            body.append([
-                cfg["device"], str(cfg["world_size"]), str(cfg["workers"]), f"{cfg['step_ms']:g} ({r['step_ms_measured']:.1f})",
-                str(r["rank"]), fmt_si(r["tokens_per_s"]), _f(r["h2d_GBps"], ".2f"), _f(r.get("plain_copy_per_copy_GBps"), ".2f"),
-                f"{r['data_ms_mean']:.3f} ({r['data_ms_p99']:.2f}, {r['data_ms_max']:.2f})",
-                f"{r['stall_pct']:.1f} (> {cfg['stall_ms']:g} ms)", f"{r['idle_pct']:.2f}", _f(r["first_batch_s"], ".2f"),
-            ])  # fmt: skip
+            body.append(
+                [
+                    cfg["device"],
+                    str(cfg["world_size"]),
+                    str(cfg["workers"]),
+                    f"{cfg['step_ms']:g} ({r['step_ms_measured']:.1f})",
+                    str(r["rank"]),
+                    fmt_si(r["tokens_per_s"]),
+                    _f(r["h2d_GBps"], ".2f"),
+                    _f(r.get("plain_copy_per_copy_GBps"), ".2f"),
+                    f"{r['data_ms_mean']:.3f} ({r['data_ms_p99']:.2f}, {r['data_ms_max']:.2f})",
+                    f"{r['stall_pct']:.1f} (> {cfg['stall_ms']:g} ms)",
+                    f"{r['idle_pct']:.2f}",
+                    _f(r["first_batch_s"], ".2f"),
+                ]
+            )
     return markdown_table(header, body)
 
 
@@ -322,7 +342,9 @@ def summarize(paths: list[Path]) -> int:
     for r in results[:1]:
         m = r["config"].get("machine", {})
         print()
-        print(f"Machine: {m.get('platform')}, {m.get('cpus')} CPUs, GPU {m.get('gpu', '—')}, torch {m.get('torch')}, CUDA {m.get('cuda', '—')}.")
+        print(
+            f"Machine: {m.get('platform')}, {m.get('cpus')} CPUs, GPU {m.get('gpu', '—')}, torch {m.get('torch')}, CUDA {m.get('cuda', '—')}."
+        )
     if len(machines) > 1:
         print("(results from different machines)")
     return 0
@@ -333,9 +355,18 @@ def checks(total: dict[str, Any], opts: argparse.Namespace) -> list[dict[str, An
 
     name = f"multigpu {opts.device} {opts.step_ms:g} ms"
     realistic = opts.device == "cuda" and opts.step_ms >= REALISTIC_STEP_MS
-    out = [value_check(name, f"stall % at {opts.step_ms:g} ms steps", total["stall_pct"], 1.0 if realistic else None, "<=")]
+    out = [
+        value_check(name, f"stall % at {opts.step_ms:g} ms steps", total["stall_pct"], 1.0 if realistic else None, "<=")
+    ]
     if "h2d_vs_plain" in total:
-        out.append(value_check(name, "feed H2D GB/s / plain pinned copy_ GB/s", total["h2d_vs_plain"], 0.8 if opts.device == "cuda" else None))
+        out.append(
+            value_check(
+                name,
+                "feed H2D GB/s / plain pinned copy_ GB/s",
+                total["h2d_vs_plain"],
+                0.8 if opts.device == "cuda" else None,
+            )
+        )
     return out
 
 
@@ -364,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
             dist.destroy_process_group()
     if rank != 0:
         return 0
-    from benchmarks.common import checks_table, machine_info, BenchResult
+    from benchmarks.common import BenchResult, checks_table, machine_info
 
     rows = sorted(rows, key=lambda r: r["rank"])
     total = total_row(rows)
@@ -373,7 +404,11 @@ def main(argv: list[str] | None = None) -> int:
     if opts.device == "cuda":
         machine["gpu"] = torch.cuda.get_device_name(0)
         machine["cuda"] = torch.version.cuda
-    config = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opts).items()}, "world_size": world, "machine": machine}
+    config = {
+        **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opts).items()},
+        "world_size": world,
+        "machine": machine,
+    }
     result_checks = checks(total, opts)
     payload = {"name": "multigpu", "config": config, "rows": shown, "checks": result_checks}
     print(table([payload]))

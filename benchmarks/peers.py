@@ -68,7 +68,9 @@ def torchdata_loader(shards: ShardSet, decode: Callable[[bytes], np.ndarray], we
     return tn.Loader(tn.Mapper(tn.Batcher(mixed, batch_size=batch_size, drop_last=False), pad_collate))
 
 
-def torchdata_run(shards: ShardSet, decode: Callable[[bytes], np.ndarray], weights: list[float], budget: int, batch_size: int):
+def torchdata_run(
+    shards: ShardSet, decode: Callable[[bytes], np.ndarray], weights: list[float], budget: int, batch_size: int
+):
     def run(tally: Tally) -> None:
         random.seed(0)
         for tokens, lengths, source in torchdata_loader(shards, decode, weights, batch_size):
@@ -79,7 +81,9 @@ def torchdata_run(shards: ShardSet, decode: Callable[[bytes], np.ndarray], weigh
     return run
 
 
-def methods(shards: ShardSet, opts: argparse.Namespace, budget: int, batch_size: int, max_tokens: int) -> dict[str, Method]:
+def methods(
+    shards: ShardSet, opts: argparse.Namespace, budget: int, batch_size: int, max_tokens: int
+) -> dict[str, Method]:
     decode = common.DECODERS[opts.decode]
     probs = [s.weight for s in shards.sources]
     mean = np.array([s.mean_length for s in shards.sources])
@@ -117,24 +121,76 @@ def methods(shards: ShardSet, opts: argparse.Namespace, budget: int, batch_size:
 
 
 def checks(bench: str, get: Callable[[str], Outcome | None], by: dict[str, dict], window: int) -> list[dict]:
-    mixer_td = common.ratio_check(bench, "mixer / torchdata.nodes, real tokens/s", get("mixer"), get("torchdata"), "tokens_per_s", 2.5)
+    mixer_td = common.ratio_check(
+        bench, "mixer / torchdata.nodes, real tokens/s", get("mixer"), get("torchdata"), "tokens_per_s", 2.5
+    )
     w2 = by.get("mixer_w2", {})
     return [
         mixer_td,
         common.ratio_check(
-            bench, "mixer / torchdata.nodes (token-corrected), real tokens/s", get("mixer"), get("torchdata_tokprobs"), "tokens_per_s", None
+            bench,
+            "mixer / torchdata.nodes (token-corrected), real tokens/s",
+            get("mixer"),
+            get("torchdata_tokprobs"),
+            "tokens_per_s",
+            None,
         ),
-        common.ratio_check(bench, "mixer / torchdata.nodes, real tokens per CPU-s", get("mixer"), get("torchdata"), "tokens_per_cpu_s", None),
         common.ratio_check(
-            bench, "mixer / torchdata.nodes (token-corrected), real tokens per CPU-s", get("mixer"), get("torchdata_tokprobs"),
-            "tokens_per_cpu_s", 4.0,  # issue 17
+            bench,
+            "mixer / torchdata.nodes, real tokens per CPU-s",
+            get("mixer"),
+            get("torchdata"),
+            "tokens_per_cpu_s",
+            None,
         ),
-        common.ratio_check(bench, "CPU-µs/sample, mixer 2 workers / 0 workers", get("mixer_w2"), get("mixer"), "cpu_us_per_sample", 1.3, "<="),
-        common.ratio_check(bench, "CPU-µs/sample, mixer 1 worker / 0 workers", get("mixer_w1"), get("mixer"), "cpu_us_per_sample", None, "<="),
-        common.ratio_check(bench, "wall real tokens/s, mixer 2 workers / 0 workers", get("mixer_w2"), get("mixer"), "tokens_per_s", None),
+        common.ratio_check(
+            bench,
+            "mixer / torchdata.nodes (token-corrected), real tokens per CPU-s",
+            get("mixer"),
+            get("torchdata_tokprobs"),
+            "tokens_per_cpu_s",
+            4.0,  # issue 17
+        ),
+        common.ratio_check(
+            bench,
+            "CPU-µs/sample, mixer 2 workers / 0 workers",
+            get("mixer_w2"),
+            get("mixer"),
+            "cpu_us_per_sample",
+            1.3,
+            "<=",
+        ),
+        common.ratio_check(
+            bench,
+            "CPU-µs/sample, mixer 1 worker / 0 workers",
+            get("mixer_w1"),
+            get("mixer"),
+            "cpu_us_per_sample",
+            None,
+            "<=",
+        ),
+        common.ratio_check(
+            bench,
+            "wall real tokens/s, mixer 2 workers / 0 workers",
+            get("mixer_w2"),
+            get("mixer"),
+            "tokens_per_s",
+            None,
+        ),
         common.value_check(bench, "mixer 2 workers padding efficiency", w2.get("pad_eff"), 0.95),
         common.value_check(
-            bench, f"mixer 2 workers worst windowed token-share error (windows of {window / 1e6:g}M tokens)", w2.get("window_err"), 0.005, "<="
+            bench,
+            f"mixer 2 workers worst windowed token-share error (windows of {window / 1e6:g}M tokens)",
+            w2.get("window_err"),
+            0.005,
+            "<=",
         ),
-        common.ratio_check(bench, "torchdata.nodes / RandomMix pipeline, real tokens/s", get("torchdata"), get("randommix"), "tokens_per_s", None),
+        common.ratio_check(
+            bench,
+            "torchdata.nodes / RandomMix pipeline, real tokens/s",
+            get("torchdata"),
+            get("randommix"),
+            "tokens_per_s",
+            None,
+        ),
     ]

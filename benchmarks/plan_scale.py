@@ -124,7 +124,9 @@ def _timed_plans(sc: Scenario, timed_readers: int, make_plan: Any) -> tuple[list
     picks = sorted({round(i * (readers - 1) / max(timed_readers - 1, 1)) for i in range(timed_readers)})
     times, plans = [], {}
     for reader in picks:
-        world = World(rank=reader // sc.workers, world_size=sc.ranks, worker=reader % sc.workers, num_workers=sc.workers)
+        world = World(
+            rank=reader // sc.workers, world_size=sc.ranks, worker=reader % sc.workers, num_workers=sc.workers
+        )
         t0 = time.perf_counter()
         plans[reader] = make_plan(world)
         times.append(time.perf_counter() - t0)
@@ -136,7 +138,9 @@ def simulate_index(sc: Scenario, *, timed_readers: int = 5, seed: int = 0) -> di
 
     index = SyntheticIndex(sc.shards, seed=seed)
     readers = sc.readers
-    picks, times, plans = _timed_plans(sc, timed_readers, lambda world: plan(sc.shards, world, seed=seed, source="web", epoch=0, index=index))
+    picks, times, plans = _timed_plans(
+        sc, timed_readers, lambda world: plan(sc.shards, world, seed=seed, source="web", epoch=0, index=index)
+    )
     # every reader's start at once, for the loads: reader r reads from bounds[r] up to bounds[r + 1]
     order = np.asarray(shard_order(sc.shards, seed=seed, source="web", epoch=0), dtype=np.int64)
     bounds = range_bounds(order, index, readers, list(range(readers + 1)))
@@ -146,7 +150,9 @@ def simulate_index(sc: Scenario, *, timed_readers: int = 5, seed: int = 0) -> di
         raise AssertionError(f"{sc.label}: the readers' ranges are not in order (samples would be read twice or never)")
     cum = np.zeros(sc.shards + 1, dtype=np.int64)
     np.cumsum(index.tokens[order], out=cum[1:])
-    inside = np.array([int(index.lengths(int(order[p]))[:i].sum()) if p < sc.shards else 0 for p, i in bounds], dtype=np.int64)
+    inside = np.array(
+        [int(index.lengths(int(order[p]))[:i].sum()) if p < sc.shards else 0 for p, i in bounds], dtype=np.int64
+    )
     before = cum[place] + inside  # tokens before each reader's first sample, in the epoch's order
     loads = np.diff(before)
     if int(before[0]) != 0 or int(before[-1]) != int(cum[-1]):
@@ -154,18 +160,33 @@ def simulate_index(sc: Scenario, *, timed_readers: int = 5, seed: int = 0) -> di
     for reader, slices in plans.items():  # the timed plans are the readers' runs
         got = sum(int(index.lengths(s.shard)[s.start : s.stop].sum()) for s in slices)
         if got != int(loads[reader]):
-            raise AssertionError(f"{sc.label}: reader {reader}'s plan ({got} tokens) differs from the full split ({int(loads[reader])})")
+            raise AssertionError(
+                f"{sc.label}: reader {reader}'s plan ({got} tokens) differs from the full split ({int(loads[reader])})"
+            )
     # ranges per reader and how many readers share a shard (their reads are disjoint byte ranges)
     spans = np.diff(place) + (at[1:] > 0)
     mean = float(loads.mean())
     return {
-        "label": sc.label, "shards": sc.shards, "ranks": sc.ranks, "workers": sc.workers, "readers": readers,
-        "sizes": sc.sizes, "sigma": 0.5, "target": sc.target, "shards_per_reader": sc.shards / readers,
-        "total_tokens": int(cum[-1]), "largest_over_median": float(index.counts.max() / np.median(index.counts)),
-        "plan_s_median": statistics.median(times), "plan_s_max": max(times), "plan_s": times, "timed_readers": picks,
-        "imbalance": float(loads.max()) / mean, "lower_bound": 1.0, "min_over_mean": float(loads.min()) / mean,
+        "label": sc.label,
+        "shards": sc.shards,
+        "ranks": sc.ranks,
+        "workers": sc.workers,
+        "readers": readers,
+        "sizes": sc.sizes,
+        "sigma": 0.5,
+        "target": sc.target,
+        "shards_per_reader": sc.shards / readers,
+        "total_tokens": int(cum[-1]),
+        "largest_over_median": float(index.counts.max() / np.median(index.counts)),
+        "plan_s_median": statistics.median(times),
+        "plan_s_max": max(times),
+        "plan_s": times,
+        "timed_readers": picks,
+        "imbalance": float(loads.max()) / mean,
+        "lower_bound": 1.0,
+        "min_over_mean": float(loads.min()) / mean,
         "shards_per_reader_min_max": [int(spans.min()), int(spans.max())],
-    }  # fmt: skip
+    }
 
 
 def simulate(sc: Scenario, *, timed_readers: int = 5, seed: int = 0) -> dict:
@@ -178,7 +199,11 @@ def simulate(sc: Scenario, *, timed_readers: int = 5, seed: int = 0) -> dict:
     known = sc.sizes != "unknown"
     size_arr = np.asarray(sizes, dtype=np.int64)
     readers = sc.readers
-    picks, times, whole = _timed_plans(sc, timed_readers, lambda world: plan(sc.shards, world, seed=seed, source="web", epoch=0, sizes=sizes if known else None))
+    picks, times, whole = _timed_plans(
+        sc,
+        timed_readers,
+        lambda world: plan(sc.shards, world, seed=seed, source="web", epoch=0, sizes=sizes if known else None),
+    )
     plans = {reader: [s.shard for s in slices] for reader, slices in whole.items()}
     # the whole assignment once, for the imbalance; the timed plans must agree with it
     order = np.asarray(shard_order(sc.shards, seed=seed, source="web", epoch=0), dtype=np.int64)
@@ -250,7 +275,15 @@ def to_row(r: dict) -> dict:
             f"(max {1e3 * r['plan_s_max']:.0f}); imbalance {r['imbalance']:.4f} max/mean tokens (min/mean {r['min_over_mean']:.4f}); "
             "each byte read once (disjoint byte ranges)"
         )
-        return {"bench": NAME, "method": r["label"], "label": r["label"], "kind": "plan", "status": "ok", "note": note, **r}
+        return {
+            "bench": NAME,
+            "method": r["label"],
+            "label": r["label"],
+            "kind": "plan",
+            "status": "ok",
+            "note": note,
+            **r,
+        }
     note = (
         f"{r['readers']:,} readers, {r['shards_per_reader']:.1f} shards/reader ({r['shards_per_reader_min_max'][0]}-"
         f"{r['shards_per_reader_min_max'][1]}); plan {1e3 * r['plan_s_median']:.0f} ms/reader (max {1e3 * r['plan_s_max']:.0f}); "
@@ -264,16 +297,34 @@ def checks_for(results: list[dict]) -> list[dict]:
     checks = []
     for r in results:
         judged = 1.0 if r["target"] else None
-        checks.append(common.value_check(NAME, f"{r['label']}: plan time per reader, max s", r["plan_s_max"], judged, "<="))
+        checks.append(
+            common.value_check(NAME, f"{r['label']}: plan time per reader, max s", r["plan_s_max"], judged, "<=")
+        )
         if r["sizes"] == "index":
-            checks.append(common.value_check(NAME, f"{r['label']}: imbalance max/mean tokens", r["imbalance"], 1.05 if r["target"] else None, "<="))
+            checks.append(
+                common.value_check(
+                    NAME,
+                    f"{r['label']}: imbalance max/mean tokens",
+                    r["imbalance"],
+                    1.05 if r["target"] else None,
+                    "<=",
+                )
+            )
         elif r["sizes"] != "unknown":
             checks.append(
-                common.value_check(NAME, f"{r['label']}: imbalance max/mean bytes", r["imbalance"], 1.05 if r["target"] else None, "<=")
+                common.value_check(
+                    NAME, f"{r['label']}: imbalance max/mean bytes", r["imbalance"], 1.05 if r["target"] else None, "<="
+                )
             )
-            checks.append(common.value_check(NAME, f"{r['label']}: whole-shard lower bound of the imbalance", r["lower_bound"], None))
+            checks.append(
+                common.value_check(
+                    NAME, f"{r['label']}: whole-shard lower bound of the imbalance", r["lower_bound"], None
+                )
+            )
         else:
-            checks.append(common.value_check(NAME, f"{r['label']}: imbalance max/mean bytes", r["imbalance"], None, "<="))
+            checks.append(
+                common.value_check(NAME, f"{r['label']}: imbalance max/mean bytes", r["imbalance"], None, "<=")
+            )
     return checks
 
 
@@ -300,7 +351,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sigma", type=float, default=0.5, help="lognormal sigma of the shard sizes")
     p.add_argument("--timed-readers", type=int, default=5)
     opts = p.parse_args(argv)
-    sc = Scenario(f"{opts.sizes}, {opts.shards:g} shards, {opts.ranks}x{opts.workers}", int(opts.shards), opts.ranks, opts.workers, opts.sizes, opts.sigma, target=True)
+    sc = Scenario(
+        f"{opts.sizes}, {opts.shards:g} shards, {opts.ranks}x{opts.workers}",
+        int(opts.shards),
+        opts.ranks,
+        opts.workers,
+        opts.sizes,
+        opts.sigma,
+        target=True,
+    )
     r = simulate(sc, timed_readers=opts.timed_readers)
     res = common.BenchResult(NAME, [to_row(r)], checks_for([r]), {})
     print(common.checks_table([res]))

@@ -107,7 +107,10 @@ def main() -> None:
         print("mixer._native._tarwalk is not built: the compiled rows are missing")
     runs = contenders(opts.quick)
     with tempfile.TemporaryDirectory(prefix="reader_speed-") as folder:
-        sets = {name: write_shards(os.path.join(folder, name), opts.samples, opts.shards, pax=name == "pax") for name in ("int-mtime", "pax")}
+        sets = {
+            name: write_shards(os.path.join(folder, name), opts.samples, opts.shards, pax=name == "pax")
+            for name in ("int-mtime", "pax")
+        }
         for name, urls in sets.items():
             megabytes = sum(os.path.getsize(u) for u in urls) / 1e6
             print(f"{name}: {opts.samples} samples in {len(urls)} shards ({megabytes:.1f} MB)")

@@ -140,8 +140,7 @@ def one_pass(shards: ShardSet, patterns: list[str], io_options: dict[str, Any] |
         import mixer
 
         sources = [
-            mixer.Source(s.name, p, weight=s.weight, io_options=io_options)
-            for s, p in zip(shards.sources, patterns)
+            mixer.Source(s.name, p, weight=s.weight, io_options=io_options) for s, p in zip(shards.sources, patterns)
         ]
         mix = mixer.Mixture(sources, batching=mixer.TokenBudget(max_tokens=MAX_TOKENS), seed=0, stop="all_exhausted")
         loader = mixer.make_loader(mix, num_workers=0)
@@ -190,7 +189,11 @@ def build_methods(shards: ShardSet, server: FileServer, opts: argparse.Namespace
     table = {
         "local": Method("local", "mixer, local files", one_pass(shards, local, None), skip=skip, note=note),
         "http": Method(
-            "http", "mixer, loopback HTTP (read_ahead=2)", one_pass(shards, remote, {"read_ahead": 2}), skip=skip, note=note
+            "http",
+            "mixer, loopback HTTP (read_ahead=2)",
+            one_pass(shards, remote, {"read_ahead": 2}),
+            skip=skip,
+            note=note,
         ),
         "http_no_ahead": Method(
             "http_no_ahead",
@@ -213,7 +216,9 @@ def build_methods(shards: ShardSet, server: FileServer, opts: argparse.Namespace
             skip=skip,
             note=note,
         ),
-        "http_raw": Method("http_raw", "raw byte read over HTTP (ceiling)", raw_http(shards, server), kind="raw", skip=skip),
+        "http_raw": Method(
+            "http_raw", "raw byte read over HTTP (ceiling)", raw_http(shards, server), kind="raw", skip=skip
+        ),
     }
     return common.select_methods("remote", table, opts.methods or list(METHODS))
 
@@ -229,11 +234,32 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchRes
     rows = [common.summarize(NAME, outcomes[m.name], shards) for m in methods]
     get = outcomes.get
     checks = [
-        common.ratio_check(NAME, "mixer over loopback HTTP / local disk, real tokens/s", get("http"), get("local"), "tokens_per_s", 0.8),
-        common.ratio_check(NAME, "mixer over loopback HTTP / local disk, real tokens per CPU-s", get("http"), get("local"), "tokens_per_cpu_s", None),
-        common.ratio_check(NAME, "HTTP read_ahead=2 / read_ahead=0, real tokens/s", get("http"), get("http_no_ahead"), "tokens_per_s", None),
         common.ratio_check(
-            NAME, f"HTTP + {TTFB_MS} ms TTFB / local disk, real tokens/s", get("http_ttfb"), get("local"), "tokens_per_s", None
+            NAME, "mixer over loopback HTTP / local disk, real tokens/s", get("http"), get("local"), "tokens_per_s", 0.8
+        ),
+        common.ratio_check(
+            NAME,
+            "mixer over loopback HTTP / local disk, real tokens per CPU-s",
+            get("http"),
+            get("local"),
+            "tokens_per_cpu_s",
+            None,
+        ),
+        common.ratio_check(
+            NAME,
+            "HTTP read_ahead=2 / read_ahead=0, real tokens/s",
+            get("http"),
+            get("http_no_ahead"),
+            "tokens_per_s",
+            None,
+        ),
+        common.ratio_check(
+            NAME,
+            f"HTTP + {TTFB_MS} ms TTFB / local disk, real tokens/s",
+            get("http_ttfb"),
+            get("local"),
+            "tokens_per_s",
+            None,
         ),
         common.ratio_check(
             NAME,
@@ -243,14 +269,23 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchRes
             "tokens_per_s",
             None,
         ),
-        common.ratio_check(NAME, "mixer over HTTP / raw HTTP read, samples/s", get("http"), get("http_raw"), "samples_per_s", None),
+        common.ratio_check(
+            NAME, "mixer over HTTP / raw HTTP read, samples/s", get("http"), get("http_raw"), "samples_per_s", None
+        ),
     ]
     config = {
         "profile": opts.profile,
         "rounds": opts.rounds,
         "targets": shards.weights.tolist(),
         "sources": [
-            {"name": s.name, "weight": s.weight, "samples": s.samples, "tokens": s.tokens, "shards": len(s.urls), "bytes": s.bytes}
+            {
+                "name": s.name,
+                "weight": s.weight,
+                "samples": s.samples,
+                "tokens": s.tokens,
+                "shards": len(s.urls),
+                "bytes": s.bytes,
+            }
             for s in shards.sources
         ],
         "shards": shards.describe(),

@@ -82,7 +82,9 @@ def _cut_points(mix: Any, num_workers: int, shards: common.ShardSet, max_tokens:
     largest = max(shards.sources, key=lambda s: s.tokens)
     # batches until the largest source has delivered DEEP_FRACTION of its epoch (its tokens arrive
     # at about its weight's share of every batch's budget, padding aside)
-    estimate = int(DEEP_FRACTION * largest.tokens / (largest.weight / sum(s.weight for s in shards.sources)) / max_tokens)
+    estimate = int(
+        DEEP_FRACTION * largest.tokens / (largest.weight / sum(s.weight for s in shards.sources)) / max_tokens
+    )
     early = cycle + offset
     deep = max(early + 2 * cycle, (estimate // cycle) * cycle + offset)
     mid = max(early + cycle, (deep // 4 // cycle) * cycle + offset)
@@ -105,16 +107,33 @@ def _cut_points(mix: Any, num_workers: int, shards: common.ShardSet, max_tokens:
             break
     del loader
     common.reap_children(10)
-    return {"at": at, "states": states, "after": after, "reached": reached, "deep_epoch_fraction": epoch_done, "largest": largest.name}
+    return {
+        "at": at,
+        "states": states,
+        "after": after,
+        "reached": reached,
+        "deep_epoch_fraction": epoch_done,
+        "largest": largest.name,
+    }
 
 
-def measure(shards: common.ShardSet, num_workers: int, rounds: int, max_tokens: int, log: Callable[[str], None], *, repeats: int = 1) -> dict[str, Any]:
+def measure(
+    shards: common.ShardSet,
+    num_workers: int,
+    rounds: int,
+    max_tokens: int,
+    log: Callable[[str], None],
+    *,
+    repeats: int = 1,
+) -> dict[str, Any]:
     import mixer
 
     mix = _mixture(shards, max_tokens)
     cuts = _cut_points(mix, num_workers, shards, max_tokens)
     at = cuts["at"]
-    log(f"num_workers={num_workers}: states at batches {at} (deep: {cuts['deep_epoch_fraction']:.0%} of {cuts['largest']}'s epoch)")
+    log(
+        f"num_workers={num_workers}: states at batches {at} (deep: {cuts['deep_epoch_fraction']:.0%} of {cuts['largest']}'s epoch)"
+    )
     order = ["fresh", *POINTS]
     times: dict[str, list[float]] = {what: [] for what in order}
     for r in range(rounds):
@@ -122,16 +141,24 @@ def measure(shards: common.ShardSet, num_workers: int, rounds: int, max_tokens: 
             state = None if what == "fresh" else cuts["states"][at[what]]
             seconds, keys = min(_first_batch(mix, num_workers, state) for _ in range(repeats))
             if what != "fresh" and keys != cuts["after"][at[what]]:
-                raise AssertionError(f"num_workers={num_workers}: resumed at batch {at[what]}, the next batch differs from the uninterrupted pass")
+                raise AssertionError(
+                    f"num_workers={num_workers}: resumed at batch {at[what]}, the next batch differs from the uninterrupted pass"
+                )
             times[what].append(seconds)
-    out: dict[str, Any] = {"num_workers": num_workers, "deep_epoch_fraction": cuts["deep_epoch_fraction"], "times": times}
+    out: dict[str, Any] = {
+        "num_workers": num_workers,
+        "deep_epoch_fraction": cuts["deep_epoch_fraction"],
+        "times": times,
+    }
     for what in order:
         out[f"{what}_s"] = statistics.median(times[what])
     for what in POINTS:
         state = cuts["states"][at[what]]
         out[f"{what}_batch"] = at[what]
         out[f"state_bytes_{what}"] = mixer.state.checkpoint.size_bytes(state)
-        out[f"state_bytes_per_reader_max_{what}"] = max(len(json.dumps(r, separators=(",", ":"))) for r in state["readers"])
+        out[f"state_bytes_per_reader_max_{what}"] = max(
+            len(json.dumps(r, separators=(",", ":"))) for r in state["readers"]
+        )
         out[f"reread_mb_{what}"] = reread_span(state)["reread_mb"]
     for num, den in (("deep", "early"), ("deep", "mid")):
         ratios = [a / b for a, b in zip(times[num], times[den])]
@@ -169,20 +196,59 @@ def to_row(r: dict[str, Any]) -> dict[str, Any]:
         f"first batch: fresh {1e3 * r['fresh_s']:.0f} ms; resumed at {points} (deep = {r['deep_epoch_fraction']:.0%} into the epoch; "
         f"deep/early {r['deep_over_early']:.2f}, deep/mid {r['deep_over_mid']:.2f}); replaying to batch {r['deep_batch']} instead: "
         f"{r['replay_deep_s']:.1f} s; state {r['state_bytes_deep'] / 1024:.0f} KiB (largest reader {r['state_bytes_per_reader_max_deep'] / 1024:.0f} KiB); "
-        f"restore re-reads " + " / ".join(f"{r[f'reread_mb_{p}']:.0f}" for p in POINTS) + " MB of shard ranges (early / mid / deep) "
+        f"restore re-reads "
+        + " / ".join(f"{r[f'reread_mb_{p}']:.0f}" for p in POINTS)
+        + " MB of shard ranges (early / mid / deep) "
         f"and re-runs <= {r['rerun_batches_max']} batch(es) per reader"
     )
-    return {"bench": NAME, "method": label, "label": label, "kind": "resume", "status": "ok", "wall_s": r["deep_s"], "note": note, **r}
+    return {
+        "bench": NAME,
+        "method": label,
+        "label": label,
+        "kind": "resume",
+        "status": "ok",
+        "wall_s": r["deep_s"],
+        "note": note,
+        **r,
+    }
 
 
 def checks_for(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     checks = []
     for r in results:
         w = r["num_workers"]
-        checks.append({**common.value_check(NAME, f"num_workers={w}: resume time deep / early", r["deep_over_early"], 1.5, "<="), "per_round": r["deep_over_early_per_round"]})
-        checks.append({**common.value_check(NAME, f"num_workers={w}: resume time deep / mid", r["deep_over_mid"], None, "<="), "per_round": r["deep_over_mid_per_round"]})
-        checks.append(common.value_check(NAME, f"num_workers={w}: resume deep / replay to the same batch", r["deep_s"] / r["replay_deep_s"], None, "<="))
-        checks.append(common.value_check(NAME, f"num_workers={w}: state KiB per worker (largest, deep)", r["state_bytes_per_reader_max_deep"] / 1024, 1024.0, "<="))
+        checks.append(
+            {
+                **common.value_check(
+                    NAME, f"num_workers={w}: resume time deep / early", r["deep_over_early"], 1.5, "<="
+                ),
+                "per_round": r["deep_over_early_per_round"],
+            }
+        )
+        checks.append(
+            {
+                **common.value_check(NAME, f"num_workers={w}: resume time deep / mid", r["deep_over_mid"], None, "<="),
+                "per_round": r["deep_over_mid_per_round"],
+            }
+        )
+        checks.append(
+            common.value_check(
+                NAME,
+                f"num_workers={w}: resume deep / replay to the same batch",
+                r["deep_s"] / r["replay_deep_s"],
+                None,
+                "<=",
+            )
+        )
+        checks.append(
+            common.value_check(
+                NAME,
+                f"num_workers={w}: state KiB per worker (largest, deep)",
+                r["state_bytes_per_reader_max_deep"] / 1024,
+                1024.0,
+                "<=",
+            )
+        )
     return checks
 
 
@@ -196,8 +262,13 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchRes
         log(to_row(r)["note"])
         results.append(r)
     config = {
-        "profile": opts.profile, "shards": shards.describe(), "max_tokens": max_tokens, "state_every": STATE_EVERY,
-        "shuffle_buffer": 1000, "rounds": opts.rounds, "repeats": REPEATS_QUICK if opts.quick else REPEATS,
+        "profile": opts.profile,
+        "shards": shards.describe(),
+        "max_tokens": max_tokens,
+        "state_every": STATE_EVERY,
+        "shuffle_buffer": 1000,
+        "rounds": opts.rounds,
+        "repeats": REPEATS_QUICK if opts.quick else REPEATS,
     }
     return common.BenchResult(NAME, [to_row(r) for r in results], checks_for(results), config)
 

@@ -59,7 +59,9 @@ class FullCollections:
         gc.callbacks.remove(self)
 
 
-def consume(shards: ShardSet, state_every: int, batches: int, collections: list[FullCollections]) -> Callable[[Tally], None]:
+def consume(
+    shards: ShardSet, state_every: int, batches: int, collections: list[FullCollections]
+) -> Callable[[Tally], None]:
     def run(tally: Tally) -> None:
         import mixer
 
@@ -76,8 +78,8 @@ def consume(shards: ShardSet, state_every: int, batches: int, collections: list[
 
 def in_place(shards: ShardSet, batches: int, repeats: int) -> dict[str, Any]:
     """A reader's ``_snapshot()`` timed where it is called over ``batches`` batches, then warm."""
-    from mixer.state.checkpoint import buffered
     from mixer.plan.world import World
+    from mixer.state.checkpoint import buffered
 
     reader = make_mixture(shards, state_every=STATE_EVERY).reader(World(num_workers=1))
     snapshot, taken = reader._snapshot, []
@@ -100,8 +102,15 @@ def in_place(shards: ShardSet, batches: int, repeats: int) -> dict[str, Any]:
         state = snapshot()
         warm.append(time.process_time() - t0)
     shuffle, batched = buffered(state)
-    return {"ms": 1e3 * statistics.median(taken), "us_per_sample": 1e6 * sum(taken) / samples, "snapshots": len(taken),
-            "warm_ms": 1e3 * statistics.median(warm), "per_batch": samples / batches, "shuffle": shuffle, "batched": batched}  # fmt: skip
+    return {
+        "ms": 1e3 * statistics.median(taken),
+        "us_per_sample": 1e6 * sum(taken) / samples,
+        "snapshots": len(taken),
+        "warm_ms": 1e3 * statistics.median(warm),
+        "per_batch": samples / batches,
+        "shuffle": shuffle,
+        "batched": batched,
+    }
 
 
 def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchResult:
@@ -110,8 +119,13 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchRes
     skip = common.missing("mixer", "Mixture", "make_loader")
     collections: dict[int, list[FullCollections]] = {STATE_EVERY: [], NEVER: []}
     methods = [
-        Method(f"state_{every}", f"mixer w0, state_every={every:g}", consume(shards, every, batches, collections[every]), skip=skip,
-               note=f"{batches} batches")  # fmt: skip
+        Method(
+            f"state_{every}",
+            f"mixer w0, state_every={every:g}",
+            consume(shards, every, batches, collections[every]),
+            skip=skip,
+            note=f"{batches} batches",
+        )
         for every in (STATE_EVERY, NEVER)
     ]
     outcomes = common.run_rounds(methods, opts.rounds, shards.weights, opts.window_tokens, log)
@@ -120,20 +134,39 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchRes
     b = common.per_round(outcomes[methods[1].name], "cpu_us_per_sample")
     diffs = [x - y for x, y in zip(a, b) if x is not None and y is not None]
     end_to_end = statistics.median(diffs) if diffs else float("nan")
-    full_gc = {every: {"count": statistics.median([c.count for c in runs]), "ms": 1e3 * statistics.median([c.seconds for c in runs])}
-               for every, runs in collections.items() if runs}  # fmt: skip
+    full_gc = {
+        every: {
+            "count": statistics.median([c.count for c in runs]),
+            "ms": 1e3 * statistics.median([c.seconds for c in runs]),
+        }
+        for every, runs in collections.items()
+        if runs
+    }
     for every, g in full_gc.items():
         log(f"state_every={every:g}: {g['count']:g} full collections per run, {g['ms']:.1f} ms (medians)")
     p = in_place(shards, batches, repeats=5 if opts.quick else 20)
-    log(f"_snapshot() in place: {p['ms']:.2f} ms (median of {p['snapshots']}), {p['us_per_sample']:.3f} µs/sample; warm {p['warm_ms']:.2f} ms; "
-        f"{p['shuffle']} shuffled + {p['batched']} batched samples held, {p['per_batch']:.0f} samples/batch")  # fmt: skip
+    log(
+        f"_snapshot() in place: {p['ms']:.2f} ms (median of {p['snapshots']}), {p['us_per_sample']:.3f} µs/sample; warm {p['warm_ms']:.2f} ms; "
+        f"{p['shuffle']} shuffled + {p['batched']} batched samples held, {p['per_batch']:.0f} samples/batch"
+    )
     checks = [
-        dict(common.value_check(NAME, f"snapshot CPU-µs/sample, state_every={STATE_EVERY} minus never", end_to_end, 0.5, "<="),
-             per_round=diffs),  # fmt: skip
+        dict(
+            common.value_check(
+                NAME, f"snapshot CPU-µs/sample, state_every={STATE_EVERY} minus never", end_to_end, 0.5, "<="
+            ),
+            per_round=diffs,
+        ),
         common.value_check(NAME, "_snapshot() in place, CPU-µs/sample", p["us_per_sample"], 0.5, "<="),
         common.value_check(NAME, "_snapshot() in place, ms per call", p["ms"], None),
         common.value_check(NAME, "_snapshot() warm, ms per call", p["warm_ms"], None),
     ]
-    config = {"profile": opts.profile, "rounds": opts.rounds, "batches": batches, "in_place": p, "full_gc": full_gc,
-              "targets": shards.weights.tolist(), "shards": shards.describe()}  # fmt: skip
+    config = {
+        "profile": opts.profile,
+        "rounds": opts.rounds,
+        "batches": batches,
+        "in_place": p,
+        "full_gc": full_gc,
+        "targets": shards.weights.tolist(),
+        "shards": shards.describe(),
+    }
     return common.BenchResult(NAME, rows, checks, config)

@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from mixer.read.decode import default_tokens
 from mixer.errors import ShardError
+from mixer.read.decode import default_tokens
 from mixer.read.tario import read_samples
 
 BLOCK = 512
@@ -87,8 +87,19 @@ def _key(rng: np.random.Generator, i: int) -> str:
     if rng.random() < 0.8:  # mostly keys the compiled core takes itself
         return str(pick(rng, [f"k{i:04d}", f"dir/sub/k{i}", f"ключ{i}", "d" * int(rng.integers(90, 160)) + f"/k{i}"]))
     return str(
-        pick(rng, 
-            [f"k{i:04d}", f"dir/sub/k{i}", "d" * int(rng.integers(90, 160)) + f"/k{i}", f"ключ{i}", f"a.b{i}", f"x{i}" * 40, f"__meta{i}__", f"dir/.hidden{i}", f"k{i}\nz"]
+        pick(
+            rng,
+            [
+                f"k{i:04d}",
+                f"dir/sub/k{i}",
+                "d" * int(rng.integers(90, 160)) + f"/k{i}",
+                f"ключ{i}",
+                f"a.b{i}",
+                f"x{i}" * 40,
+                f"__meta{i}__",
+                f"dir/.hidden{i}",
+                f"k{i}\nz",
+            ],
         )
     )
 
@@ -98,19 +109,27 @@ def tarfile_shard(rng: np.random.Generator) -> bytes:
     fmt = [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT, tarfile.USTAR_FORMAT][int(rng.integers(0, 3))]
     pax: dict[str, str] = {}
     if fmt == tarfile.PAX_FORMAT and rng.random() < 0.2:
-        pax = {"comment": "g" * int(rng.integers(0, 300))} if rng.random() < 0.7 else {"path": f"global/k.{rng.integers(0, 3)}"}
+        pax = (
+            {"comment": "g" * int(rng.integers(0, 300))}
+            if rng.random() < 0.7
+            else {"path": f"global/k.{rng.integers(0, 3)}"}
+        )
     out = io.BytesIO()
     with tarfile.open(fileobj=out, mode="w", format=fmt, pax_headers=pax) as tf:
         for i in range(int(rng.integers(0, 12))):
             key = _key(rng, i)
-            exts = list(rng.permutation(["tokens.npy", "input_ids.npy", "txt", "json", "CLS", "x.y"])[: int(rng.integers(1, 4))])
+            exts = list(
+                rng.permutation(["tokens.npy", "input_ids.npy", "txt", "json", "CLS", "x.y"])[: int(rng.integers(1, 4))]
+            )
             if rng.random() < 0.05:  # a duplicate or reserved extension
                 exts.append(pick(rng, [exts[0], "__key__", "__end__"]))
             for ext in map(str, exts):
                 info = tarfile.TarInfo(f"{key}.{ext}")
                 info.mtime = 1_700_000_000.5 if rng.random() < 0.6 else 1_700_000_000
                 if rng.random() < 0.15:
-                    info.pax_headers = {f"note{j}": "v" * int(rng.integers(0, 60)) for j in range(int(rng.integers(1, 30)))}
+                    info.pax_headers = {
+                        f"note{j}": "v" * int(rng.integers(0, 60)) for j in range(int(rng.integers(1, 30)))
+                    }
                 r = rng.random()
                 try:
                     if r < 0.02:
@@ -170,10 +189,29 @@ def handmade_shard(rng: np.random.Generator) -> bytes:
         if r < 0.6:
             records = b""
             for _ in range(int(rng.integers(0, 6))):
-                keyword = pick(rng, [b"path", b"path", b"path", b"size", b"size", b"mtime", b"GNU.sparse.size", b"comment", b"p=x", b"hdrcharset"])
+                keyword = pick(
+                    rng,
+                    [
+                        b"path",
+                        b"path",
+                        b"path",
+                        b"size",
+                        b"size",
+                        b"mtime",
+                        b"GNU.sparse.size",
+                        b"comment",
+                        b"p=x",
+                        b"hdrcharset",
+                    ],
+                )
                 value = {
-                    b"path": pick(rng, [name, b"p/" + name, name + b"///", b"", b"__x__", "ü.txt".encode(), b"\xff\xfe.txt"]),
-                    b"size": pick(rng, [str(len(data)).encode(), b" 12", b"-1", b"1_0", b"abc", b"", b"99999999999999999999", b"0"]),
+                    b"path": pick(
+                        rng, [name, b"p/" + name, name + b"///", b"", b"__x__", "ü.txt".encode(), b"\xff\xfe.txt"]
+                    ),
+                    b"size": pick(
+                        rng,
+                        [str(len(data)).encode(), b" 12", b"-1", b"1_0", b"abc", b"", b"99999999999999999999", b"0"],
+                    ),
                 }.get(keyword, b"v" * int(rng.integers(0, 40)))
                 records += pax_record(rng, keyword, value)
             if rng.random() < 0.1:
@@ -207,7 +245,19 @@ def damage(rng: np.random.Generator, data: bytes) -> tuple[bytes, str]:
             h[i] = int(rng.integers(0, 256))
             done.append("byte")
         elif r < 0.6:
-            h[124:136] = bytes(pick(rng, [b"\x80" + bytes(10) + b"\x07", b"\xff" * 12, b"77777777777\0", b" 12 \0       ", b"0o17\0       ", b"\x80" + rng.bytes(11)]))
+            h[124:136] = bytes(
+                pick(
+                    rng,
+                    [
+                        b"\x80" + bytes(10) + b"\x07",
+                        b"\xff" * 12,
+                        b"77777777777\0",
+                        b" 12 \0       ",
+                        b"0o17\0       ",
+                        b"\x80" + rng.bytes(11),
+                    ],
+                )
+            )
             done.append("size")
         elif r < 0.7:
             h[156] = int(pick(rng, list(b"0x7gLKS12356VA\0")))
@@ -261,7 +311,13 @@ class StreamInto(Stream):
 def _outcome(exc: BaseException) -> tuple[Any, ...]:
     fields = tuple(getattr(exc, f, None) for f in ("offset", "stop", "member", "truncated", "lost"))
     cause = exc.__cause__
-    return (type(exc).__name__, _text(exc), fields, type(cause).__name__ if cause else None, _text(cause) if cause else None)
+    return (
+        type(exc).__name__,
+        _text(exc),
+        fields,
+        type(cause).__name__ if cause else None,
+        _text(cause) if cause else None,
+    )
 
 
 def _text(exc: BaseException) -> str:
@@ -277,10 +333,14 @@ def _tokens(sample: dict[str, Any], native: bool) -> tuple[Any, ...]:
     return (t.dtype.str, t.shape, t.flags.writeable, t.tobytes())
 
 
-def read_all(data: bytes, native: bool, opts: dict[str, Any], short: int, fail_at: int | None, into: bool = False) -> list[Any]:
+def read_all(
+    data: bytes, native: bool, opts: dict[str, Any], short: int, fail_at: int | None, into: bool = False
+) -> list[Any]:
     got: list[Any] = []
     try:
-        for sample in read_samples((StreamInto if into else Stream)(data, short, fail_at), url=URL, native=native, **opts):
+        for sample in read_samples(
+            (StreamInto if into else Stream)(data, short, fail_at), url=URL, native=native, **opts
+        ):
             got.append(list(sample.items()))
             got.append(_tokens(sample, native))
     except Exception as exc:  # compared, not judged
@@ -304,7 +364,7 @@ def one_case(rng: np.random.Generator) -> str:
         i = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
         raise AssertionError(
             f"compiled and Python readers differ ({how}, {opts}, short={short}, fail_at={fail_at}) at item {i} of "
-            f"{len(got)}/{len(want)}:\ncompiled: {str(got[i:i + 1])[:1500]}\npython:   {str(want[i:i + 1])[:1500]}\n"
+            f"{len(got)}/{len(want)}:\ncompiled: {str(got[i : i + 1])[:1500]}\npython:   {str(want[i : i + 1])[:1500]}\n"
             f"shard (hex): {data.hex() if len(data) < 20000 else len(data)}"
         )
     return how
@@ -320,13 +380,32 @@ def under_asan(seconds: float, seed: int) -> int:
     repo = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory(prefix="tar_fuzz-asan-") as scratch:
         for package in ("mixer", "benchmarks"):
-            shutil.copytree(repo / package, Path(scratch) / package, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+            shutil.copytree(
+                repo / package, Path(scratch) / package, ignore=shutil.ignore_patterns("*.so", "__pycache__")
+            )
         flags = "-fsanitize=address -fno-omit-frame-pointer -O1 -g"
         env = {**os.environ, "CFLAGS": flags, "LDFLAGS": "-fsanitize=address"}
-        build = [sys.executable, str(repo / "setup.py"), "-q", "build_ext", "--build-lib", scratch, "--build-temp", f"{scratch}/tmp"]
+        build = [
+            sys.executable,
+            str(repo / "setup.py"),
+            "-q",
+            "build_ext",
+            "--build-lib",
+            scratch,
+            "--build-temp",
+            f"{scratch}/tmp",
+        ]
         subprocess.run(build, cwd=repo, env=env, check=True)
-        libasan = subprocess.run(["gcc", "-print-file-name=libasan.so"], capture_output=True, text=True, check=True).stdout.strip()
-        env = {**os.environ, "LD_PRELOAD": libasan, "PYTHONMALLOC": "malloc", "ASAN_OPTIONS": "detect_leaks=0", "PYTHONPATH": scratch}
+        libasan = subprocess.run(
+            ["gcc", "-print-file-name=libasan.so"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        env = {
+            **os.environ,
+            "LD_PRELOAD": libasan,
+            "PYTHONMALLOC": "malloc",
+            "ASAN_OPTIONS": "detect_leaks=0",
+            "PYTHONPATH": scratch,
+        }
         cmd = [sys.executable, "-c", "import mixer._native._tarwalk as t; print('ASan build:', t.__file__)"]
         subprocess.run(cmd, cwd=scratch, env=env, check=True)
         run = [sys.executable, "-m", "benchmarks.tar_fuzz", "--seconds", str(seconds), "--seed", str(seed)]
@@ -337,7 +416,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--asan", action="store_true", help="build the C core with -fsanitize=address and fuzz that build")
+    parser.add_argument(
+        "--asan", action="store_true", help="build the C core with -fsanitize=address and fuzz that build"
+    )
     opts = parser.parse_args()
     if opts.asan:
         sys.exit(under_asan(opts.seconds, opts.seed))
@@ -347,7 +428,9 @@ def main() -> None:
     while time.perf_counter() - start < opts.seconds:
         kinds[one_case(rng)] += 1
     total = sum(kinds.values())
-    print(f"{total} cases in {time.perf_counter() - start:.0f} s, no difference; by damage: {dict(kinds.most_common())}")
+    print(
+        f"{total} cases in {time.perf_counter() - start:.0f} s, no difference; by damage: {dict(kinds.most_common())}"
+    )
 
 
 if __name__ == "__main__":

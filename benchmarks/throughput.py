@@ -55,9 +55,16 @@ BATCH_SIZE = 32
 MAX_TOKENS = 65_536
 PAX_METHODS = ("raw", "mixer_reader", "randommix_tokprobs", "torchdata_tokprobs", "mixer")
 METHODS = (
-    "raw", "wds", "randommix", "randommix_tokprobs", "mixer_reader", "mixer", "mixer_all_exhausted", *peers.METHODS,
+    "raw",
+    "wds",
+    "randommix",
+    "randommix_tokprobs",
+    "mixer_reader",
+    "mixer",
+    "mixer_all_exhausted",
+    *peers.METHODS,
     *(f"{m}_pax" for m in PAX_METHODS),
-)  # fmt: skip
+)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -263,7 +270,9 @@ def pax_shards(shards: ShardSet, log: Callable[[str], None] | None = None) -> Sh
                 sink.write(sample)
     with open(root / names[0], "rb") as f:
         if f.read(512)[156:157] != b"x":
-            raise RuntimeError(f"{root / names[0]}: the first member has no PAX header; TarWriter's default mtime changed?")
+            raise RuntimeError(
+                f"{root / names[0]}: the first member has no PAX header; TarWriter's default mtime changed?"
+            )
     sizes = {f: (root / f).stat().st_size for f in names}
     manifest_path.write_text(json.dumps(sizes, indent=1))
     return _pax_set(shards, root, sizes)
@@ -345,7 +354,9 @@ def build_methods(shards: ShardSet, opts: argparse.Namespace, pax: ShardSet | No
     table = build_table(shards, opts)
     if pax is not None:  # issue 17: the same on ShardWriter-default (PAX) shards
         same = build_table(pax, opts)
-        table.update({f"{k}_pax": replace(same[k], name=f"{k}_pax", label=f"{same[k].label} [PAX shards]") for k in PAX_METHODS})
+        table.update(
+            {f"{k}_pax": replace(same[k], name=f"{k}_pax", label=f"{same[k].label} [PAX shards]") for k in PAX_METHODS}
+        )
     return common.select_methods("throughput", table, opts.methods or list(METHODS))
 
 
@@ -361,8 +372,12 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchRes
     by = {r["method"]: r for r in rows}
     mixer_row = by.get("mixer", {})
     checks = [
-        common.ratio_check(NAME, "mixer reader / webdataset, samples/s", get("mixer_reader"), get("wds"), "samples_per_s", 3.0),
-        common.ratio_check(NAME, "mixer / RandomMix pipeline, real tokens/s", get("mixer"), get("randommix"), "tokens_per_s", 3.0),
+        common.ratio_check(
+            NAME, "mixer reader / webdataset, samples/s", get("mixer_reader"), get("wds"), "samples_per_s", 3.0
+        ),
+        common.ratio_check(
+            NAME, "mixer / RandomMix pipeline, real tokens/s", get("mixer"), get("randommix"), "tokens_per_s", 3.0
+        ),
         common.value_check(NAME, "mixer padding efficiency", mixer_row.get("pad_eff"), 0.95),
         common.value_check(
             NAME,
@@ -380,10 +395,20 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchRes
             3.0,
         ),
         common.ratio_check(
-            NAME, "mixer reader / webdataset, samples per CPU-s", get("mixer_reader"), get("wds"), "samples_per_cpu_s", None
+            NAME,
+            "mixer reader / webdataset, samples per CPU-s",
+            get("mixer_reader"),
+            get("wds"),
+            "samples_per_cpu_s",
+            None,
         ),
         common.ratio_check(
-            NAME, "mixer / RandomMix pipeline, real tokens per CPU-s", get("mixer"), get("randommix"), "tokens_per_cpu_s", None
+            NAME,
+            "mixer / RandomMix pipeline, real tokens per CPU-s",
+            get("mixer"),
+            get("randommix"),
+            "tokens_per_cpu_s",
+            None,
         ),
         common.ratio_check(
             NAME,
@@ -394,8 +419,12 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchRes
             5.0,  # issue 17
         ),
         common.ratio_check(NAME, "webdataset / raw read, samples/s", get("wds"), get("raw"), "samples_per_s", None),
-        common.ratio_check(NAME, "mixer reader / raw read, samples/s", get("mixer_reader"), get("raw"), "samples_per_s", None),
-        common.ratio_check(NAME, "mixer / RandomMix pipeline, samples/s", get("mixer"), get("randommix"), "samples_per_s", None),
+        common.ratio_check(
+            NAME, "mixer reader / raw read, samples/s", get("mixer_reader"), get("raw"), "samples_per_s", None
+        ),
+        common.ratio_check(
+            NAME, "mixer / RandomMix pipeline, samples/s", get("mixer"), get("randommix"), "samples_per_s", None
+        ),
         *peers.checks(NAME, get, by, window),
         *pax_checks(get, by, window),
     ]
@@ -408,7 +437,14 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchRes
         "window_tokens": window,
         "targets": shards.weights.tolist(),
         "sources": [
-            {"name": s.name, "weight": s.weight, "samples": s.samples, "tokens": s.tokens, "shards": len(s.urls), "bytes": s.bytes}
+            {
+                "name": s.name,
+                "weight": s.weight,
+                "samples": s.samples,
+                "tokens": s.tokens,
+                "shards": len(s.urls),
+                "bytes": s.bytes,
+            }
             for s in shards.sources
         ],
         "shards": shards.describe(),
@@ -421,16 +457,36 @@ def pax_checks(get: Callable[[str], common.Outcome | None], by: dict[str, dict],
     row = by.get("mixer_pax", {})
     return [
         common.ratio_check(
-            NAME, "PAX shards: mixer / RandomMix (token-corrected), real tokens per CPU-s", get("mixer_pax"), get("randommix_tokprobs_pax"),
-            "tokens_per_cpu_s", 5.0,
+            NAME,
+            "PAX shards: mixer / RandomMix (token-corrected), real tokens per CPU-s",
+            get("mixer_pax"),
+            get("randommix_tokprobs_pax"),
+            "tokens_per_cpu_s",
+            5.0,
         ),
         common.ratio_check(
-            NAME, "PAX shards: mixer / torchdata.nodes (token-corrected), real tokens per CPU-s", get("mixer_pax"),
-            get("torchdata_tokprobs_pax"), "tokens_per_cpu_s", 4.0,
+            NAME,
+            "PAX shards: mixer / torchdata.nodes (token-corrected), real tokens per CPU-s",
+            get("mixer_pax"),
+            get("torchdata_tokprobs_pax"),
+            "tokens_per_cpu_s",
+            4.0,
         ),
-        common.ratio_check(NAME, "PAX shards: mixer reader / raw read, CPU-µs/sample", get("mixer_reader_pax"), get("raw_pax"), "cpu_us_per_sample", 4.0, "<="),
+        common.ratio_check(
+            NAME,
+            "PAX shards: mixer reader / raw read, CPU-µs/sample",
+            get("mixer_reader_pax"),
+            get("raw_pax"),
+            "cpu_us_per_sample",
+            4.0,
+            "<=",
+        ),
         common.value_check(NAME, "PAX shards: mixer padding efficiency", row.get("pad_eff"), 0.95),
         common.value_check(
-            NAME, f"PAX shards: mixer worst windowed token-share error (windows of {window / 1e6:g}M tokens)", row.get("window_err"), 0.005, "<="
+            NAME,
+            f"PAX shards: mixer worst windowed token-share error (windows of {window / 1e6:g}M tokens)",
+            row.get("window_err"),
+            0.005,
+            "<=",
         ),
     ]

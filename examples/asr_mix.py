@@ -42,7 +42,16 @@ WORDS = (
     "the a river light morning quiet garden stone window green small old paper voice bright over under "
     "before after slowly every evening north house water field winter summer music road little far"
 ).split()
-COMMANDS = ["turn on the light", "stop", "play music", "next", "open the window", "volume up", "call home", "lights off"]
+COMMANDS = [
+    "turn on the light",
+    "stop",
+    "play music",
+    "next",
+    "open the window",
+    "volume up",
+    "call home",
+    "lights off",
+]
 TONE_SECONDS, GAP_SECONDS = 0.06, 0.04
 
 
@@ -93,7 +102,9 @@ def tones_to_text(audio: np.ndarray, rate: int) -> str:
 
 
 def espeak(text: str) -> tuple[np.ndarray, int]:
-    wav = subprocess.run(["espeak-ng", "-v", "en", "-s", "165", "--stdout", text], capture_output=True, check=True).stdout
+    wav = subprocess.run(
+        ["espeak-ng", "-v", "en", "-s", "165", "--stdout", text], capture_output=True, check=True
+    ).stdout
     audio, rate = sf.read(io.BytesIO(wav), dtype="float32")
     return audio, rate
 
@@ -141,8 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         args.out = Path(tmp.name)
     args.out.mkdir(parents=True, exist_ok=True)
     corpora, rate, speak = make_corpora(args.out, np.random.default_rng(0))
-    print(f"synthesised {sum(n for _, n in corpora.values())} utterances at {rate} Hz "
-          f"({'espeak-ng speech' if speak else 'tones encoding the transcripts'}) in {time.perf_counter() - t0:.1f} s")
+    print(
+        f"synthesised {sum(n for _, n in corpora.values())} utterances at {rate} Hz "
+        f"({'espeak-ng speech' if speak else 'tones encoding the transcripts'}) in {time.perf_counter() - t0:.1f} s"
+    )
 
     decode = mixer.SpeechDecode(sample_rate=rate, tokenizer=tokenize, min_seconds=0.2, max_seconds=8.0)
     sources = [
@@ -168,8 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     for k, batch in enumerate(loader):
         if k == 0:
             print(f"first batch: {batch!r}")
-            print(f"  audio {tuple(batch['audio'].shape)} {batch['audio'].dtype}, audio_lengths {batch['audio_lengths'].tolist()}")
-            print(f"  text  {tuple(batch['text'].shape)} {batch['text'].dtype}, text_lengths {batch['text_lengths'].tolist()}")
+            print(
+                f"  audio {tuple(batch['audio'].shape)} {batch['audio'].dtype}, audio_lengths {batch['audio_lengths'].tolist()}"
+            )
+            print(
+                f"  text  {tuple(batch['text'].shape)} {batch['text'].dtype}, text_lengths {batch['text_lengths'].tolist()}"
+            )
             n, s = int(batch["audio_lengths"][0]), int(batch["text_lengths"][0])
             print(f"  {batch.keys[0]}: {detokenize(batch['text'][0, :s].numpy())!r}")
             if not speak:
@@ -181,12 +198,18 @@ def main(argv: list[str] | None = None) -> int:
     stats = loader.stats()  # unit="samples": target and realized are shares of utterances
     counters = loader.counters()
     utterances = np.array([counters[s.name]["samples"] for s in sources], dtype=np.float64)
-    print(f"\n{args.batches} batches in {took:.1f} s ({utterances.sum() / took:.0f} utterances/s, {seconds.sum() / took:.0f} audio-s/s), "
-          f"audio padding efficiency {stats['total']['padding_efficiency']:.3f}")
-    print(f"{'source':10s} {'utterances':>10s} {'size share':>10s} {'NeMo T=5':>9s} {'target':>7s} {'realized':>9s} {'audio s':>8s} {'dropped':>8s}")
+    print(
+        f"\n{args.batches} batches in {took:.1f} s ({utterances.sum() / took:.0f} utterances/s, {seconds.sum() / took:.0f} audio-s/s), "
+        f"audio padding efficiency {stats['total']['padding_efficiency']:.3f}"
+    )
+    print(
+        f"{'source':10s} {'utterances':>10s} {'size share':>10s} {'NeMo T=5':>9s} {'target':>7s} {'realized':>9s} {'audio s':>8s} {'dropped':>8s}"
+    )
     for i, s in enumerate(sources):
-        print(f"{s.name:10s} {int(sizes[i]):10d} {sizes[i] / sizes.sum():10.3f} {nemo[i]:9.3f} {stats['sources'][s.name]['target_now']:7.3f} "
-              f"{stats['sources'][s.name]['total']['realized']:9.3f} {seconds[i]:8.1f} {counters[s.name]['dropped']:8d}")
+        print(
+            f"{s.name:10s} {int(sizes[i]):10d} {sizes[i] / sizes.sum():10.3f} {nemo[i]:9.3f} {stats['sources'][s.name]['target_now']:7.3f} "
+            f"{stats['sources'][s.name]['total']['realized']:9.3f} {seconds[i]:8.1f} {counters[s.name]['dropped']:8d}"
+        )
     print(f"total {time.perf_counter() - t0:.1f} s")
     if tmp is not None:
         tmp.cleanup()

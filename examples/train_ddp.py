@@ -91,7 +91,9 @@ def build_mixture(opts: argparse.Namespace) -> mixer.Mixture:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=20, help="last step (a resumed run continues up to it)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo; cuda: nccl, one GPU per rank (LOCAL_RANK)")
+    p.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo; cuda: nccl, one GPU per rank (LOCAL_RANK)"
+    )
     p.add_argument("--workers", type=int, default=2, help="DataLoader workers per rank")
     p.add_argument("--max-tokens", type=int, default=8192, help="token budget per batch (longer samples are cut)")
     p.add_argument("--stop", choices=("never", "first_exhausted", "all_exhausted"), default="all_exhausted")
@@ -107,7 +109,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def save_checkpoint(folder: Path, step: int, model: nn.Module, optim: torch.optim.Optimizer, loader: mixer.Loader) -> None:
+def save_checkpoint(
+    folder: Path, step: int, model: nn.Module, optim: torch.optim.Optimizer, loader: mixer.Loader
+) -> None:
     rank = dist.get_rank()
     folder.mkdir(parents=True, exist_ok=True)
     # Each rank's data position is its own; the model and optimizer are equal on every rank.
@@ -117,14 +121,18 @@ def save_checkpoint(folder: Path, step: int, model: nn.Module, optim: torch.opti
     dist.barrier()
 
 
-def load_checkpoint(folder: Path, model: nn.Module, optim: torch.optim.Optimizer, loader: mixer.Loader, device: torch.device) -> int:
+def load_checkpoint(
+    folder: Path, model: nn.Module, optim: torch.optim.Optimizer, loader: mixer.Loader, device: torch.device
+) -> int:
     rank = dist.get_rank()
     state = torch.load(folder / "model.pt", map_location=device, weights_only=True)
     model.load_state_dict(state["model"])
     optim.load_state_dict(state["optim"])
     data = torch.load(folder / f"data-rank{rank}.pt", weights_only=True)
     if data["step"] != state["step"]:
-        raise RuntimeError(f"{folder}: data state of rank {rank} is from step {data['step']}, the model from step {state['step']}")
+        raise RuntimeError(
+            f"{folder}: data state of rank {rank} is from step {data['step']}, the model from step {state['step']}"
+        )
     loader.load_state_dict(data["data"])
     return int(state["step"])
 
@@ -176,7 +184,13 @@ def main(argv: list[str] | None = None) -> int:
             if batch.filler:  # trains on nothing
                 record = {"step": step, "loss": value, "tokens": 0, "keys": 0, "filler": True}
             else:
-                record = {"step": step, "loss": value, "tokens": batch.num_tokens, "keys": len(batch.keys), "digest": digest}
+                record = {
+                    "step": step,
+                    "loss": value,
+                    "tokens": batch.num_tokens,
+                    "keys": len(batch.keys),
+                    "digest": digest,
+                }
             log_file.write(json.dumps(record) + "\n")
             log_file.flush()
         if rank == 0 and (step % opts.log_every == 0 or step == 1):
@@ -185,7 +199,11 @@ def main(argv: list[str] | None = None) -> int:
             save_checkpoint(opts.ckpt_dir / f"step-{step:06d}", step, model, optim, loader)
     report = loader.sync_report()
     if report["fillers"]:
-        log.info("end of the pass: %d filler step(s) (loss weighed by 0) to keep every rank at %d steps", report["fillers"], step)
+        log.info(
+            "end of the pass: %d filler step(s) (loss weighed by 0) to keep every rank at %d steps",
+            report["fillers"],
+            step,
+        )
     log.info("done: %d steps in %.1f s (world size %d)", step, time.perf_counter() - started, world)
     if log_file is not None:
         log_file.close()

@@ -3,21 +3,21 @@
 The distribution is named ``wds-mixer`` on PyPI; the import package is ``mixer``.
 """
 
-from mixer.mixing.adaptive import Adaptive
-from mixer.read.audio import SpeechDecode
 from mixer.batching.batch import Batch, BatchMeta, FieldBatch, PackedBatch
-from mixer.spec.budget import Field, Packed, TokenBudget
-from mixer.runtime.device import to_device
-from mixer.errors import ConfigError, MixerError, SampleError, ShardError, StateError
-from mixer.storage import IOOptions
-from mixer.runtime.loader import Loader, make_loader
-from mixer.mixing.mixture import Mixture
 from mixer.config.mixture_config import MixtureConfig, build_mixture, load_config, parse_config
+from mixer.errors import ConfigError, MixerError, SampleError, ShardError, StateError
+from mixer.mixing.adaptive import Adaptive
 from mixer.mixing.hierarchical import Hierarchical
-from mixer.plan.index import build_index, load_index
+from mixer.mixing.mixture import Mixture
 from mixer.mixing.schedule import Curriculum, Floored, Phase, Schedule, SourceInfo, Static, Temperature, Weights
-from mixer.spec.source import Source
 from mixer.observe.stats import log_every
+from mixer.plan.index import build_index, load_index
+from mixer.read.audio import SpeechDecode
+from mixer.runtime.device import to_device
+from mixer.runtime.loader import Loader, make_loader
+from mixer.spec.budget import Field, Packed, TokenBudget
+from mixer.spec.source import Source
+from mixer.storage import IOOptions
 
 __all__ = [
     "Adaptive",

@@ -44,8 +44,15 @@ def hint(word: str, choices: Sequence[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-def number(value: Any, where: str, *, minimum: float | None = None, strict: bool = False,
-           maximum: float | None = None, integer: bool = False) -> Any:  # fmt: skip
+def number(
+    value: Any,
+    where: str,
+    *,
+    minimum: float | None = None,
+    strict: bool = False,
+    maximum: float | None = None,
+    integer: bool = False,
+) -> Any:
     """A finite number, never a bool; with ``integer`` an int (an integral float such as ``1e5`` or a
     numpy integer is converted; ``2.5`` is an error). ``strict``: the minimum itself is excluded."""
     kind = "an integer" if integer else "a number"

@@ -16,7 +16,10 @@ import warnings
 
 import torch.utils.data
 
-_INTERNAL = tuple(os.path.dirname(os.path.abspath(path)) + os.sep for path in (__file__, torch.utils.data.__file__, multiprocessing.__file__))
+_INTERNAL = tuple(
+    os.path.dirname(os.path.abspath(path)) + os.sep
+    for path in (__file__, torch.utils.data.__file__, multiprocessing.__file__)
+)
 
 
 def warn(message: str, category: type[Warning] = RuntimeWarning) -> None:

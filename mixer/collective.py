@@ -95,7 +95,9 @@ class Bounded:
             try:
                 c.work.wait(timedelta(seconds=max(until - time.monotonic(), 0.001)))
                 if noted is not None:  # all answered after all: the note is not needed any more
-                    threading.Thread(target=self._unnote, args=(c.seq, noted), name="mixer-sync-note", daemon=True).start()
+                    threading.Thread(
+                        target=self._unnote, args=(c.seq, noted), name="mixer-sync-note", daemon=True
+                    ).start()
                 return
             except RuntimeError as exc:
                 if c.work.is_completed() or time.monotonic() >= deadline:

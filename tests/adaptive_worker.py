@@ -37,7 +37,13 @@ def record(batch: Any, names: int) -> dict[str, Any]:
     tokens = [0] * names
     for s, n in zip(batch.source.tolist(), batch.lengths.tolist()):
         tokens[s] += n
-    return {"step": batch.meta.step, "target": batch.meta.target, "sources": batch.source.tolist(), "keys": list(batch.keys), "tokens": tokens}
+    return {
+        "step": batch.meta.step,
+        "target": batch.meta.target,
+        "sources": batch.source.tolist(),
+        "keys": list(batch.keys),
+        "tokens": tokens,
+    }
 
 
 def main() -> None:
@@ -46,9 +52,20 @@ def main() -> None:
     rank = dist.get_rank()
     patterns = spec["patterns"]
     sources = [mixer.Source(name, pattern, weight=w) for name, (pattern, w) in patterns.items()]
-    schedule = mixer.Adaptive(mixer.Weights({n: w for n, (_, w) in patterns.items()}), policy=spec.get("policy", "exp_gradient"),
-                              lr=4.0, update_every=4, smoothing=0.1)  # fmt: skip
-    mix = mixer.Mixture(sources, batching=mixer.TokenBudget(max_tokens=spec["max_tokens"]), schedule=schedule, shuffle_buffer=32, state_every=4)
+    schedule = mixer.Adaptive(
+        mixer.Weights({n: w for n, (_, w) in patterns.items()}),
+        policy=spec.get("policy", "exp_gradient"),
+        lr=4.0,
+        update_every=4,
+        smoothing=0.1,
+    )
+    mix = mixer.Mixture(
+        sources,
+        batching=mixer.TokenBudget(max_tokens=spec["max_tokens"]),
+        schedule=schedule,
+        shuffle_buffer=32,
+        state_every=4,
+    )
 
     def loader() -> mixer.Loader:
         return mixer.make_loader(mix, num_workers=spec["num_workers"], sync_timeout=spec.get("timeout", 600))

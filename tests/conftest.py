@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 import pytest
-
 from shardutil import LogNormal, Sources, write_sources
 
 

@@ -32,7 +32,9 @@ def main() -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     sources = [mixer.Source(s["name"], s["pattern"], weight=s["weight"]) for s in spec["sources"]]
-    mix = mixer.Mixture(sources, batching=mixer.TokenBudget(max_tokens=spec["max_tokens"]), stop="all_exhausted", seed=0)
+    mix = mixer.Mixture(
+        sources, batching=mixer.TokenBudget(max_tokens=spec["max_tokens"]), stop="all_exhausted", seed=0
+    )
     loader = mixer.make_loader(mix, num_workers=spec["num_workers"], sync_timeout=spec["timeout"])
     result: dict = {"rank": rank, "pid": os.getpid(), "batches": 0}
     last = time.monotonic()

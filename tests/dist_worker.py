@@ -65,7 +65,11 @@ def build(case: dict[str, Any]) -> mixer.Loader:
         mixer.collective.handles_cpu = lambda group: False  # type: ignore[assignment]
     try:
         return mixer.make_loader(
-            mix, num_workers=case["num_workers"], sync_stop=case.get("sync_stop"), sync_end=case.get("sync_end", "pad"), sync_group=group
+            mix,
+            num_workers=case["num_workers"],
+            sync_stop=case.get("sync_stop"),
+            sync_end=case.get("sync_end", "pad"),
+            sync_group=group,
         )
     finally:
         mixer.collective.handles_cpu = handles_cpu  # type: ignore[assignment]
@@ -75,7 +79,13 @@ def view(batch: mixer.Batch) -> dict[str, Any]:
     if batch.filler:
         return {"filler": True, "rows": len(batch) > 0 and batch.num_tokens > 0}
     digest = hashlib.blake2b(batch.buffer.numpy().tobytes(), digest_size=8).hexdigest()
-    return {"filler": False, "keys": list(batch.keys), "source": batch.source.tolist(), "step": batch.meta.step, "digest": digest}
+    return {
+        "filler": False,
+        "keys": list(batch.keys),
+        "source": batch.source.tolist(),
+        "step": batch.meta.step,
+        "digest": digest,
+    }
 
 
 def run_case(case: dict[str, Any], out: Path, phase: str, rank: int) -> dict[str, Any]:

@@ -26,7 +26,14 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     sources = [mixer.Source(name, pattern, weight=weight) for name, pattern, weight in spec["sources"]]
-    mix = mixer.Mixture(sources, batching=mixer.TokenBudget(max_tokens=1024), stop="all_exhausted", seed=7, shuffle_buffer=16, state_every=3)
+    mix = mixer.Mixture(
+        sources,
+        batching=mixer.TokenBudget(max_tokens=1024),
+        stop="all_exhausted",
+        seed=7,
+        shuffle_buffer=16,
+        state_every=3,
+    )
     keys: list[str] = []
     if phase == "save":
         loader = mixer.make_loader(mix, num_workers=spec["workers"][0], sync_stop=False)

@@ -72,9 +72,13 @@ def assert_resumes_exactly(
         load(resumed, state)
         to_end = cut + window > len(reference)
         # a finite stream's resumed run is followed to its end: an item too many fails it too
-        got = [view(x) for x in (resumed if tail and to_end else take(resumed, len(reference) - cut if to_end else window))]
+        got = [
+            view(x) for x in (resumed if tail and to_end else take(resumed, len(reference) - cut if to_end else window))
+        ]
         expected = reference[cut : cut + len(got)]
-        assert len(got) == min(window, len(reference) - cut), f"cut {cut}: stream ended after {len(got)} items, expected {min(window, len(reference) - cut)}"
+        assert len(got) == min(window, len(reference) - cut), (
+            f"cut {cut}: stream ended after {len(got)} items, expected {min(window, len(reference) - cut)}"
+        )
         for i, (a, b) in enumerate(zip(expected, got)):
             assert _equal(a, b), f"resumed at batch {cut}: item {i} differs"
     return reference

@@ -344,7 +344,7 @@ class _Handler(BaseHTTPRequestHandler):
                     try:
                         if not conn.recv(65536):
                             break
-                    except socket.timeout:
+                    except TimeoutError:
                         continue
         with owner._lock:
             owner._conns.discard(conn)

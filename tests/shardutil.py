@@ -183,7 +183,11 @@ def write_sources(folder: str | os.PathLike[str], spec: Mapping[str, LogNormal])
 
 
 def mixture(
-    sources: Mapping[str, tuple[str, Any]], *, weights: Mapping[str, float | None], source_options: Mapping[str, Any] | None = None, **options: Any
+    sources: Mapping[str, tuple[str, Any]],
+    *,
+    weights: Mapping[str, float | None],
+    source_options: Mapping[str, Any] | None = None,
+    **options: Any,
 ) -> mixer.Mixture:
     """A `mixer.Mixture` over `sources` (``{name: (pattern, ...)}``, as `write_sources` returns), one
     `mixer.Source` per name of `weights` in that order (None: the default weight), each with

@@ -9,8 +9,8 @@ import re
 import numpy as np
 import pytest
 
-from mixer.mixing.adaptive import Adaptive, Exp3, ExpGradient, adapt, make_policy
 from mixer.errors import ConfigError, StateError
+from mixer.mixing.adaptive import Adaptive, Exp3, ExpGradient, adapt, make_policy
 
 PRIOR = np.array([0.5, 0.3, 0.2])
 
@@ -69,8 +69,15 @@ def test_exp3_two_updates_importance_weighted():
 def test_floor_applies_last():
     b = Exp3(2, lr=10.0, smoothing=0.0)
     # Scores (20, 0): shares (1/(1+e^-20), e^-20/(1+e^-20)); a 0.1 floor lifts the second to exactly 0.1.
-    p = adapt(b, np.array([1.0, 0.0]), np.array([1, 0]), np.array([0.5, 0.5]), np.array([0.5, 0.5]),
-              eligible=np.array([True, True]), min_prob=0.1)  # fmt: skip
+    p = adapt(
+        b,
+        np.array([1.0, 0.0]),
+        np.array([1, 0]),
+        np.array([0.5, 0.5]),
+        np.array([0.5, 0.5]),
+        eligible=np.array([True, True]),
+        min_prob=0.1,
+    )
     assert p[1] == 0.1
     close(p, [0.9, 0.1])
 
@@ -106,7 +113,10 @@ def test_state_is_checked():
         ({"lr": -1}, "Adaptive.lr: must be >= 0, got -1"),
         ({"update_every": 0}, "Adaptive.update_every: must be >= 1, got 0"),
         ({"smoothing": 1.5}, "Adaptive.smoothing: must be <= 1, got 1.5"),
-        ({"policy": "exp3", "reference": {"a": 1.0}}, "Adaptive.reference: only for policy 'exp_gradient' (got policy 'exp3')"),
+        (
+            {"policy": "exp3", "reference": {"a": 1.0}},
+            "Adaptive.reference: only for policy 'exp_gradient' (got policy 'exp3')",
+        ),
     ],
 )
 def test_adaptive_validation(kwargs, message):
@@ -120,8 +130,8 @@ def test_reference_names_are_checked():
 
 
 def test_config_form_round_trips_and_names_the_key_path():
-    from mixer.mixing.schedule import Floored, Weights
     from mixer.config.schedule_config import parse_schedule, schedule_to_dict
+    from mixer.mixing.schedule import Floored, Weights
 
     m = {"weights": {"a": 1, "b": 3}, "min_prob": 0.1, "adaptive": {"policy": "exp3", "lr": 0.5, "update_every": 10}}
     s = parse_schedule(m, ["a", "b"])

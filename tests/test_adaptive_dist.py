@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from shardutil import LogNormal
 from test_distributed import _free_port
 
@@ -27,20 +26,37 @@ WEIGHTS = {"web": 0.5, "code": 0.3, "tiny": 0.2}
 
 @pytest.fixture(scope="module")
 def patterns(make_sources: Any) -> dict[str, Any]:
-    sources = make_sources({
-        "web": LogNormal(shards=6, samples=600, median=120, sigma=0.8, lo=2, hi=2048, seed=0),
-        "code": LogNormal(shards=6, samples=300, median=300, sigma=1.0, lo=2, hi=2048, seed=1),
-        "tiny": LogNormal(shards=6, samples=200, median=60, sigma=0.5, lo=2, hi=2048, seed=2),
-    })
+    sources = make_sources(
+        {
+            "web": LogNormal(shards=6, samples=600, median=120, sigma=0.8, lo=2, hi=2048, seed=0),
+            "code": LogNormal(shards=6, samples=300, median=300, sigma=1.0, lo=2, hi=2048, seed=1),
+            "tiny": LogNormal(shards=6, samples=200, median=60, sigma=0.5, lo=2, hi=2048, seed=2),
+        }
+    )
     return {name: [sources[name][0], w] for name, w in WEIGHTS.items()}
 
 
 def launch(tmp_path: Path, spec: dict[str, Any], *, limit: float) -> list[dict[str, Any]]:
     path = tmp_path / "spec.json"
     path.write_text(json.dumps({"max_tokens": MAX_TOKENS, "num_workers": WORKERS, **spec}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={RANKS}", "--nnodes=1", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", "--max-restarts=0", str(HERE / "adaptive_worker.py"), str(path), str(tmp_path)]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={RANKS}",
+        "--nnodes=1",
+        "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
+        "--max-restarts=0",
+        str(HERE / "adaptive_worker.py"),
+        str(path),
+        str(tmp_path),
+    ]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=env, cwd=HERE.parent)
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(RANKS)]
@@ -53,7 +69,11 @@ STEPS, SILENT_AT, CUTS = 48, 30, [7, 8, 9, 13]  # windows close at 4, 8, 12, ...
 def test_three_ranks_two_workers_agree_track_and_resume(patterns, tmp_path):
     # rank 2 stops reporting losses after 30 batches (and keeps training): no rank waits for it,
     # and every rank still computes the same targets from the all-reduced windows
-    ranks = launch(tmp_path, {"patterns": patterns, "mode": "agree", "steps": STEPS, "victim": 2, "at": SILENT_AT, "cuts": CUTS}, limit=420)
+    ranks = launch(
+        tmp_path,
+        {"patterns": patterns, "mode": "agree", "steps": STEPS, "victim": 2, "at": SILENT_AT, "cuts": CUTS},
+        limit=420,
+    )
     for r in ranks:
         assert r["error"] is None, r["error"]
         assert [s["step"] for s in r["steps"]] == list(range(STEPS))
@@ -93,14 +113,30 @@ def test_a_rank_that_stops_makes_the_others_raise_within_the_timeout(patterns, t
     # rank 2 stops after 6 batches (a hung step); the others go on to step 8, where window 1 closes,
     # and give up on its all-reduce after sync_timeout=5 s, naming rank 2
     timeout = 5
-    ranks = launch(tmp_path, {"patterns": patterns, "mode": "hang", "steps": 40, "victim": 2, "at": 6, "hang_s": timeout + 15,
-                              "timeout": timeout}, limit=180)  # fmt: skip
+    ranks = launch(
+        tmp_path,
+        {
+            "patterns": patterns,
+            "mode": "hang",
+            "steps": 40,
+            "victim": 2,
+            "at": 6,
+            "hang_s": timeout + 15,
+            "timeout": timeout,
+        },
+        limit=180,
+    )
     for r in ranks[:2]:
         err = r["error"]
         assert err is not None and err["type"] == "MixerError", r
         msg = err["message"]
-        assert msg.startswith(f"adaptive feedback on rank {r['rank']}: the all_reduce of the per-source losses that closes an update window"), msg
-        assert f"got no answer within sync_timeout={timeout} s" in msg and "rank(s) 2 of the 3 in the group never reached it" in msg, msg
+        assert msg.startswith(
+            f"adaptive feedback on rank {r['rank']}: the all_reduce of the per-source losses that closes an update window"
+        ), msg
+        assert (
+            f"got no answer within sync_timeout={timeout} s" in msg
+            and "rank(s) 2 of the 3 in the group never reached it" in msg
+        ), msg
         assert len(r["steps"]) == 2 * U  # steps 0-7 handed out; step 8 closes the window
         # after the timeout plus the look into the store (~1.5 s), not the process group's 30 minutes
         assert timeout - 1 <= err["after_s"] <= timeout + 1 + 4, err

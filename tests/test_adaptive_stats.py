@@ -9,18 +9,20 @@ import logging
 
 import numpy as np
 import pytest
+import shardutil
 import yaml
+from shardutil import RESUME_SOURCES
 
 import mixer
-import shardutil
 from mixer import Adaptive
 from mixer.cli import commands as cli
 from mixer.observe.stats import History, plot_run, report
-from shardutil import RESUME_SOURCES
 
 WEIGHTS = {"web": 0.5, "code": 0.3, "tiny": 0.2}
 U = 4
-mixture = functools.partial(shardutil.mixture, weights=WEIGHTS, batching=mixer.TokenBudget(max_tokens=2048), state_every=8, shuffle_buffer=64)
+mixture = functools.partial(
+    shardutil.mixture, weights=WEIGHTS, batching=mixer.TokenBudget(max_tokens=2048), state_every=8, shuffle_buffer=64
+)
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +50,7 @@ def test_stats_log_lines_report_and_plot_show_the_adaptive_targets_and_loss(shar
     stats = loader.stats()
     a = stats["adaptive"]
     assert a["updates"] == 6 and a["from_step"] == 6 * U + 1 and a["lag"] == 1
+
     def window_loss(j):  # window j (steps 4j to 4j + 3) as the test itself saw it
         sums, counts = np.zeros(3), np.zeros(3)
         for step, source, loss in batches[j * U : (j + 1) * U]:
@@ -108,7 +111,10 @@ def test_cli_report_of_an_adaptive_config(shards, tmp_path, capsys):
     out = tmp_path / "report.json"
     assert cli.main(["run", str(path), "--steps", "20", "--report", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "schedule adaptive (exp_gradient, an update every 4 steps) over static (the sources' weights); no training loop reports loss here" in printed
+    assert (
+        "schedule adaptive (exp_gradient, an update every 4 steps) over static (the sources' weights); no training loop reports loss here"
+        in printed
+    )
     rep = json.loads(out.read_text())
     a = rep["adaptive"]
     # Windows close as steps are handed out (19 is the last: windows 0-3 closed); without loss, no

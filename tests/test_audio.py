@@ -9,11 +9,11 @@ import sys
 
 import numpy as np
 import pytest
+from shardutil import npy_bytes, write_samples
 
 import mixer
 import mixer.read.audio
 from mixer.read.audio import SpeechDecode
-from shardutil import npy_bytes, write_samples
 
 sf = pytest.importorskip("soundfile")
 
@@ -47,7 +47,9 @@ def speech_sample(key: str, frames: int, *, fmt: str = "flac", words: int | None
     return {"__key__": key, fmt: encode(pcm(key, frames), fmt.upper(), rate), "tokens.npy": text_tokens(key, words)}
 
 
-def write_speech_shards(folder, name: str, frames_per_shard: list[list[int]], *, fmt: str = "flac") -> tuple[str, dict[str, int]]:
+def write_speech_shards(
+    folder, name: str, frames_per_shard: list[list[int]], *, fmt: str = "flac"
+) -> tuple[str, dict[str, int]]:
     """Shards of speech samples, key ``f"{name}-{shard}-{i}"``; returns (pattern, {key: frames})."""
     shards, frames = [], {}
     for s, lengths in enumerate(frames_per_shard):
@@ -101,7 +103,7 @@ def test_transcripts_tokens_npy_first_then_txt_through_the_tokenizer():
     audio = encode(pcm("k", 100), "FLAC")
     both = {"__key__": "k", "flac": audio, "txt": b"ignored", "tokens.npy": npy_bytes(np.array([4, 5], dtype=np.int64))}
     assert SpeechDecode()(both)["text"].tolist() == [4, 5]
-    words = {"__key__": "k", "flac": audio, "txt": "hello wide world".encode()}
+    words = {"__key__": "k", "flac": audio, "txt": b"hello wide world"}
     vocab = {"hello": 1, "wide": 2, "world": 3}
     assert SpeechDecode(tokenizer=lambda s: [vocab[w] for w in s.split()])(words)["text"].tolist() == [1, 2, 3]
     assert SpeechDecode()(words)["text"].tolist() == list(b"hello wide world")  # default: UTF-8 bytes
@@ -110,10 +112,19 @@ def test_transcripts_tokens_npy_first_then_txt_through_the_tokenizer():
 @pytest.mark.parametrize(
     "sample, match",
     [
-        ({"__key__": "k", "txt": "x"}, r"key 'k': no audio member: expected one of \['flac', 'wav'\] \(members: \['txt'\]\)"),
+        (
+            {"__key__": "k", "txt": "x"},
+            r"key 'k': no audio member: expected one of \['flac', 'wav'\] \(members: \['txt'\]\)",
+        ),
         ({"__key__": "k", "flac": b"not audio at all", "txt": "x"}, r"key 'k': cannot decode audio member 'flac'"),
-        ({"__key__": "k", "flac": encode(pcm("k", 10), "FLAC")}, r"key 'k': no transcript: expected 'tokens.npy' or 'txt'"),
-        ({"__key__": "k", "flac": encode(pcm("k", 10), "FLAC"), "tokens.npy": npy_bytes(np.ones((2, 2), np.int32))}, r"1-D integer"),
+        (
+            {"__key__": "k", "flac": encode(pcm("k", 10), "FLAC")},
+            r"key 'k': no transcript: expected 'tokens.npy' or 'txt'",
+        ),
+        (
+            {"__key__": "k", "flac": encode(pcm("k", 10), "FLAC"), "tokens.npy": npy_bytes(np.ones((2, 2), np.int32))},
+            r"1-D integer",
+        ),
     ],
 )
 def test_bad_samples_are_sample_errors_naming_the_key(sample, match):
@@ -123,7 +134,10 @@ def test_bad_samples_are_sample_errors_naming_the_key(sample, match):
 
 def test_a_mismatched_sample_rate_is_refused_unless_a_resampler_is_given():
     sample = {"__key__": "k", "__url__": "s.tar", "flac": encode(pcm("k", 2205), "FLAC", rate=22050), "txt": "x"}
-    with pytest.raises(mixer.SampleError, match=r"s.tar, key 'k': audio member 'flac' is sampled at 22050 Hz, the decode expects 16000 Hz"):
+    with pytest.raises(
+        mixer.SampleError,
+        match=r"s.tar, key 'k': audio member 'flac' is sampled at 22050 Hz, the decode expects 16000 Hz",
+    ):
         SpeechDecode()(sample)
     calls = []
 
@@ -203,11 +217,27 @@ def test_the_asr_example_runs_and_reports_sample_shares(tmp_path):
     repo = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(
-        [sys.executable, str(repo / "examples" / "asr_mix.py"), "--workers", "0", "--batches", "40", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(repo / "examples" / "asr_mix.py"),
+            "--workers",
+            "0",
+            "--batches",
+            "40",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
-    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.split()[:1] in (["read"], ["commands"])}
+    rows = {
+        line.split()[0]: line.split()
+        for line in proc.stdout.splitlines()
+        if line.split()[:1] in (["read"], ["commands"])
+    }
     assert set(rows) == {"read", "commands"}, proc.stdout
     # columns: source, utterances, size share, NeMo T=5, target, realized, audio s, dropped
     target = {name: float(r[4]) for name, r in rows.items()}

@@ -12,7 +12,9 @@ from mixer.batching.collate import collate
 def make(pad_id=0, dtype="int32"):
     toks = [np.array([5, 6, 7], dtype=np.int32), np.array([8], dtype=np.int64), np.array([9, 10], dtype=np.uint16)]
     lengths = np.array([3, 1, 2])
-    return collate(toks, lengths, np.array([2, 0, 1]), ["a", "b", "c"], pad_id=pad_id, dtype=dtype, meta=BatchMeta(step=4))
+    return collate(
+        toks, lengths, np.array([2, 0, 1]), ["a", "b", "c"], pad_id=pad_id, dtype=dtype, meta=BatchMeta(step=4)
+    )
 
 
 def test_collate_pads_into_one_buffer():

@@ -2,12 +2,12 @@
 
 import numpy as np
 import pytest
+from resume_oracle import assert_resumes_exactly
 
-from mixer import ConfigError, TokenBudget
 import mixer.batching.batchers as batchers_module
+from mixer import ConfigError, TokenBudget
 from mixer.batching.batchers import Bucketer
 from mixer.plan.edges import bucket_edges
-from resume_oracle import assert_resumes_exactly
 
 
 def padding_efficiency(lengths, budget, edges):
@@ -73,8 +73,14 @@ def test_bucketer_emits_full_buckets_and_drains_the_rest():
         ({"max_tokens": 0}, r"^TokenBudget\.max_tokens: must be >= 1, got 0$"),
         ({"max_tokens": 10, "max_length": 11}, r"^TokenBudget\.max_length: must be <= 10, got 11$"),
         ({"max_tokens": 10, "multiple_of": 0}, r"^TokenBudget\.multiple_of: must be >= 1, got 0$"),
-        ({"max_tokens": 10, "overlong": "cut"}, r"^TokenBudget\.overlong: must be one of 'truncate', 'drop', got 'cut'$"),
-        ({"max_tokens": 10, "buckets": [5, 3]}, r"^TokenBudget\.buckets\[1\]: must be greater than TokenBudget\.buckets\[0\] \(5\), got 3$"),
+        (
+            {"max_tokens": 10, "overlong": "cut"},
+            r"^TokenBudget\.overlong: must be one of 'truncate', 'drop', got 'cut'$",
+        ),
+        (
+            {"max_tokens": 10, "buckets": [5, 3]},
+            r"^TokenBudget\.buckets\[1\]: must be greater than TokenBudget\.buckets\[0\] \(5\), got 3$",
+        ),
         ({"max_tokens": 10, "buckets": [5, 20]}, r"^TokenBudget\.buckets\[1\]: must be <= max_tokens \(10\), got 20$"),
         ({"max_tokens": 10, "max_batch_size": 0}, r"^TokenBudget\.max_batch_size: must be >= 1, got 0$"),
         # Accepted from code before (the drift between code and YAML); ConfigErrors now.
@@ -179,7 +185,15 @@ class _PyBucketer(Bucketer):
 
 
 def _bucketer_state(b):
-    return (b.count, b.held, b.emitted, [list(x) for x in b.buffers], [list(x) for x in b.ready], list(b._waiting), list(b._opened))
+    return (
+        b.count,
+        b.held,
+        b.emitted,
+        [list(x) for x in b.buffers],
+        [list(x) for x in b.ready],
+        list(b._waiting),
+        list(b._opened),
+    )
 
 
 @pytest.mark.skipif(not batchers_module.NATIVE, reason="the compiled bucketer core was not built")

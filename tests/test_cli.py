@@ -14,14 +14,24 @@ import pytest
 import yaml
 
 import mixer
-from mixer.cli import commands as cli, demo
+from mixer.cli import commands as cli
+from mixer.cli import demo
 from mixer.observe import stats
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE_KEYS = {
-    "target", "realized", "error", "token_share", "sample_share", "tokens", "samples", "padding_efficiency", "epochs",
-    "skipped_samples", "skipped_shards",
-}  # fmt: skip
+    "target",
+    "realized",
+    "error",
+    "token_share",
+    "sample_share",
+    "tokens",
+    "samples",
+    "padding_efficiency",
+    "epochs",
+    "skipped_samples",
+    "skipped_shards",
+}
 
 
 def write_config(path, config):
@@ -84,7 +94,20 @@ def test_run_prints_table_and_writes_report_and_plot(three_sources, tmp_path, ca
     cfg = write_config(tmp_path / "mix.yaml", run_config(three_sources, unit=unit))
     figures = capture(monkeypatch, "plot_run")
     report_path, plot_path = tmp_path / "report.json", tmp_path / "run.png"
-    argv = ["run", cfg, "--steps", "60", "--workers", "0", "--window", "25", "--report", str(report_path), "--plot", str(plot_path)]
+    argv = [
+        "run",
+        cfg,
+        "--steps",
+        "60",
+        "--workers",
+        "0",
+        "--window",
+        "25",
+        "--report",
+        str(report_path),
+        "--plot",
+        str(plot_path),
+    ]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
 
@@ -108,7 +131,10 @@ def test_run_prints_table_and_writes_report_and_plot(three_sources, tmp_path, ca
         assert TABLE_KEYS <= set(s)
         assert (s["tokens"], s["samples"]) == (tokens[i], samples[i])
         assert s["realized"] == pytest.approx(counted[i] / counted.sum())
-        assert (s["token_share"], s["sample_share"]) == (pytest.approx(tokens[i] / tokens.sum()), pytest.approx(samples[i] / samples.sum()))
+        assert (s["token_share"], s["sample_share"]) == (
+            pytest.approx(tokens[i] / tokens.sum()),
+            pytest.approx(samples[i] / samples.sum()),
+        )
         assert s["target"] == pytest.approx(target[i] / target.sum())
         assert s["error"] == pytest.approx(s["realized"] - s["target"])
         assert 0 < s["padding_efficiency"] <= 1
@@ -131,7 +157,10 @@ def test_run_with_workers_and_logging(three_sources, tmp_path, capsys, caplog):
     cfg = write_config(tmp_path / "mix.yaml", run_config(three_sources))
     report_path = tmp_path / "r.json"
     with caplog.at_level("INFO", logger="mixer.observe.stats"):
-        assert cli.main(["run", cfg, "--steps", "30", "--workers", "2", "--log-every", "10", "--report", str(report_path)]) == 0
+        assert (
+            cli.main(["run", cfg, "--steps", "30", "--workers", "2", "--log-every", "10", "--report", str(report_path)])
+            == 0
+        )
     rep = strict_json(report_path)
     assert rep["batches"] == 30 and rep["workers"] == 2
     assert sum(s["tokens"] for s in rep["sources"].values()) == rep["tokens"]
@@ -143,7 +172,10 @@ def test_run_stops_early_when_the_mixture_ends(tmp_path, capsys):
     from shardutil import write_token_shards
 
     pattern = write_token_shards(tmp_path, "s", [[30, 40, 50]])
-    cfg = write_config(tmp_path / "mix.yaml", {"batching": {"max_tokens": 64}, "stop": "all_exhausted", "sources": [{"name": "s", "urls": pattern}]})
+    cfg = write_config(
+        tmp_path / "mix.yaml",
+        {"batching": {"max_tokens": 64}, "stop": "all_exhausted", "sources": [{"name": "s", "urls": pattern}]},
+    )
     assert cli.main(["run", cfg, "--steps", "100", "--workers", "0"]) == 0
     out = capsys.readouterr().out
     assert "the mixture ended after 3 of 100 batches (stop='all_exhausted')" in out
@@ -182,7 +214,10 @@ def two_phase_config(unit="steps", scale=1):
     # p(a) = 1 until 100; then a ramp over 50 to p(a) = 0; hand-computed: at 125, halfway (0.5).
     return {
         "batching": {"max_tokens": 1000},
-        "sources": [{"name": "a", "urls": "/nowhere/a-{0..9}.tar"}, {"name": "b", "urls": "s3://no-bucket/b/{0..9}.tar"}],
+        "sources": [
+            {"name": "a", "urls": "/nowhere/a-{0..9}.tar"},
+            {"name": "b", "urls": "s3://no-bucket/b/{0..9}.tar"},
+        ],
         "schedule": {
             "phases": [
                 {f"until_{unit}": 100 * scale, "weights": {"a": 1, "b": 0}},
@@ -245,9 +280,11 @@ def test_plan_of_the_pretraining_example_matches_the_schedule(capsys):
     header, rows = plan_table(capsys.readouterr().out)
     spec = mixer.parse_config(path)
     info = mixer.SourceInfo(
-        names=tuple(s.name for s in spec.sources), weights=np.array([s.weight for s in spec.sources]),
-        sizes=np.array([s.size for s in spec.sources]), groups=tuple(s.group for s in spec.sources),
-    )  # fmt: skip
+        names=tuple(s.name for s in spec.sources),
+        weights=np.array([s.weight for s in spec.sources]),
+        sizes=np.array([s.size for s in spec.sources]),
+        groups=tuple(s.group for s in spec.sources),
+    )
     assert header[3:] == list(info.names)
     for step, cells in rows.items():
         want = spec.schedule.probs(info, step, step * spec.batching.max_tokens)
@@ -301,7 +338,10 @@ def demo_cache(demo_shards):
 
 def test_demo_in_process(demo_cache, tmp_path, capsys):
     report_path = tmp_path / "demo.json"
-    assert cli.main(["demo", "--steps", "25", "--workers", "0", "--cache-dir", demo_cache, "--report", str(report_path)]) == 0
+    assert (
+        cli.main(["demo", "--steps", "25", "--workers", "0", "--cache-dir", demo_cache, "--report", str(report_path)])
+        == 0
+    )
     out = capsys.readouterr().out
     rep = strict_json(report_path)
     assert rep["command"] == "demo" and rep["batches"] == 25
@@ -318,8 +358,12 @@ def test_console_script(demo_cache):
     assert script.exists(), f"{script}: the console script is not installed (pip install -e .)"
     proc = subprocess.run(
         [str(script), "demo", "--steps", "20", "--workers", "0", "--cache-dir", demo_cache],
-        capture_output=True, text=True, timeout=120, cwd=str(REPO), env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(REPO),
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     assert proc.returncode == 0, proc.stderr
     assert "20 batches" in proc.stdout and proc.stdout.count("\n") >= 6
     for name in cli.DEMO_WEIGHTS:
@@ -338,7 +382,9 @@ def cli_command(*args):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("workers, whole_group", [(0, False), (2, True)])
-def test_ctrl_c_during_run_prints_the_summary_writes_the_report_and_exits_130(three_sources, tmp_path, workers, whole_group):
+def test_ctrl_c_during_run_prints_the_summary_writes_the_report_and_exits_130(
+    three_sources, tmp_path, workers, whole_group
+):
     # whole_group: SIGINT to the process group, as a terminal's Ctrl-C does (the DataLoader workers
     # get it too); otherwise to the main process alone (kill -INT).
     import signal
@@ -347,8 +393,12 @@ def test_ctrl_c_during_run_prints_the_summary_writes_the_report_and_exits_130(th
 
     cfg = write_config(tmp_path / "mix.yaml", run_config(three_sources))
     report_path = tmp_path / "r.json"
-    argv, env = cli_command("run", cfg, "--steps", "1000000", "--workers", str(workers), "--log-every", "5", "--report", str(report_path))
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=str(tmp_path), start_new_session=True)
+    argv, env = cli_command(
+        "run", cfg, "--steps", "1000000", "--workers", str(workers), "--log-every", "5", "--report", str(report_path)
+    )
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=str(tmp_path), start_new_session=True
+    )
     err = bytearray()
 
     def read_stderr():
@@ -388,10 +438,16 @@ def test_ctrl_c_during_run_prints_the_summary_writes_the_report_and_exits_130(th
 def test_plan_into_a_pipe_closed_early_exits_quietly(tmp_path):
     # `mixer plan x.yaml | head -n 3` with far more output than a pipe buffer holds: head exits after
     # three lines and the next write fails with EPIPE. No traceback, the status of a SIGPIPE death.
-    cfg = write_config(tmp_path / "plan.yaml", {
-        "batching": {"max_tokens": 1000},
-        "sources": [{"name": "a", "urls": "/nowhere/a-{0..9}.tar", "weight": 1}, {"name": "b", "urls": "/nowhere/b-{0..9}.tar", "weight": 3}],
-    })  # fmt: skip
+    cfg = write_config(
+        tmp_path / "plan.yaml",
+        {
+            "batching": {"max_tokens": 1000},
+            "sources": [
+                {"name": "a", "urls": "/nowhere/a-{0..9}.tar", "weight": 1},
+                {"name": "b", "urls": "/nowhere/b-{0..9}.tar", "weight": 3},
+            ],
+        },
+    )
     steps = ",".join(str(s) for s in range(0, 20000))
     argv, env = cli_command("plan", cfg, "--steps", steps)
     plan = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)

@@ -12,9 +12,6 @@ import gzip
 import io
 import lzma
 import os
-import tarfile
-import threading
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,17 +26,19 @@ from shardutil import expected_tokens, key_lengths, lognormal_lengths, split_eve
 
 import mixer
 from mixer import storage as mio
-from mixer.storage.filesystems import close_filesystems
-from mixer.storage.compressed import CodecError, DecompressingStream, codec_of
 from mixer.errors import ShardError
 from mixer.read.tario import TarDamage, read_samples
+from mixer.storage.compressed import CodecError, DecompressingStream, codec_of
+from mixer.storage.filesystems import close_filesystems
 
 SHARDS = 3
 OURS = ("__key__", "__offset__", "__end__")
 
 
 def samples_of(stream: Any, url: str = "u", start_offset: int = 0) -> list[dict[str, Any]]:
-    return [{k: v for k, v in s.items() if k != "__url__"} for s in read_samples(stream, url=url, start_offset=start_offset)]
+    return [
+        {k: v for k, v in s.items() if k != "__url__"} for s in read_samples(stream, url=url, start_offset=start_offset)
+    ]
 
 
 def plain(path: Path) -> list[dict[str, Any]]:
@@ -155,7 +154,9 @@ def test_open_at_every_sample_offset(root: Path) -> None:
             # tell() counts uncompressed bytes: the reader read the whole tar (its 1 MiB chunk covers it)
             assert stream.tell() == (root / "tar" / "c-000002.tar").stat().st_size
     end = want[-1]["__end__"]
-    with pytest.raises(ShardError, match=r"c-000002\.tar\.gz: start_offset \d+ is past the end of the uncompressed shard"):
+    with pytest.raises(
+        ShardError, match=r"c-000002\.tar\.gz: start_offset \d+ is past the end of the uncompressed shard"
+    ):
         mio.open_shard(url, start_offset=end + 10**6).read(1)
 
 
@@ -220,12 +221,18 @@ def test_corrupt_and_mislabelled_data(root: Path, tmp_path: Path) -> None:
     data = bytearray((root / "gz" / "c-000001.tar.gz").read_bytes())
     data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)
     (tmp_path / "bad.tar.gz").write_bytes(bytes(data))
-    with pytest.raises(TarDamage, match=r"bad\.tar\.gz: corrupt gzip data within the first \d+ compressed bytes \(\d+ bytes into the tar\): Error -3") as err:
+    with pytest.raises(
+        TarDamage,
+        match=r"bad\.tar\.gz: corrupt gzip data within the first \d+ compressed bytes \(\d+ bytes into the tar\): Error -3",
+    ) as err:
         plain_or_gz(tmp_path / "bad.tar.gz")
     assert not err.value.truncated and isinstance(err.value.__cause__, CodecError)
 
     (tmp_path / "plain.tar.gz").write_bytes((root / "tar" / "c-000000.tar").read_bytes())
-    with pytest.raises(TarDamage, match=r"plain\.tar\.gz: the name says gzip, but this is not gzip data \(it starts with b'c-000000-000000\.'\)$"):
+    with pytest.raises(
+        TarDamage,
+        match=r"plain\.tar\.gz: the name says gzip, but this is not gzip data \(it starts with b'c-000000-000000\.'\)$",
+    ):
         plain_or_gz(tmp_path / "plain.tar.gz")
 
     (tmp_path / "empty.tgz").write_bytes(b"")
@@ -236,12 +243,17 @@ def test_corrupt_and_mislabelled_data(root: Path, tmp_path: Path) -> None:
     # never read), but a stream read to its end says what follows the gzip data
     (tmp_path / "junk.tar.gz").write_bytes((root / "gz" / "c-000000.tar.gz").read_bytes() + b"JUNK")
     assert plain_or_gz(tmp_path / "junk.tar.gz") == plain(root / "tar" / "c-000000.tar")
-    with pytest.raises(CodecError, match=r"junk\.tar\.gz: data after the end of the gzip stream \(\d+ bytes of tar\): it starts with b'JUNK'$"):
+    with pytest.raises(
+        CodecError,
+        match=r"junk\.tar\.gz: data after the end of the gzip stream \(\d+ bytes of tar\): it starts with b'JUNK'$",
+    ):
         mio.open_shard(str(tmp_path / "junk.tar.gz")).read()
 
     # a gzip file named .tar says what it is (see mixer.read.tario)
     (tmp_path / "gz.tar").write_bytes((root / "gz" / "c-000000.tar.gz").read_bytes())
-    with pytest.raises(TarDamage, match=r"gz\.tar: not a tar file .*gzip-compressed data: name the shard \.tar\.gz or \.tgz"):
+    with pytest.raises(
+        TarDamage, match=r"gz\.tar: not a tar file .*gzip-compressed data: name the shard \.tar\.gz or \.tgz"
+    ):
         plain_or_gz(tmp_path / "gz.tar")
 
 
@@ -258,7 +270,11 @@ def test_folder_and_glob_list_every_kind(root: Path) -> None:
     names = [os.path.basename(u) for u, _ in listed]
     assert names == ["c-000000.tar", "c-000001.tar.gz", "c-000002.tgz", "c-000003.tar.xz"]
     assert all(size == os.path.getsize(u) for u, size in listed)
-    assert [os.path.basename(u) for u, _ in mio.expand_urls(str(root / "mixed" / "*.t*z"))] == ["c-000001.tar.gz", "c-000002.tgz", "c-000003.tar.xz"]
+    assert [os.path.basename(u) for u, _ in mio.expand_urls(str(root / "mixed" / "*.t*z"))] == [
+        "c-000001.tar.gz",
+        "c-000002.tgz",
+        "c-000003.tar.xz",
+    ]
 
 
 def test_http_and_s3_prefixes_list_compressed_shards(http: FaultyHTTPServer, s3: dict[str, Any]) -> None:
@@ -277,7 +293,9 @@ def test_http_gzip_with_a_reset_mid_shard(http: FaultyHTTPServer, root: Path) ->
     http.clear()
     size = (root / "gz" / "c-000000.tar.gz").stat().st_size
     http.fail("gz/c-000000.tar.gz", "reset", after=size // 2, pause=0.05)
-    with mio.open_shard(http.url("gz/c-000000.tar.gz"), timeout=30.0, backoff=0.01) as stream:  # (no stall here: no false timeout under load)
+    with mio.open_shard(
+        http.url("gz/c-000000.tar.gz"), timeout=30.0, backoff=0.01
+    ) as stream:  # (no stall here: no false timeout under load)
         assert samples_of(stream) == plain(root / "tar" / "c-000000.tar")
     gets = http.requests("gz/c-000000.tar.gz")
     assert gets[0].start is None
@@ -345,7 +363,9 @@ def test_resume_mid_shard_gives_the_uninterrupted_run(root: Path, http: FaultyHT
     stream = mixer.state.checkpoint.readable(loader.state_dict()["readers"][0]["snapshot"])["streams"][0]
     assert stream["next_offset"] > 0 and stream["buffer"], "the cut at 7 should fall mid-shard, with buffered samples"
     reference = [batch_view(b) for b in take(mixer.make_loader(mix), 60)]
-    assert_resumes_exactly(lambda: mixer.make_loader(mix), cuts=[1, 7, 23, 41], window=12, view=batch_view, reference=reference)
+    assert_resumes_exactly(
+        lambda: mixer.make_loader(mix), cuts=[1, 7, 23, 41], window=12, view=batch_view, reference=reference
+    )
 
 
 def test_read_ahead_reuses_a_begun_download_for_a_resume(http: FaultyHTTPServer, root: Path) -> None:

@@ -16,14 +16,16 @@ import torch
 
 import mixer
 from mixer.batching import collate as collate_mod
-from mixer.read import tario
 from mixer.batching.batch import BatchMeta
 from mixer.batching.batchers import PackedGroup, Packer
 from mixer.batching.collate import PackedLayout, collate
+from mixer.read import tario
 from mixer.read.decode import Sample
 from mixer.runtime.transport import SlotPool
 
-needs_rows = pytest.mark.skipif(collate_mod._rows is None, reason="mixer._native._rows was not built (no C compiler at install)")
+needs_rows = pytest.mark.skipif(
+    collate_mod._rows is None, reason="mixer._native._rows was not built (no C compiler at install)"
+)
 
 TOKEN_DTYPES = ["int32", "int64", "uint16", "int8", "uint8", "int16", "uint32", "uint64"]
 
@@ -78,7 +80,9 @@ def test_compiled_and_numpy_rows_agree_on_random_batches(seed: int, out_dtype: s
         b = int(rng.integers(0, 40))
         lengths = np.clip(rng.lognormal(np.log(30), 0.8, b).astype(np.int64), 0, 400)
         mostly = rng.choice(TOKEN_DTYPES)
-        arrays = [random_row(rng, k, mostly if rng.random() < 0.8 else rng.choice(TOKEN_DTYPES)) for k in lengths.tolist()]
+        arrays = [
+            random_row(rng, k, mostly if rng.random() < 0.8 else rng.choice(TOKEN_DTYPES)) for k in lengths.tolist()
+        ]
         pad_id = int(rng.choice([0, 0, 1, -1, 7, 2**31 - 1, -(2**31)]))
         sources = rng.integers(0, 5, b)
         keys = [f"k{i}" for i in range(b)]
@@ -99,7 +103,9 @@ def test_compiled_rows_into_a_reused_out_buffer_agree_with_numpy(pad_id: int) ->
         got = []
         for native in (True, False):
             stale[:] = -99999  # an earlier, longer batch's tokens
-            batch = collate(arrays, lengths, np.zeros(b, np.int64), ["x"] * b, pad_id=pad_id, out=lambda n: stale[:n], native=native)
+            batch = collate(
+                arrays, lengths, np.zeros(b, np.int64), ["x"] * b, pad_id=pad_id, out=lambda n: stale[:n], native=native
+            )
             assert batch.buffer.data_ptr() == stale.ctypes.data  # it went into the buffer
             got.append(batch.buffer.clone())
         assert torch.equal(got[0], got[1]) and not (got[0] == -99999).any()
@@ -116,7 +122,9 @@ def test_compiled_rows_into_a_worker_slot_read_back_as_numpys() -> None:
         got = []
         for native in (True, False):
             writer = pool.writer(0)
-            batch = collate(arrays, lengths, np.ones(20, np.int64), ["x"] * 20, pad_id=-1, out=writer.out, native=native)
+            batch = collate(
+                arrays, lengths, np.ones(20, np.int64), ["x"] * 20, pad_id=-1, out=writer.out, native=native
+            )
             sealed = writer.seal()
             assert sealed is not None
             _, worker, slot, stamp, _ = sealed
@@ -157,7 +165,14 @@ def test_rows_numpy_must_copy_go_through_numpy_alongside_compiled_ones() -> None
             for x, k in odd:
                 arrays += [rng.integers(0, 100, 5, dtype=np.int32), x]
                 lengths += [5, k]
-            a, p = both(arrays, np.array(lengths), np.arange(len(arrays)), [str(i) for i in range(len(arrays))], pad_id=pad_id, dtype=out_dtype)
+            a, p = both(
+                arrays,
+                np.array(lengths),
+                np.arange(len(arrays)),
+                [str(i) for i in range(len(arrays))],
+                pad_id=pad_id,
+                dtype=out_dtype,
+            )
             assert not isinstance(p, tuple)
             assert_same(a, p)
 
@@ -166,11 +181,22 @@ def test_rows_numpy_must_copy_go_through_numpy_alongside_compiled_ones() -> None
 @pytest.mark.parametrize(
     "case",
     [
-        "short row", "long row", "row of wrong shape", "string row", "pad too large", "pad too large int64", "pad float",
-        "pad numpy int", "lengths float", "tuple of arrays", "more lengths than arrays", "fewer lengths than arrays",
-        "negative length", "none row",
+        "short row",
+        "long row",
+        "row of wrong shape",
+        "string row",
+        "pad too large",
+        "pad too large int64",
+        "pad float",
+        "pad numpy int",
+        "lengths float",
+        "tuple of arrays",
+        "more lengths than arrays",
+        "fewer lengths than arrays",
+        "negative length",
+        "none row",
     ],
-)  # fmt: skip
+)
 def test_errors_and_odd_batches_are_numpys(case: str) -> None:
     """Whatever numpy raises (or does) for an odd batch, the compiled path raises (or does) too."""
     ok = [np.arange(1, 6, dtype=np.int32), np.arange(1, 4, dtype=np.int64)]
@@ -210,7 +236,14 @@ def test_errors_and_odd_batches_are_numpys(case: str) -> None:
         arrays[1] = arrays[1][:0]
     a, p = both(arrays, lengths, np.zeros(3, np.int64), ["a", "b", "c"], pad_id=pad_id, dtype=dtype)
     assert_same(a, p)
-    if case in ("short row", "long row", "row of wrong shape", "pad too large", "more lengths than arrays", "fewer lengths than arrays"):
+    if case in (
+        "short row",
+        "long row",
+        "row of wrong shape",
+        "pad too large",
+        "more lengths than arrays",
+        "fewer lengths than arrays",
+    ):
         assert isinstance(p, tuple), f"{case}: numpy should raise here"
 
 
@@ -252,7 +285,9 @@ def test_collate_uses_the_compiled_rows_by_default_and_not_when_told(monkeypatch
     lengths = rng.integers(1, 300, 120)
     for dtype in ("int32", "int64", "uint16"):
         arrays = [rng.integers(0, 30000, k).astype(dtype) for k in lengths.tolist()]
-        assert collate_mod._rows.pad(np.empty(120 * 300, np.int32), arrays, lengths.tolist(), 300, 0, 0, np.ndarray) == 120
+        assert (
+            collate_mod._rows.pad(np.empty(120 * 300, np.int32), arrays, lengths.tolist(), 300, 0, 0, np.ndarray) == 120
+        )
     arrays = [rng.integers(0, 30000, k).astype(np.int32) for k in lengths.tolist()]
     args = (arrays, lengths, np.zeros(120, np.int64), ["k"] * 120)
     assert _c_calls(lambda: collate(*args)).count("mixer._native._rows.pad") == 1
@@ -327,7 +362,9 @@ def test_compiled_packing_into_a_reused_out_buffer_agrees_with_numpy() -> None:
         got = []
         for native in (True, False):
             stale[:] = -99999
-            batch = layout.collate(group, np.zeros(len(group), np.int64), meta=BatchMeta(step=0), out=lambda n: stale[:n], native=native)
+            batch = layout.collate(
+                group, np.zeros(len(group), np.int64), meta=BatchMeta(step=0), out=lambda n: stale[:n], native=native
+            )
             assert batch.buffer.data_ptr() == stale.ctypes.data
             assert not (batch.tokens == -99999).any() and not (batch.position_ids == -99999).any()
             got.append(batch.buffer.clone())
@@ -337,13 +374,29 @@ def test_compiled_packing_into_a_reused_out_buffer_agrees_with_numpy() -> None:
 @needs_rows
 @pytest.mark.parametrize(
     "case",
-    ["short document", "start past the end", "negative start", "list tokens", "float tokens", "big-endian tokens",
-     "2-D tokens", "pad too large", "pad too large flat", "count over the row", "gap in a row", "tuple counts"],
-)  # fmt: skip
+    [
+        "short document",
+        "start past the end",
+        "negative start",
+        "list tokens",
+        "float tokens",
+        "big-endian tokens",
+        "2-D tokens",
+        "pad too large",
+        "pad too large flat",
+        "count over the row",
+        "gap in a row",
+        "tuple counts",
+    ],
+)
 def test_packing_errors_and_odd_batches_are_numpys(case: str) -> None:
     """Geometry or documents the C code does not vouch for: numpy's code does the batch, so the
     result or the error is numpy's."""
-    docs: list[Any] = [np.arange(1, 6, dtype=np.int32), np.arange(10, 14, dtype=np.int64), np.arange(20, 23, dtype=np.uint16)]
+    docs: list[Any] = [
+        np.arange(1, 6, dtype=np.int32),
+        np.arange(10, 14, dtype=np.int64),
+        np.arange(20, 23, dtype=np.uint16),
+    ]
     rows, cols, starts, counts, row_len, flat, pad_id = [0, 0, 1], [0, 5, 0], [0, 0, 0], [5, 3, 3], 8, False, 0
     if case == "short document":
         docs[1] = docs[1][:2]
@@ -386,8 +439,12 @@ def test_packed_collate_uses_the_compiled_copies_by_default() -> None:
     group = [*packer.ready, *packer.drain()][0]
     layout = PackedLayout(packed, dtype="int32", pad_id=0)
     sources = np.zeros(len(group), np.int64)
-    assert _c_calls(lambda: layout.collate(group, sources, meta=BatchMeta(step=0))).count("mixer._native._rows.pack") == 1
-    assert "mixer._native._rows.pack" not in _c_calls(lambda: layout.collate(group, sources, meta=BatchMeta(step=0), native=False))
+    assert (
+        _c_calls(lambda: layout.collate(group, sources, meta=BatchMeta(step=0))).count("mixer._native._rows.pack") == 1
+    )
+    assert "mixer._native._rows.pack" not in _c_calls(
+        lambda: layout.collate(group, sources, meta=BatchMeta(step=0), native=False)
+    )
 
 
 @needs_rows
@@ -395,6 +452,8 @@ def test_packed_collate_uses_the_compiled_copies_by_default() -> None:
 def test_the_collate_benchmark_runs_and_checks_both_ways(args: list[str]) -> None:
     """`python -m benchmarks.collate_speed` compares compiled and numpy outputs before it times them."""
     repo = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.collate_speed", *args], cwd=repo, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.collate_speed", *args], cwd=repo, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "| compiled |" in proc.stdout or "| flat |" in proc.stdout, proc.stdout

@@ -77,7 +77,11 @@ def base() -> dict[str, Any]:
 def small(**extra: Any) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "batching": {"max_tokens": 4096},
-        "sources": [{"name": "a", "urls": "/d/a-{0..3}.tar"}, {"name": "b", "urls": ["/d/b-0.tar", "/d/b-1.tar"]}, {"name": "c", "urls": "/d/c.tar"}],
+        "sources": [
+            {"name": "a", "urls": "/d/a-{0..3}.tar"},
+            {"name": "b", "urls": ["/d/b-0.tar", "/d/b-1.tar"]},
+            {"name": "c", "urls": "/d/c.tar"},
+        ],
     }
     cfg.update(extra)
     return cfg
@@ -103,7 +107,10 @@ def test_issue_yaml_parses_into_the_expected_spec(tmp_path):
 def test_issue_schedule_values():
     spec = parse_config(base())
     info = SourceInfo(
-        names=("web", "code", "books"), weights=np.array([0.6, 0.3, 0.1]), sizes=np.array([1.2e12, 2e11, 5e10]), groups=("en", "code", "en")
+        names=("web", "code", "books"),
+        weights=np.array([0.6, 0.3, 0.1]),
+        sizes=np.array([1.2e12, 2e11, 5e10]),
+        groups=("en", "code", "en"),
     )
     p = spec.schedule.probs(info, 100000, 2.0e11)  # t = 1 by now; boundary: still phase 1's vector
     assert p.tolist() == pytest.approx([0.3, 0.1, 0.6], rel=1e-12)
@@ -128,19 +135,36 @@ ROUND_TRIP = {
         pad_id=-1,
         dtype="int64",
         batching={
-            "max_tokens": 8192, "buckets": [64, 256, 1024], "max_batch_size": 128, "multiple_of": 8,
-            "max_length": 2048, "overlong": "drop", "num_buckets": 8, "max_bucket_ratio": 1.2, "max_wait": 5,
-        },  # fmt: skip
+            "max_tokens": 8192,
+            "buckets": [64, 256, 1024],
+            "max_batch_size": 128,
+            "multiple_of": 8,
+            "max_length": 2048,
+            "overlong": "drop",
+            "num_buckets": 8,
+            "max_bucket_ratio": 1.2,
+            "max_wait": 5,
+        },
         state_every=16,
         sources=[
             {
-                "name": "a", "urls": ["s3://b/a-{0..3}.tar", "s3://b/x/"], "weight": 2, "size": 1e9, "decode": "json:loads",
-                "length": "pkg.mod:obj.length", "on_error": "skip", "storage_options": {"anon": True}, "group": "g",
+                "name": "a",
+                "urls": ["s3://b/a-{0..3}.tar", "s3://b/x/"],
+                "weight": 2,
+                "size": 1e9,
+                "decode": "json:loads",
+                "length": "pkg.mod:obj.length",
+                "on_error": "skip",
+                "storage_options": {"anon": True},
+                "group": "g",
                 "io_options": {"timeout": 30, "retries": 3, "read_ahead": 0},
-            },  # fmt: skip
+            },
             {"name": "b", "urls": "/d/b.tar", "weight": 0},
         ],
-        schedule={"temperature": {"start": 3, "end": 1, "shape": "step", "tokens": 1e9, "base": "weights"}, "min_prob": 0.1},
+        schedule={
+            "temperature": {"start": 3, "end": 1, "shape": "step", "tokens": 1e9, "base": "weights"},
+            "min_prob": 0.1,
+        },
     ),
     "hierarchical": small(schedule={"hierarchical": {"beta_group": 0.5, "beta_source": 0.3}}),
     "weights": small(schedule={"weights": {"c": 3, "a": 1}, "min_prob": 0.1}),
@@ -149,7 +173,11 @@ ROUND_TRIP = {
     "steps": small(
         schedule={
             "phases": [
-                {"until_steps": 100, "weights": {"a": 1}, "temperature": {"start": 2, "end": 1, "shape": "linear", "steps": 50}},
+                {
+                    "until_steps": 100,
+                    "weights": {"a": 1},
+                    "temperature": {"start": 2, "end": 1, "shape": "linear", "steps": 50},
+                },
                 {"until_steps": 300, "ramp_steps": 20},
                 {"weights": {"b": 1, "c": 2}, "ramp_steps": 5, "temperature": {"start": 2, "base": "weights"}},
             ]
@@ -157,9 +185,16 @@ ROUND_TRIP = {
     ),
     "nemo": small(concat_sampling_technique="random", concat_sampling_probabilities=[0.5, 0.25, 0.25], shuffle=False),
     "packed": small(
-        batching={"packed": True, "max_tokens": 8192, "seq_len": 2048, "split_documents": True, "max_length": 100000,
-                  "overlong": "drop", "open_batches": 2},
-    ),  # fmt: skip
+        batching={
+            "packed": True,
+            "max_tokens": 8192,
+            "seq_len": 2048,
+            "split_documents": True,
+            "max_length": 100000,
+            "overlong": "drop",
+            "open_batches": 2,
+        },
+    ),
     "packed_flat": small(batching={"packed": True, "max_tokens": 4096}),
     "packed_false": small(batching={"packed": False, "max_tokens": 4096, "max_wait": 3}),
     "fields": small(
@@ -196,7 +231,13 @@ def test_to_dict_is_canonical():
             {"name": "c", "urls": "/d/c.tar", "weight": 1.0},
         ],
         # Every TokenBudget field that is not None (the defaults are the class's own now).
-        "batching": {"max_tokens": 4096, "multiple_of": 1, "overlong": "truncate", "num_buckets": 16, "max_bucket_ratio": 1.05},
+        "batching": {
+            "max_tokens": 4096,
+            "multiple_of": 1,
+            "overlong": "truncate",
+            "num_buckets": 16,
+            "max_bucket_ratio": 1.05,
+        },
         "selector": "round_robin",
         "unit": "tokens",
         "mix": "batch",
@@ -228,9 +269,27 @@ def test_to_dict_rejects_schedules_without_config_form():
 
 def test_defaults():
     spec = parse_config(small())
-    assert (spec.schedule, spec.selector, spec.unit, spec.mix, spec.stop, spec.seed, spec.shuffle_buffer, spec.pad_id, spec.dtype) == (
-        None, "deficit", "tokens", "batch", "never", 0, 1000, 0, "int32",
-    )  # fmt: skip
+    assert (
+        spec.schedule,
+        spec.selector,
+        spec.unit,
+        spec.mix,
+        spec.stop,
+        spec.seed,
+        spec.shuffle_buffer,
+        spec.pad_id,
+        spec.dtype,
+    ) == (
+        None,
+        "deficit",
+        "tokens",
+        "batch",
+        "never",
+        0,
+        1000,
+        0,
+        "int32",
+    )
     assert spec.sources[1] == Source(name="b", urls=("/d/b-0.tar", "/d/b-1.tar"))
     assert spec.batching == TokenBudget(max_tokens=4096)
     assert (spec.state_every, spec.fields, spec.batching.max_wait) == (64, None, None)
@@ -246,23 +305,41 @@ def test_integral_floats_are_integers():
 def test_packed_fields_and_state_every_specs():
     spec = parse_config(small(batching={"packed": True, "max_tokens": 8192, "seq_len": 1024}, state_every=8))
     assert spec.batching == Packed(max_tokens=8192, seq_len=1024) and spec.state_every == 8
-    assert spec.to_dict()["batching"] == {"packed": True, "max_tokens": 8192, "seq_len": 1024, "split_documents": False, "overlong": "truncate", "open_batches": 4}
+    assert spec.to_dict()["batching"] == {
+        "packed": True,
+        "max_tokens": 8192,
+        "seq_len": 1024,
+        "split_documents": False,
+        "overlong": "truncate",
+        "open_batches": 4,
+    }
     assert spec.to_dict()["state_every"] == 8
     # packed: false is the token budget, as if absent (and to_dict leaves it out).
     plain = parse_config(small(batching={"packed": False, "max_tokens": 64, "max_wait": 2}))
     assert plain.batching == TokenBudget(max_tokens=64, max_wait=2) and "packed" not in plain.to_dict()["batching"]
     # A split document may be longer than a row, so max_length is then bounded by nothing but >= 1.
-    assert parse_config(small(batching={"packed": True, "max_tokens": 64, "split_documents": True, "max_length": 10**6})).batching.max_length == 10**6
+    assert (
+        parse_config(
+            small(batching={"packed": True, "max_tokens": 64, "split_documents": True, "max_length": 10**6})
+        ).batching.max_length
+        == 10**6
+    )
     spec = parse_config(
         small(
             fields={"audio": {"dtype": "float32", "pad": -2.0}, "text": {}},
-            sources=[{"name": "a", "urls": "/a.tar", "length": "audio"}, {"name": "b", "urls": "/b.tar", "length": "m.n:f"}],
+            sources=[
+                {"name": "a", "urls": "/a.tar", "length": "audio"},
+                {"name": "b", "urls": "/b.tar", "length": "m.n:f"},
+            ],
         )
     )
     assert spec.fields == {"audio": Field(dtype="float32", pad=-2.0), "text": Field()}
     assert list(spec.fields) == ["audio", "text"]  # in order: the first field counts when length is not given
     assert [s.length for s in spec.sources] == ["audio", ImportPath("m.n:f")]  # a field name, an import path
-    assert spec.to_dict()["fields"] == {"audio": {"dtype": "float32", "pad": -2.0}, "text": {"dtype": "int32", "pad": 0}}
+    assert spec.to_dict()["fields"] == {
+        "audio": {"dtype": "float32", "pad": -2.0},
+        "text": {"dtype": "int32", "pad": 0},
+    }
     assert parse_config(small(fields=None)).fields is None
 
 
@@ -321,18 +398,30 @@ def _set(path: str, value: Any):
 
 
 DELETE = object()
-PHASES = {"phases": [{"until_tokens": 100, "weights": {"a": 1}}, {"until_tokens": 200, "ramp_tokens": 50}, {"weights": {"b": 1}}]}
+PHASES = {
+    "phases": [
+        {"until_tokens": 100, "weights": {"a": 1}},
+        {"until_tokens": 200, "ramp_tokens": 50},
+        {"weights": {"b": 1}},
+    ]
+}
 
 ERRORS = [
     # root
     (_set("sourcs", []), "sourcs: unknown key; did you mean 'sources'?"),
-    (_set("zzz", 1), "zzz: unknown key (expected one of: sources, batching, schedule, selector, unit, mix, stop, seed, "
-     "shuffle_buffer, pad_id, dtype, state_every, buffer_budget, fields, profile_cache, profile_share, sampling_technique, sampling_temperature, sampling_probabilities, sampling_scale, "
-     "shuffle, concat_sampling_technique, concat_sampling_temperature, concat_sampling_probabilities, "
-     "concat_sampling_scale, concat_shuffle, concat_sampling_seed)"),
+    (
+        _set("zzz", 1),
+        "zzz: unknown key (expected one of: sources, batching, schedule, selector, unit, mix, stop, seed, "
+        "shuffle_buffer, pad_id, dtype, state_every, buffer_budget, fields, profile_cache, profile_share, sampling_technique, sampling_temperature, sampling_probabilities, sampling_scale, "
+        "shuffle, concat_sampling_technique, concat_sampling_temperature, concat_sampling_probabilities, "
+        "concat_sampling_scale, concat_shuffle, concat_sampling_seed)",
+    ),
     (_set("sources", DELETE), "sources: required"),
     (_set("batching", DELETE), "batching: required"),
-    (_set("selector", "round-robin"), "selector: must be one of 'deficit', 'random', 'round_robin', got 'round-robin'; did you mean 'round_robin'?"),
+    (
+        _set("selector", "round-robin"),
+        "selector: must be one of 'deficit', 'random', 'round_robin', got 'round-robin'; did you mean 'round_robin'?",
+    ),
     (_set("selector", None), "selector: must be one of 'deficit', 'random', 'round_robin', got None (NoneType)"),
     (_set("unit", "token"), "unit: must be one of 'tokens', 'samples', got 'token'; did you mean 'tokens'?"),
     (_set("mix", "batches"), "mix: must be one of 'batch', 'sample', got 'batches'; did you mean 'batch'?"),
@@ -363,19 +452,43 @@ ERRORS = [
     (_set("sources[0].urls", []), "sources[0].urls: must be a pattern or a non-empty list of patterns, got [] (list)"),
     (_set("sources[1].urls[1]", 3), "sources[1].urls[1]: must be a non-empty string, got 3"),
     (_set("sources[0].size", 0), "sources[0].size: must be > 0, got 0"),
-    (_set("sources[0].decode", "mypkg.decode"), "sources[0].decode: must be an import path 'package.module:function', got 'mypkg.decode'"),
-    (_set("sources[0].length", 5), "sources[0].length: must be an import path 'package.module:function' or the name of a field, got 5"),
-    (_set("sources[0].length", "pkg.mod"), "sources[0].length: must be an import path 'package.module:function' or the name of a field, got 'pkg.mod'"),
-    (_set("sources[0].length", "audio"), "sources[0].length: 'audio' names a field, but there is no 'fields' key; add fields, or give an import path 'package.module:function'"),
-    (lambda c: c.update(fields={"audio": {}, "text": {}}) or c["sources"][0].update(length="audoi"), "sources[0].length: names no field of 'fields', got 'audoi'; did you mean 'audio'?"),
-    (lambda c: c.update(fields={"audio": {}, "text": {}}) or c["sources"][2].update(length="x"), "sources[2].length: names no field of 'fields', got 'x' (fields: audio, text)"),
+    (
+        _set("sources[0].decode", "mypkg.decode"),
+        "sources[0].decode: must be an import path 'package.module:function', got 'mypkg.decode'",
+    ),
+    (
+        _set("sources[0].length", 5),
+        "sources[0].length: must be an import path 'package.module:function' or the name of a field, got 5",
+    ),
+    (
+        _set("sources[0].length", "pkg.mod"),
+        "sources[0].length: must be an import path 'package.module:function' or the name of a field, got 'pkg.mod'",
+    ),
+    (
+        _set("sources[0].length", "audio"),
+        "sources[0].length: 'audio' names a field, but there is no 'fields' key; add fields, or give an import path 'package.module:function'",
+    ),
+    (
+        lambda c: c.update(fields={"audio": {}, "text": {}}) or c["sources"][0].update(length="audoi"),
+        "sources[0].length: names no field of 'fields', got 'audoi'; did you mean 'audio'?",
+    ),
+    (
+        lambda c: c.update(fields={"audio": {}, "text": {}}) or c["sources"][2].update(length="x"),
+        "sources[2].length: names no field of 'fields', got 'x' (fields: audio, text)",
+    ),
     (_set("sources[0].io_options", "fast"), "sources[0].io_options: must be a mapping, got 'fast'"),
     (_set("sources[0].on_error", "ignore"), "sources[0].on_error: must be one of 'raise', 'skip', got 'ignore'"),
     (_set("sources[0].storage_options", "anon"), "sources[0].storage_options: must be a mapping, got 'anon'"),
     (_set("sources[0].group", 3), "sources[0].group: must be a non-empty string, got 3"),
-    (_set("sources[0].allow_pipe", True), "sources[0].allow_pipe: not a config key: 'pipe:' URLs run shell commands, so only code can allow them "
-     "(build_mixture(spec, allow_pipe=True) or load_config(path, allow_pipe=True)), never a config file alone"),
-    (_set("sources[0].io_options", {"timout": 1}), "sources[0].io_options: unknown key 'timout'; did you mean 'timeout'?"),
+    (
+        _set("sources[0].allow_pipe", True),
+        "sources[0].allow_pipe: not a config key: 'pipe:' URLs run shell commands, so only code can allow them "
+        "(build_mixture(spec, allow_pipe=True) or load_config(path, allow_pipe=True)), never a config file alone",
+    ),
+    (
+        _set("sources[0].io_options", {"timout": 1}),
+        "sources[0].io_options: unknown key 'timout'; did you mean 'timeout'?",
+    ),
     (_set("sources[0].io_options", {"retries": -1}), "sources[0].io_options.retries: must be >= 0, got -1"),
     (lambda c: [s.update(weight=0) for s in c["sources"]], "sources: every weight is 0; at least one must be > 0"),
     # batching
@@ -391,7 +504,10 @@ ERRORS = [
     (_set("batching.buckets", []), "batching.buckets: must be a non-empty list of increasing lengths, got [] (list)"),
     (_set("batching.buckets", [64, 64]), "batching.buckets[1]: must be greater than batching.buckets[0] (64), got 64"),
     (_set("batching.buckets", [64, 8192]), "batching.buckets[1]: must be <= max_tokens (4096), got 8192"),
-    (lambda c: c["batching"].update(max_length=100, buckets=[50, 200]), "batching.buckets[1]: must be <= max_length (100), got 200"),
+    (
+        lambda c: c["batching"].update(max_length=100, buckets=[50, 200]),
+        "batching.buckets[1]: must be <= max_length (100), got 200",
+    ),
     (_set("batching.num_buckets", 0), "batching.num_buckets: must be >= 1, got 0"),
     (_set("batching.max_bucket_ratio", 1), "batching.max_bucket_ratio: must be > 1, got 1"),
     (_set("batching.max_wait", 0), "batching.max_wait: must be >= 1, got 0"),
@@ -400,92 +516,237 @@ ERRORS = [
     (_set("batching.packed", "yes"), "batching.packed: must be true or false, got 'yes'"),
     (_set("batching.packed", None), "batching.packed: must be true or false, got None (NoneType)"),
     (_set("batching.seq_len", 512), "batching.seq_len: a Packed option; set batching.packed: true to pack documents"),
-    (_set("batching.open_batches", 2), "batching.open_batches: a Packed option; set batching.packed: true to pack documents"),
-    (lambda c: c["batching"].update(packed=True, buckets=[64]), "batching.buckets: a TokenBudget option, not used with packed: true"),
-    (lambda c: c["batching"].update(packed=True, max_wait=2), "batching.max_wait: a TokenBudget option, not used with packed: true"),
-    (lambda c: c["batching"].update(packed=True, seq_length=5), "batching.seq_length: unknown key; did you mean 'seq_len'?"),
+    (
+        _set("batching.open_batches", 2),
+        "batching.open_batches: a Packed option; set batching.packed: true to pack documents",
+    ),
+    (
+        lambda c: c["batching"].update(packed=True, buckets=[64]),
+        "batching.buckets: a TokenBudget option, not used with packed: true",
+    ),
+    (
+        lambda c: c["batching"].update(packed=True, max_wait=2),
+        "batching.max_wait: a TokenBudget option, not used with packed: true",
+    ),
+    (
+        lambda c: c["batching"].update(packed=True, seq_length=5),
+        "batching.seq_length: unknown key; did you mean 'seq_len'?",
+    ),
     (lambda c: c["batching"].update(packed=True) or c["batching"].pop("max_tokens"), "batching.max_tokens: required"),
     (lambda c: c["batching"].update(packed=True, max_tokens=0), "batching.max_tokens: must be >= 1, got 0"),
     (lambda c: c["batching"].update(packed=True, seq_len=5000), "batching.seq_len: must be <= 4096, got 5000"),
     (lambda c: c["batching"].update(packed=True, seq_len=0), "batching.seq_len: must be >= 1, got 0"),
-    (lambda c: c["batching"].update(packed=True, split_documents="no"), "batching.split_documents: must be true or false, got 'no'"),
-    (lambda c: c["batching"].update(packed=True, seq_len=512, max_length=1000), "batching.max_length: must be <= seq_len (512) unless split_documents is true, got 1000"),
-    (lambda c: c["batching"].update(packed=True, max_length=5000), "batching.max_length: must be <= max_tokens (4096) unless split_documents is true, got 5000"),
-    (lambda c: c["batching"].update(packed=True, split_documents=True, max_length=0), "batching.max_length: must be >= 1, got 0"),
-    (lambda c: c["batching"].update(packed=True, overlong="cut"), "batching.overlong: must be one of 'truncate', 'drop', got 'cut'"),
+    (
+        lambda c: c["batching"].update(packed=True, split_documents="no"),
+        "batching.split_documents: must be true or false, got 'no'",
+    ),
+    (
+        lambda c: c["batching"].update(packed=True, seq_len=512, max_length=1000),
+        "batching.max_length: must be <= seq_len (512) unless split_documents is true, got 1000",
+    ),
+    (
+        lambda c: c["batching"].update(packed=True, max_length=5000),
+        "batching.max_length: must be <= max_tokens (4096) unless split_documents is true, got 5000",
+    ),
+    (
+        lambda c: c["batching"].update(packed=True, split_documents=True, max_length=0),
+        "batching.max_length: must be >= 1, got 0",
+    ),
+    (
+        lambda c: c["batching"].update(packed=True, overlong="cut"),
+        "batching.overlong: must be one of 'truncate', 'drop', got 'cut'",
+    ),
     (lambda c: c["batching"].update(packed=True, open_batches=0), "batching.open_batches: must be >= 1, got 0"),
     # fields
     (_set("fields", []), "fields: must be a mapping, got [] (list)"),
     (_set("fields", {}), "fields: must name at least one field, got {}"),
     (_set("fields", {"a b": {}}), "fields.a b: a field name must be an identifier, got 'a b'"),
-    (_set("fields", {"lengths": {}}), "fields.lengths: collides with a view every batch has (source, lengths, <field>_lengths)"),
-    (_set("fields", {"text": {}, "text_lengths": {}}), "fields.text_lengths: collides with a view every batch has (source, lengths, <field>_lengths)"),
+    (
+        _set("fields", {"lengths": {}}),
+        "fields.lengths: collides with a view every batch has (source, lengths, <field>_lengths)",
+    ),
+    (
+        _set("fields", {"text": {}, "text_lengths": {}}),
+        "fields.text_lengths: collides with a view every batch has (source, lengths, <field>_lengths)",
+    ),
     (_set("fields", {"text": "int32"}), "fields.text: must be a mapping, got 'int32'"),
     (_set("fields", {"text": None}), "fields.text: must be a mapping, got None (NoneType)"),
     (_set("fields", {"text": {"dtyp": "int32"}}), "fields.text.dtyp: unknown key; did you mean 'dtype'?"),
-    (_set("fields", {"text": {"dtype": "bfloat16"}}), "fields.text.dtype: must be one of 'int8', 'int16', 'int32', 'int64', 'uint8', "
-     "'float16', 'float32', 'float64', got 'bfloat16'; did you mean 'float16'?"),
+    (
+        _set("fields", {"text": {"dtype": "bfloat16"}}),
+        "fields.text.dtype: must be one of 'int8', 'int16', 'int32', 'int64', 'uint8', "
+        "'float16', 'float32', 'float64', got 'bfloat16'; did you mean 'float16'?",
+    ),
     (_set("fields", {"text": {"pad": 0.5}}), "fields.text.pad: 0.5 is not representable as int32"),
     (_set("fields", {"text": {"dtype": "uint8", "pad": -1}}), "fields.text.pad: -1 is not representable as uint8"),
-    (_set("fields", {"text": {"dtype": "int64", "pad": 2**70}}), "fields.text.pad: 1180591620717411303424 is not representable as int64"),
-    (_set("fields", {"audio": {"dtype": "float16", "pad": 1e10}}), "fields.audio.pad: 10000000000.0 is not representable as float16"),
+    (
+        _set("fields", {"text": {"dtype": "int64", "pad": 2**70}}),
+        "fields.text.pad: 1180591620717411303424 is not representable as int64",
+    ),
+    (
+        _set("fields", {"audio": {"dtype": "float16", "pad": 1e10}}),
+        "fields.audio.pad: 10000000000.0 is not representable as float16",
+    ),
     (_set("fields", {"text": {"pad": float("nan")}}), "fields.text.pad: nan is not representable as int32"),
     (_set("fields", {"text": {"pad": "x"}}), "fields.text.pad: must be a number, got 'x'"),
     (_set("fields", {"text": {"pad": True}}), "fields.text.pad: must be a number, got True"),
-    (lambda c: c.update(fields={"text": {}}, batching={"packed": True, "max_tokens": 64}),
-     "fields: multi-field samples are batched by a token budget (padded per field), not with batching.packed: true"),
+    (
+        lambda c: c.update(fields={"text": {}}, batching={"packed": True, "max_tokens": 64}),
+        "fields: multi-field samples are batched by a token budget (padded per field), not with batching.packed: true",
+    ),
     # schedule
     (_set("schedule", [1]), "schedule: must be a mapping, got [1] (list)"),
     (_set("schedule.temprature", 2), "schedule.temprature: unknown key; did you mean 'temperature'?"),
     (_set("schedule.temperature", 0), "schedule.temperature: must be > 0, got 0"),
-    (_set("schedule.temperature", "hot"), "schedule.temperature: must be a number or a mapping with 'start', got 'hot'"),
+    (
+        _set("schedule.temperature", "hot"),
+        "schedule.temperature: must be a number or a mapping with 'start', got 'hot'",
+    ),
     (_set("schedule.temperature", {"end": 1}), "schedule.temperature.start: required"),
-    (_set("schedule.temperature", {"start": 5, "shape": "cos"}), "schedule.temperature.shape: must be one of 'constant', 'linear', 'cosine', 'step', got 'cos'; did you mean 'cosine'?"),
-    (_set("schedule.temperature", {"start": 5, "end": 1}), "schedule.temperature.end: only used with a non-constant shape (linear, cosine, step); shape is 'constant'"),
-    (_set("schedule.temperature", {"start": 5, "shape": "linear", "steps": 9}), "schedule.temperature.end: required with shape 'linear'"),
-    (_set("schedule.temperature", {"start": 5, "end": 1, "shape": "linear"}), "schedule.temperature: shape 'linear' needs exactly one of 'steps' or 'tokens' (its length)"),
-    (_set("schedule.temperature", {"start": 5, "end": 1, "shape": "linear", "steps": 0}), "schedule.temperature.steps: must be >= 1, got 0"),
-    (_set("schedule.temperature", {"start": 5, "end": 1, "shape": "linear", "tokens": -1}), "schedule.temperature.tokens: must be > 0, got -1"),
-    (_set("schedule.temperature", {"start": 5, "base": "size"}), "schedule.temperature.base: must be one of 'sizes', 'weights', got 'size'; did you mean 'sizes'?"),
-    (_set("schedule.temperature", {"start": 5, "stop": 1}), "schedule.temperature.stop: unknown key; did you mean 'steps'?"),
+    (
+        _set("schedule.temperature", {"start": 5, "shape": "cos"}),
+        "schedule.temperature.shape: must be one of 'constant', 'linear', 'cosine', 'step', got 'cos'; did you mean 'cosine'?",
+    ),
+    (
+        _set("schedule.temperature", {"start": 5, "end": 1}),
+        "schedule.temperature.end: only used with a non-constant shape (linear, cosine, step); shape is 'constant'",
+    ),
+    (
+        _set("schedule.temperature", {"start": 5, "shape": "linear", "steps": 9}),
+        "schedule.temperature.end: required with shape 'linear'",
+    ),
+    (
+        _set("schedule.temperature", {"start": 5, "end": 1, "shape": "linear"}),
+        "schedule.temperature: shape 'linear' needs exactly one of 'steps' or 'tokens' (its length)",
+    ),
+    (
+        _set("schedule.temperature", {"start": 5, "end": 1, "shape": "linear", "steps": 0}),
+        "schedule.temperature.steps: must be >= 1, got 0",
+    ),
+    (
+        _set("schedule.temperature", {"start": 5, "end": 1, "shape": "linear", "tokens": -1}),
+        "schedule.temperature.tokens: must be > 0, got -1",
+    ),
+    (
+        _set("schedule.temperature", {"start": 5, "base": "size"}),
+        "schedule.temperature.base: must be one of 'sizes', 'weights', got 'size'; did you mean 'sizes'?",
+    ),
+    (
+        _set("schedule.temperature", {"start": 5, "stop": 1}),
+        "schedule.temperature.stop: unknown key; did you mean 'steps'?",
+    ),
     (_set("schedule.min_prob", 1.5), "schedule.min_prob: must be <= 1, got 1.5"),
     (_set("schedule.min_prob", 0.5), "schedule.min_prob: 0.5 * 3 sources = 1.5 exceeds 1"),
     (_set("schedule.hierarchical", {"beta_group": 0.5}), "schedule.hierarchical.beta_source: required"),
-    (_set("schedule.hierarchical", {"beta_group": 0.5, "beta_source": -1}), "schedule.hierarchical.beta_source: must be >= 0, got -1"),
-    (_set("schedule.hierarchical", {"beta_corpus": 0.5}), "schedule.hierarchical.beta_corpus: unknown key; did you mean 'beta_group'?"),
-    (lambda c: c.update(schedule={"hierarchical": {"beta_group": 1, "beta_source": 1}, "temperature": 2}), "schedule.hierarchical: cannot be combined with 'temperature'"),
-    (lambda c: c.update(schedule={"hierarchical": {"beta_group": 1, "beta_source": 1}, **PHASES}), "schedule.hierarchical: cannot be combined with 'phases'"),
+    (
+        _set("schedule.hierarchical", {"beta_group": 0.5, "beta_source": -1}),
+        "schedule.hierarchical.beta_source: must be >= 0, got -1",
+    ),
+    (
+        _set("schedule.hierarchical", {"beta_corpus": 0.5}),
+        "schedule.hierarchical.beta_corpus: unknown key; did you mean 'beta_group'?",
+    ),
+    (
+        lambda c: c.update(schedule={"hierarchical": {"beta_group": 1, "beta_source": 1}, "temperature": 2}),
+        "schedule.hierarchical: cannot be combined with 'temperature'",
+    ),
+    (
+        lambda c: c.update(schedule={"hierarchical": {"beta_group": 1, "beta_source": 1}, **PHASES}),
+        "schedule.hierarchical: cannot be combined with 'phases'",
+    ),
     (_set("schedule.weights", [1, 2]), "schedule.weights: must be a mapping, got [1, 2] (list)"),
     (_set("schedule.weights", {}), "schedule.weights: must name at least one source, got {}"),
     (_set("schedule.weights", {"a": 1, "d": 1}), "schedule.weights.d: unknown source (sources: a, b, c)"),
     (_set("schedule.weights", {"a": -1}), "schedule.weights.a: must be >= 0, got -1"),
-    (_set("schedule.weights", {"a": 0, "b": 0}), "schedule.weights: at least one weight must be > 0, got {'a': 0.0, 'b': 0.0}"),
-    (lambda c: c.update(schedule={"weights": {"a": 1}, **PHASES}), "schedule.weights: cannot be combined with 'phases' (each phase has its own weights)"),
-    (lambda c: c.update(schedule={"weights": {"a": 1}, "temperature": 2}),
-     "schedule.weights: cannot be combined with 'temperature' (for a temperature over these weights, give one phase with both)"),
-    (lambda c: c.update(schedule={"weights": {"a": 1}, "hierarchical": {"beta_group": 1, "beta_source": 1}}),
-     "schedule.weights: cannot be combined with 'hierarchical' (it sets the weights from sizes)"),
+    (
+        _set("schedule.weights", {"a": 0, "b": 0}),
+        "schedule.weights: at least one weight must be > 0, got {'a': 0.0, 'b': 0.0}",
+    ),
+    (
+        lambda c: c.update(schedule={"weights": {"a": 1}, **PHASES}),
+        "schedule.weights: cannot be combined with 'phases' (each phase has its own weights)",
+    ),
+    (
+        lambda c: c.update(schedule={"weights": {"a": 1}, "temperature": 2}),
+        "schedule.weights: cannot be combined with 'temperature' (for a temperature over these weights, give one phase with both)",
+    ),
+    (
+        lambda c: c.update(schedule={"weights": {"a": 1}, "hierarchical": {"beta_group": 1, "beta_source": 1}}),
+        "schedule.weights: cannot be combined with 'hierarchical' (it sets the weights from sizes)",
+    ),
     # phases
     (_set("schedule.phases", []), "schedule.phases: must be a non-empty list of phases, got [] (list)"),
     (_set("schedule.phases", [3]), "schedule.phases[0]: must be a mapping, got 3"),
-    (lambda c: c.update(schedule=copy.deepcopy(PHASES)) or c["schedule"]["phases"][1].update(until_token=5), "schedule.phases[1].until_token: unknown key; did you mean 'until_tokens'?"),
-    (lambda c: c.update(schedule=copy.deepcopy(PHASES)) or c["schedule"]["phases"][1].pop("until_tokens"), "schedule.phases[1].until_tokens: required (only the last phase may omit it)"),
-    (lambda c: c.update(schedule=copy.deepcopy(PHASES)) or c["schedule"]["phases"][2].update(until_tokens=300), "schedule.phases[2].until_tokens: the last phase runs to the end of training; remove it"),
-    (lambda c: c.update(schedule=copy.deepcopy(PHASES)) or c["schedule"]["phases"][1].update(until_tokens=100), "schedule.phases[1].until_tokens: must be greater than schedule.phases[0].until_tokens (100), got 100"),
-    (lambda c: c.update(schedule=copy.deepcopy(PHASES)) or c["schedule"]["phases"][0].update(until_tokens=-1), "schedule.phases[0].until_tokens: must be > 0, got -1"),
-    (lambda c: c.update(schedule=copy.deepcopy(PHASES)) or c["schedule"]["phases"][2].update(ramp_steps=5), "schedule.phases[2].ramp_steps: phases count tokens (schedule.phases[0].until_tokens); don't mix steps and tokens"),
-    (lambda c: c.update(schedule=copy.deepcopy(PHASES)) or c["schedule"]["phases"][0].update(ramp_tokens=5), "schedule.phases[0].ramp_tokens: the first phase has nothing to ramp from; must be 0, got 5"),
-    (lambda c: c.update(schedule=copy.deepcopy(PHASES)) or c["schedule"]["phases"][1].update(ramp_tokens=101), "schedule.phases[1].ramp_tokens: must be <= the phase's length (100), got 101"),
-    (lambda c: c.update(schedule=copy.deepcopy(PHASES)) or c["schedule"]["phases"][1].update(ramp_tokens=-1), "schedule.phases[1].ramp_tokens: must be >= 0, got -1"),
-    (lambda c: c.update(schedule={"phases": [{"until_steps": 10.5}, {}]}), "schedule.phases[0].until_steps: must be an integer, got 10.5"),
-    (lambda c: c.update(schedule=copy.deepcopy(PHASES)) or c["schedule"]["phases"][0].update(weights={"bookz": 1}), "schedule.phases[0].weights.bookz: unknown source (sources: a, b, c)"),
-    (lambda c: c.update(schedule={"phases": [{"weights": {"a": 1, "bb": 2}}]}), "schedule.phases[0].weights.bb: unknown source; did you mean 'b'?"),
-    (lambda c: c.update(schedule={"phases": [{"weights": {"a": -1}}]}), "schedule.phases[0].weights.a: must be >= 0, got -1"),
-    (lambda c: c.update(schedule={"phases": [{"weights": {"a": 0}}]}), "schedule.phases[0].weights: at least one weight must be > 0, got {'a': 0.0}"),
-    (lambda c: c.update(schedule={"phases": [{"weights": {}}]}), "schedule.phases[0].weights: must name at least one source, got {}"),
-    (lambda c: c.update(schedule={"phases": [{"weights": [1, 2]}]}), "schedule.phases[0].weights: must be a mapping, got [1, 2] (list)"),
     (
-        lambda c: c.update(schedule={"phases": [{"until_tokens": 10}, {"temperature": {"start": 2, "end": 1, "shape": "linear", "steps": 5}}]}),
+        lambda c: c.update(schedule=copy.deepcopy(PHASES)) or c["schedule"]["phases"][1].update(until_token=5),
+        "schedule.phases[1].until_token: unknown key; did you mean 'until_tokens'?",
+    ),
+    (
+        lambda c: c.update(schedule=copy.deepcopy(PHASES)) or c["schedule"]["phases"][1].pop("until_tokens"),
+        "schedule.phases[1].until_tokens: required (only the last phase may omit it)",
+    ),
+    (
+        lambda c: c.update(schedule=copy.deepcopy(PHASES)) or c["schedule"]["phases"][2].update(until_tokens=300),
+        "schedule.phases[2].until_tokens: the last phase runs to the end of training; remove it",
+    ),
+    (
+        lambda c: c.update(schedule=copy.deepcopy(PHASES)) or c["schedule"]["phases"][1].update(until_tokens=100),
+        "schedule.phases[1].until_tokens: must be greater than schedule.phases[0].until_tokens (100), got 100",
+    ),
+    (
+        lambda c: c.update(schedule=copy.deepcopy(PHASES)) or c["schedule"]["phases"][0].update(until_tokens=-1),
+        "schedule.phases[0].until_tokens: must be > 0, got -1",
+    ),
+    (
+        lambda c: c.update(schedule=copy.deepcopy(PHASES)) or c["schedule"]["phases"][2].update(ramp_steps=5),
+        "schedule.phases[2].ramp_steps: phases count tokens (schedule.phases[0].until_tokens); don't mix steps and tokens",
+    ),
+    (
+        lambda c: c.update(schedule=copy.deepcopy(PHASES)) or c["schedule"]["phases"][0].update(ramp_tokens=5),
+        "schedule.phases[0].ramp_tokens: the first phase has nothing to ramp from; must be 0, got 5",
+    ),
+    (
+        lambda c: c.update(schedule=copy.deepcopy(PHASES)) or c["schedule"]["phases"][1].update(ramp_tokens=101),
+        "schedule.phases[1].ramp_tokens: must be <= the phase's length (100), got 101",
+    ),
+    (
+        lambda c: c.update(schedule=copy.deepcopy(PHASES)) or c["schedule"]["phases"][1].update(ramp_tokens=-1),
+        "schedule.phases[1].ramp_tokens: must be >= 0, got -1",
+    ),
+    (
+        lambda c: c.update(schedule={"phases": [{"until_steps": 10.5}, {}]}),
+        "schedule.phases[0].until_steps: must be an integer, got 10.5",
+    ),
+    (
+        lambda c: c.update(schedule=copy.deepcopy(PHASES)) or c["schedule"]["phases"][0].update(weights={"bookz": 1}),
+        "schedule.phases[0].weights.bookz: unknown source (sources: a, b, c)",
+    ),
+    (
+        lambda c: c.update(schedule={"phases": [{"weights": {"a": 1, "bb": 2}}]}),
+        "schedule.phases[0].weights.bb: unknown source; did you mean 'b'?",
+    ),
+    (
+        lambda c: c.update(schedule={"phases": [{"weights": {"a": -1}}]}),
+        "schedule.phases[0].weights.a: must be >= 0, got -1",
+    ),
+    (
+        lambda c: c.update(schedule={"phases": [{"weights": {"a": 0}}]}),
+        "schedule.phases[0].weights: at least one weight must be > 0, got {'a': 0.0}",
+    ),
+    (
+        lambda c: c.update(schedule={"phases": [{"weights": {}}]}),
+        "schedule.phases[0].weights: must name at least one source, got {}",
+    ),
+    (
+        lambda c: c.update(schedule={"phases": [{"weights": [1, 2]}]}),
+        "schedule.phases[0].weights: must be a mapping, got [1, 2] (list)",
+    ),
+    (
+        lambda c: c.update(
+            schedule={
+                "phases": [{"until_tokens": 10}, {"temperature": {"start": 2, "end": 1, "shape": "linear", "steps": 5}}]
+            }
+        ),
         "schedule.phases[1].temperature.steps: a phase's temperature counts from the phase's start, and these phases count tokens; give its length as 'tokens'",
     ),
     (
@@ -493,20 +754,40 @@ ERRORS = [
         "schedule.phases[0].temperature.base: 'sizes' would ignore this phase's weights; use 'weights' or omit it",
     ),
     (
-        lambda c: c.update(schedule={"temperature": {"start": 2, "base": "sizes"}, "phases": [{"until_steps": 5}, {"weights": {"a": 1}}]}),
+        lambda c: c.update(
+            schedule={
+                "temperature": {"start": 2, "base": "sizes"},
+                "phases": [{"until_steps": 5}, {"weights": {"a": 1}}],
+            }
+        ),
         "schedule.temperature.base: 'sizes' would ignore the weights of schedule.phases[1]; use 'weights' or omit it",
     ),
     # NeMo keys
-    (_set("sampling_technique", "uniform"), "sampling_technique: must be one of 'temperature', 'random', 'round-robin', got 'uniform'"),
-    (_set("concat_sampling_technique", "round_robin"), "concat_sampling_technique: must be one of 'temperature', 'random', 'round-robin', got 'round_robin'; did you mean 'round-robin'?"),
-    (lambda c: c.update(sampling_temperature=2, concat_sampling_temperature=2), "concat_sampling_temperature: the same setting as 'sampling_temperature'; give only one"),
-    (lambda c: c.update(seed=1, concat_sampling_seed=1), "concat_sampling_seed: the same setting as 'seed'; give only one"),
+    (
+        _set("sampling_technique", "uniform"),
+        "sampling_technique: must be one of 'temperature', 'random', 'round-robin', got 'uniform'",
+    ),
+    (
+        _set("concat_sampling_technique", "round_robin"),
+        "concat_sampling_technique: must be one of 'temperature', 'random', 'round-robin', got 'round_robin'; did you mean 'round-robin'?",
+    ),
+    (
+        lambda c: c.update(sampling_temperature=2, concat_sampling_temperature=2),
+        "concat_sampling_temperature: the same setting as 'sampling_temperature'; give only one",
+    ),
+    (
+        lambda c: c.update(seed=1, concat_sampling_seed=1),
+        "concat_sampling_seed: the same setting as 'seed'; give only one",
+    ),
     (_set("sampling_temperature", 0), "sampling_temperature: must be > 0, got 0"),
-    (_set("concat_sampling_scale", 2), (
-        "concat_sampling_scale: only 1 is supported, got 2: NeMo multiplies its epoch length by it, but a mixture streams "
-        "without an epoch length; bound the run in the training loop (or `mixer run --steps N`), or use stop: all_exhausted "
-        "for exactly one pass over every source"
-    )),
+    (
+        _set("concat_sampling_scale", 2),
+        (
+            "concat_sampling_scale: only 1 is supported, got 2: NeMo multiplies its epoch length by it, but a mixture streams "
+            "without an epoch length; bound the run in the training loop (or `mixer run --steps N`), or use stop: all_exhausted "
+            "for exactly one pass over every source"
+        ),
+    ),
     (_set("sampling_scale", 0), "sampling_scale: must be > 0, got 0"),
     (
         lambda c: c.update(sampling_technique="temperature", schedule={"temperature": 2}),
@@ -533,9 +814,15 @@ ERRORS = [
         lambda c: c.update(sampling_technique="random", sampling_probabilities=[0.5, 0.5, 0.5]),
         "sampling_probabilities: must sum to 1 (as NeMo requires), got [0.5, 0.5, 0.5] (sum 1.5)",
     ),
-    (lambda c: c.update(sampling_technique="random", sampling_probabilities=[0.5, 0.6, -0.1]), "sampling_probabilities[2]: must be >= 0, got -0.1"),
     (
-        lambda c: c.update(sampling_technique="random", sampling_probabilities=[0.5, 0.25, 0.25]) or c["sources"][1].update(weight=2),
+        lambda c: c.update(sampling_technique="random", sampling_probabilities=[0.5, 0.6, -0.1]),
+        "sampling_probabilities[2]: must be >= 0, got -0.1",
+    ),
+    (
+        lambda c: (
+            c.update(sampling_technique="random", sampling_probabilities=[0.5, 0.25, 0.25])
+            or c["sources"][1].update(weight=2)
+        ),
         "sources[1].weight: conflicts with sampling_probabilities, which sets every source's weight",
     ),
     (
@@ -544,7 +831,10 @@ ERRORS = [
     ),
     (_set("shuffle", "yes"), "shuffle: must be true or false, got 'yes'"),
     (lambda c: c.update(shuffle=False, shuffle_buffer=100), "shuffle_buffer: conflicts with shuffle: false, got 100"),
-    (lambda c: c.update(concat_shuffle=True, shuffle_buffer=0), "shuffle_buffer: 0 does not shuffle, but concat_shuffle is true"),
+    (
+        lambda c: c.update(concat_shuffle=True, shuffle_buffer=0),
+        "shuffle_buffer: 0 does not shuffle, but concat_shuffle is true",
+    ),
 ]
 
 
@@ -631,8 +921,14 @@ def test_nemo_shuffle_and_seed():
 
 def test_nemo_prefixed_and_plain_keys_mean_the_same():
     for plain, prefixed in NEMO_KEYS.items():
-        value = {"sampling_technique": "random", "sampling_temperature": 2.0, "sampling_probabilities": None,
-                 "sampling_scale": 1, "shuffle": False, "seed": 9}[plain]  # fmt: skip
+        value = {
+            "sampling_technique": "random",
+            "sampling_temperature": 2.0,
+            "sampling_probabilities": None,
+            "sampling_scale": 1,
+            "shuffle": False,
+            "seed": 9,
+        }[plain]
         assert parse_config(small(**{plain: value})) == parse_config(small(**{prefixed: value}))
 
 
@@ -641,7 +937,11 @@ def test_nemo_prefixed_and_plain_keys_mean_the_same():
 
 def test_examples_parse():
     paths = sorted(glob.glob(os.path.join(EXAMPLES, "*.yaml")))
-    assert {os.path.basename(p) for p in paths} >= {"pretrain.yaml", "continued_pretraining.yaml", "nemo_asr_concat.yaml"}
+    assert {os.path.basename(p) for p in paths} >= {
+        "pretrain.yaml",
+        "continued_pretraining.yaml",
+        "nemo_asr_concat.yaml",
+    }
     for path in paths:
         spec = parse_config(path)
         assert parse_config(spec.to_dict()) == spec
@@ -649,7 +949,9 @@ def test_examples_parse():
 
 def test_example_contents():
     cpt = parse_config(os.path.join(EXAMPLES, "continued_pretraining.yaml"))
-    info = SourceInfo(names=tuple(s.name for s in cpt.sources), weights=np.ones(4), sizes=np.ones(4), groups=(None,) * 4)
+    info = SourceInfo(
+        names=tuple(s.name for s in cpt.sources), weights=np.ones(4), sizes=np.ones(4), groups=(None,) * 4
+    )
     p = cpt.schedule.probs(info, 0, 1e12)
     assert p[0] == pytest.approx(0.7) and p[1:].sum() == pytest.approx(0.3)  # the example: 70 / 30
     nemo = parse_config(os.path.join(EXAMPLES, "nemo_asr_concat.yaml"))
@@ -665,7 +967,9 @@ def test_resolve_import():
 
     assert resolve_import("json:loads", "x") is json.loads
     assert resolve_import("os.path:join", "x") is os.path.join
-    with pytest.raises(ConfigError, match=r"^sources\[0\].decode: cannot import module 'no_such_mod' \(ModuleNotFoundError: "):
+    with pytest.raises(
+        ConfigError, match=r"^sources\[0\].decode: cannot import module 'no_such_mod' \(ModuleNotFoundError: "
+    ):
         resolve_import("no_such_mod:f", "sources[0].decode")
     with pytest.raises(ConfigError, match=r"^sources\[0\].decode: 'json' has no attribute 'nope'$"):
         resolve_import("json:nope", "sources[0].decode")
@@ -694,9 +998,9 @@ def test_build_mixture_from_yaml(tmp_path, three_sources):
     seed: 5
     batching: {{max_tokens: 16384, multiple_of: 2, max_length: 16384}}
     sources:
-      - {{name: web,   urls: "{three_sources['web'][0]}",   weight: 0.5, size: 1.0e6, group: en}}
-      - {{name: code,  urls: "{three_sources['code'][0]}",  weight: 0.3, size: 2.0e5, decode: "mixer.read.decode:default_tokens"}}
-      - {{name: books, urls: "{three_sources['books'][0]}", weight: 0.2, size: 4.0e5, group: en, on_error: skip}}
+      - {{name: web,   urls: "{three_sources["web"][0]}",   weight: 0.5, size: 1.0e6, group: en}}
+      - {{name: code,  urls: "{three_sources["code"][0]}",  weight: 0.3, size: 2.0e5, decode: "mixer.read.decode:default_tokens"}}
+      - {{name: books, urls: "{three_sources["books"][0]}", weight: 0.2, size: 4.0e5, group: en, on_error: skip}}
     schedule:
       phases:
         - {{until_steps: 10, weights: {{web: 1, code: 1}}}}
@@ -732,9 +1036,9 @@ def test_schedule_weights_in_yaml_gives_the_targets_of_mixer_weights(tmp_path, t
     text = f"""
     batching: {{max_tokens: 16384, max_length: 16384}}
     sources:
-      - {{name: web,   urls: "{three_sources['web'][0]}",   weight: 0.9}}
-      - {{name: code,  urls: "{three_sources['code'][0]}",  weight: 0.05}}
-      - {{name: books, urls: "{three_sources['books'][0]}", weight: 0.05}}
+      - {{name: web,   urls: "{three_sources["web"][0]}",   weight: 0.9}}
+      - {{name: code,  urls: "{three_sources["code"][0]}",  weight: 0.05}}
+      - {{name: books, urls: "{three_sources["books"][0]}", weight: 0.05}}
     schedule:
       weights: {{books: 3, web: 1}}
       min_prob: 0.1
@@ -742,8 +1046,11 @@ def test_schedule_weights_in_yaml_gives_the_targets_of_mixer_weights(tmp_path, t
     from_yaml = load_config(write(tmp_path, text))
     assert from_yaml.schedule == Floored(Weights({"books": 3.0, "web": 1.0}), 0.1)
     srcs = [mixer.Source(s.name, s.urls, weight=s.weight) for s in from_yaml.sources]
-    in_code = mixer.Mixture(srcs, batching=mixer.TokenBudget(max_tokens=16384, max_length=16384),
-                            schedule=mixer.Floored(mixer.Weights({"books": 3, "web": 1}), 0.1))  # fmt: skip
+    in_code = mixer.Mixture(
+        srcs,
+        batching=mixer.TokenBudget(max_tokens=16384, max_length=16384),
+        schedule=mixer.Floored(mixer.Weights({"books": 3, "web": 1}), 0.1),
+    )
     # By hand: (web, code, books) = (1, 0, 3) / 4, then code lifted to 0.1 and the rest scaled by 0.9.
     want = [0.25 * 0.9, 0.1, 0.75 * 0.9]
     for step in (0, 1000, 10**6):
@@ -769,19 +1076,36 @@ def test_build_mixture_errors(tmp_path, three_sources):
 def test_build_mixture_passes_every_batching_option(three_sources):
     spec = parse_config(
         {
-            "batching": {"max_tokens": 16384, "buckets": [512, 2048, 16384], "max_batch_size": 64, "multiple_of": 4,
-                         "max_length": 16384, "overlong": "drop", "num_buckets": 4, "max_bucket_ratio": 1.5},
+            "batching": {
+                "max_tokens": 16384,
+                "buckets": [512, 2048, 16384],
+                "max_batch_size": 64,
+                "multiple_of": 4,
+                "max_length": 16384,
+                "overlong": "drop",
+                "num_buckets": 4,
+                "max_bucket_ratio": 1.5,
+            },
             "sources": [{"name": "web", "urls": three_sources["web"][0]}],
-            "unit": "samples", "mix": "sample", "pad_id": 7, "dtype": "int64",
-        }  # fmt: skip
+            "unit": "samples",
+            "mix": "sample",
+            "pad_id": 7,
+            "dtype": "int64",
+        }
     )
     mix = build_mixture(spec, rank=0, world_size=1)
     import mixer
 
     assert mix.batching == mixer.TokenBudget(
-        max_tokens=16384, buckets=(512, 2048, 16384), max_batch_size=64, multiple_of=4, max_length=16384,
-        overlong="drop", num_buckets=4, max_bucket_ratio=1.5,
-    )  # fmt: skip
+        max_tokens=16384,
+        buckets=(512, 2048, 16384),
+        max_batch_size=64,
+        multiple_of=4,
+        max_length=16384,
+        overlong="drop",
+        num_buckets=4,
+        max_bucket_ratio=1.5,
+    )
     assert (mix.unit, mix.mix, mix.pad_id, mix.dtype, mix.schedule) == ("samples", "sample", 7, "int64", Static())
 
 
@@ -802,7 +1126,14 @@ def test_build_mixture_with_fields_a_field_length_and_state_every(three_sources)
     spec = parse_config(
         {
             "batching": {"max_tokens": 4096, "max_wait": 3},
-            "sources": [{"name": "web", "urls": three_sources["web"][0], "decode": "test_config:decode_halves", "length": "head"}],
+            "sources": [
+                {
+                    "name": "web",
+                    "urls": three_sources["web"][0],
+                    "decode": "test_config:decode_halves",
+                    "length": "head",
+                }
+            ],
             "fields": {"text": {"dtype": "int64", "pad": -1}, "head": {"pad": 0}},
             "state_every": 5,
         }
@@ -825,15 +1156,26 @@ def test_build_mixture_packed(three_sources):
     import mixer
 
     sources = [{"name": n, "urls": three_sources[n][0]} for n in ("web", "books")]
-    batching = {"packed": True, "max_tokens": 8192, "seq_len": 2048, "split_documents": True, "max_length": 12000,
-                "overlong": "drop", "open_batches": 2}  # fmt: skip
+    batching = {
+        "packed": True,
+        "max_tokens": 8192,
+        "seq_len": 2048,
+        "split_documents": True,
+        "max_length": 12000,
+        "overlong": "drop",
+        "open_batches": 2,
+    }
     mix = build_mixture(parse_config({"batching": batching, "sources": sources}), rank=0, world_size=1)
-    assert mix.batching == mixer.Packed(8192, seq_len=2048, split_documents=True, max_length=12000, overlong="drop", open_batches=2)
+    assert mix.batching == mixer.Packed(
+        8192, seq_len=2048, split_documents=True, max_length=12000, overlong="drop", open_batches=2
+    )
     batch = next(iter(mix))
     assert isinstance(batch, mixer.PackedBatch)
     assert batch.tokens.numel() <= 8192 and batch.tokens.numel() % 2048 == 0
     # Options left out take the library's defaults (open_batches=4, flat, no splitting).
-    flat = build_mixture(parse_config({"batching": {"packed": True, "max_tokens": 16384}, "sources": sources}), rank=0, world_size=1)
+    flat = build_mixture(
+        parse_config({"batching": {"packed": True, "max_tokens": 16384}, "sources": sources}), rank=0, world_size=1
+    )
     assert flat.batching == mixer.Packed(16384)
 
 

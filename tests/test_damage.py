@@ -41,7 +41,13 @@ def run(pattern: str, *, workers: int = 0, shuffle_buffer: int = 0) -> tuple[lis
     """One pass: the delivered keys (each checked against its tokens), the source's counters, the
     loader and the warnings raised in this process."""
     source = mixer.Source("d", pattern, on_error="skip")
-    mix = mixer.Mixture([source], batching=mixer.TokenBudget(max_tokens=512), stop="all_exhausted", shuffle_buffer=shuffle_buffer, seed=1)
+    mix = mixer.Mixture(
+        [source],
+        batching=mixer.TokenBudget(max_tokens=512),
+        stop="all_exhausted",
+        shuffle_buffer=shuffle_buffer,
+        seed=1,
+    )
     loader = mixer.make_loader(mix, num_workers=workers)
     keys = []
     with warnings.catch_warnings(record=True) as caught:
@@ -56,7 +62,12 @@ def run(pattern: str, *, workers: int = 0, shuffle_buffer: int = 0) -> tuple[lis
 
 
 def loss(counters: dict[str, int]) -> tuple[int, int, int, int]:
-    return counters["skipped_samples"], counters["skipped_shards"], counters["skipped_unknown"], counters["skipped_bytes"]
+    return (
+        counters["skipped_samples"],
+        counters["skipped_shards"],
+        counters["skipped_unknown"],
+        counters["skipped_bytes"],
+    )
 
 
 def damaged_keys(first_lost: int) -> set[str]:
@@ -83,7 +94,9 @@ def test_truncated_inside_member_30_delivers_29_and_counts_30(shards: tuple[str,
     stats = loader.stats()["sources"]["d"]["total"]
     assert loss(stats) == (1, 1, 0, cut - members[30][0])
     rep = report(loader.stats())["sources"]["d"]
-    assert (rep["skipped_samples"], rep["skipped_shards"], rep["skipped_unknown"], rep["skipped_bytes"]) == loss(counters)
+    assert (rep["skipped_samples"], rep["skipped_shards"], rep["skipped_unknown"], rep["skipped_bytes"]) == loss(
+        counters
+    )
     row = format_table(report(loader.stats())).splitlines()[2].split()
     assert row[0] == "d" and row[-4:] == ["1", "1", "0", f"{cut - members[30][0]:,}"]
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import webdataset as wds
 
+from mixer.errors import SampleError
 from mixer.read import decode
 from mixer.read.decode import Sample, decode_npy, default_tokens
-from mixer.errors import SampleError
 from mixer.read.tario import read_samples
 
 INT_DTYPES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
@@ -57,7 +57,9 @@ class SpyLoad:
 @pytest.mark.parametrize("version", [(1, 0), (2, 0), (3, 0)], ids=lambda v: f"v{v[0]}")
 @pytest.mark.parametrize("length", [0, 1, 1000])
 @pytest.mark.parametrize("dtype", INT_DTYPES + [">i4", ">u2", ">i8", "<f4", "bool"])
-def test_round_trip_1d_fast_path(monkeypatch: pytest.MonkeyPatch, dtype: str, length: int, version: tuple[int, int]) -> None:
+def test_round_trip_1d_fast_path(
+    monkeypatch: pytest.MonkeyPatch, dtype: str, length: int, version: tuple[int, int]
+) -> None:
     spy = SpyLoad(monkeypatch)
     want = (np.arange(length) * 7919 % 251).astype(dtype)
     got = decode_npy(npy(want, version))
@@ -139,7 +141,10 @@ def test_bytes_like_input_and_trailing_bytes() -> None:
         (with_header("{'descr': '<i4', 'fortran_order': False, 'shape': (2, -5), }"), "negative shape"),
         (with_header("{'descr': 'nonsense', 'fortran_order': False, 'shape': (2,), }"), "cannot read .npy member"),
         (with_header("{'descr': '<i4', 'fortran_order': 'no', 'shape': (2,), }", bytes(8)), "cannot read .npy member"),
-        (with_header("{'descr': '<i4', 'fortran_order': False, 'shape': (2.5,), }", bytes(8)), "cannot read .npy member"),
+        (
+            with_header("{'descr': '<i4', 'fortran_order': False, 'shape': (2.5,), }", bytes(8)),
+            "cannot read .npy member",
+        ),
         (with_header("not a dict at all"), "cannot read .npy member"),
         (with_header("{'descr': '<i4', 'fortran_order': False, 'shape': (3,), } junk", bytes(12)), "cannot read .npy"),
         (with_header("{'descr': '<i4', 'fortran_order': False, 'shape': (3), }", bytes(12)), "cannot read .npy member"),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import json
 import os
 import tarfile
 import time
@@ -13,9 +12,6 @@ import numpy as np
 import pytest
 import webdataset as wds
 from braceexpand import braceexpand
-
-from mixer.cli import demo
-from mixer.cli.demo import ensure_demo_shards
 from shardutil import (
     expected_tokens,
     key_lengths,
@@ -25,6 +21,9 @@ from shardutil import (
     write_tar_members,
     write_token_shards,
 )
+
+from mixer.cli import demo
+from mixer.cli.demo import ensure_demo_shards
 
 
 def demo_root(patterns: dict[str, str]) -> Path:
@@ -145,9 +144,7 @@ def quick_harvest(monkeypatch: pytest.MonkeyPatch, harvested: dict[str, list[str
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("quick_harvest")
-def test_leftovers_of_an_interrupted_run_do_not_break_a_later_run(
-    demo_shards: dict[str, str], tmp_path: Path
-) -> None:
+def test_leftovers_of_an_interrupted_run_do_not_break_a_later_run(demo_shards: dict[str, str], tmp_path: Path) -> None:
     # A run killed mid-write leaves its temp folder behind; one that is still going has a fresh one.
     dead = tmp_path / ".v1.tmp-dead"
     (dead / "prose").mkdir(parents=True)
@@ -170,9 +167,7 @@ def test_leftovers_of_an_interrupted_run_do_not_break_a_later_run(
 
 
 @pytest.mark.usefixtures("quick_harvest")
-def test_an_interrupted_generation_leaves_nothing_behind(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_an_interrupted_generation_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     write_source = demo._write_source
 
     def interrupted(folder: Path, name: str, texts: list[str], shards: int) -> dict:

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from shardutil import LogNormal
 
 import mixer
-from shardutil import LogNormal
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "dist_worker.py"
@@ -29,24 +29,41 @@ WORKER = HERE / "dist_worker.py"
 # batches: 'web' and 'code' are split unevenly by bytes, and only one shard of 'tiny' holds data, so
 # with 2 or 3 ranks (and 2 workers each) some ranks get no 'tiny' at all. In 'empty' only the first
 # shard of each source holds data: it goes to reader 0 (rank 0), so the other ranks have no data.
-SKEW = {"web": ([90, 50, 30, 20, 12, 6], 80, 0.6), "code": ([40, 25, 10], 200, 0.3), "tiny": ([12, 0, 0, 0, 0, 0], 60, 0.03)}
+SKEW = {
+    "web": ([90, 50, 30, 20, 12, 6], 80, 0.6),
+    "code": ([40, 25, 10], 200, 0.3),
+    "tiny": ([12, 0, 0, 0, 0, 0], 60, 0.03),
+}
 EMPTY = {"a": ([30, 0, 0, 0, 0, 0], 80, 0.7), "b": ([10, 0, 0, 0, 0, 0], 150, 0.3)}
 # Many small shards of unequal sizes: each of 6 readers (2 ranks x 3 workers) ends a few batches
 # apart from the others, in the pass's tail.
-TAIL = {"web": ([9, 7, 5, 3, 8, 6, 4, 2, 9, 5, 3, 7, 6, 2, 4, 8, 5, 3], 90, 0.6), "code": ([6, 3, 5, 2, 4, 1, 3], 260, 0.4)}
+TAIL = {
+    "web": ([9, 7, 5, 3, 8, 6, 4, 2, 9, 5, 3, 7, 6, 2, 4, 8, 5, 3], 90, 0.6),
+    "code": ([6, 3, 5, 2, 4, 1, 3], 260, 0.4),
+}
 MAX_TOKENS = 1024
 
 
 def _write(make_sources: Any, spec: dict[str, tuple[list[int], int, float]]) -> dict[str, Any]:
     written = make_sources(
-        {name: LogNormal(shards=tuple(sizes), median=median, sigma=0.6, lo=4, hi=MAX_TOKENS, seed=seed) for seed, (name, (sizes, median, _)) in enumerate(spec.items())}
+        {
+            name: LogNormal(shards=tuple(sizes), median=median, sigma=0.6, lo=4, hi=MAX_TOKENS, seed=seed)
+            for seed, (name, (sizes, median, _)) in enumerate(spec.items())
+        }
     )
-    return {name: {"pattern": written[name][0], "weight": weight, "keys": sorted(written[name][1])} for name, (_, _, weight) in spec.items()}
+    return {
+        name: {"pattern": written[name][0], "weight": weight, "keys": sorted(written[name][1])}
+        for name, (_, _, weight) in spec.items()
+    }
 
 
 @pytest.fixture(scope="module")
 def datasets(make_sources: Any) -> dict[str, dict[str, Any]]:
-    return {"skew": _write(make_sources, SKEW), "empty": _write(make_sources, EMPTY), "tail": _write(make_sources, TAIL)}
+    return {
+        "skew": _write(make_sources, SKEW),
+        "empty": _write(make_sources, EMPTY),
+        "tail": _write(make_sources, TAIL),
+    }
 
 
 def _cases(datasets: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -59,30 +76,108 @@ def _cases(datasets: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         for nw in (0, 2):
             for end in ("pad", "drop"):
                 name = f"{short}-w{nw}" + ("-drop" if end == "drop" else "")
-                cases.append({"name": name, "data": "skew", "sources": sources("skew"), "stop": stop, "num_workers": nw, "save_at": save_at, "sync_end": end})
+                cases.append(
+                    {
+                        "name": name,
+                        "data": "skew",
+                        "sources": sources("skew"),
+                        "stop": stop,
+                        "num_workers": nw,
+                        "save_at": save_at,
+                        "sync_end": end,
+                    }
+                )
         # the same without the sync: what each rank's stream naturally holds
-        cases.append({"name": f"{short}-nosync", "data": "skew", "sources": sources("skew"), "stop": stop, "num_workers": 0, "sync_stop": False})
+        cases.append(
+            {
+                "name": f"{short}-nosync",
+                "data": "skew",
+                "sources": sources("skew"),
+                "stop": stop,
+                "num_workers": 0,
+                "sync_stop": False,
+            }
+        )
     # saved one batch into the filler phase of the rank that ends first
     for nw in (0, 2):
-        cases.append({"name": f"all-w{nw}-fill", "data": "skew", "sources": sources("skew"), "stop": "all_exhausted", "num_workers": nw, "save_at": "filler"})
+        cases.append(
+            {
+                "name": f"all-w{nw}-fill",
+                "data": "skew",
+                "sources": sources("skew"),
+                "stop": "all_exhausted",
+                "num_workers": nw,
+                "save_at": "filler",
+            }
+        )
     # the group given explicitly, and a gloo side group (what an NCCL-only group gets)
     for group in ("explicit", "side"):
         for end in ("pad", "drop"):
             name = f"all-{group}" + ("-drop" if end == "drop" else "")
-            cases.append({"name": name, "data": "skew", "sources": sources("skew"), "stop": "all_exhausted", "num_workers": 0, "group": group, "sync_end": end})
+            cases.append(
+                {
+                    "name": name,
+                    "data": "skew",
+                    "sources": sources("skew"),
+                    "stop": "all_exhausted",
+                    "num_workers": 0,
+                    "group": group,
+                    "sync_end": end,
+                }
+            )
     for nw in (0, 2):
         # pad: ranks without data have no batch of their own to copy; saved in their filler phase
-        cases.append({"name": f"empty-w{nw}", "data": "empty", "sources": sources("empty"), "stop": "all_exhausted", "num_workers": nw, "save_at": "filler"})
-        cases.append({"name": f"empty-w{nw}-drop", "data": "empty", "sources": sources("empty"), "stop": "all_exhausted", "num_workers": nw, "sync_end": "drop"})
+        cases.append(
+            {
+                "name": f"empty-w{nw}",
+                "data": "empty",
+                "sources": sources("empty"),
+                "stop": "all_exhausted",
+                "num_workers": nw,
+                "save_at": "filler",
+            }
+        )
+        cases.append(
+            {
+                "name": f"empty-w{nw}-drop",
+                "data": "empty",
+                "sources": sources("empty"),
+                "stop": "all_exhausted",
+                "num_workers": nw,
+                "sync_end": "drop",
+            }
+        )
     # every cut in the pass's tail, with 3 readers per rank that end at different points (2 ranks only)
     for end in ("pad", "drop"):
         name = "tail-w3" + ("-drop" if end == "drop" else "")
-        cases.append({"name": name, "data": "tail", "sources": sources("tail"), "stop": "all_exhausted", "num_workers": 3,
-                      "save_at": "tail", "tail": 3 * 3 + 6, "sync_end": end, "world": 2})  # fmt: skip
+        cases.append(
+            {
+                "name": name,
+                "data": "tail",
+                "sources": sources("tail"),
+                "stop": "all_exhausted",
+                "num_workers": 3,
+                "save_at": "tail",
+                "tail": 3 * 3 + 6,
+                "sync_end": end,
+                "world": 2,
+            }
+        )
     # rank 0's reading fails after 120 samples, a few batches in: every rank must stop, none may hang
     for end in ("pad", "drop"):
         name = "fail" + ("-drop" if end == "drop" else "")
-        cases.append({"name": name, "data": "skew", "sources": sources("skew"), "stop": "all_exhausted", "num_workers": 0, "fail_rank": 0, "fail_after": 120, "sync_end": end})
+        cases.append(
+            {
+                "name": name,
+                "data": "skew",
+                "sources": sources("skew"),
+                "stop": "all_exhausted",
+                "num_workers": 0,
+                "fail_rank": 0,
+                "fail_after": 120,
+                "sync_end": end,
+            }
+        )
     for c in cases:
         c["max_tokens"] = MAX_TOKENS
     return cases
@@ -96,16 +191,31 @@ def _free_port() -> int:
 
 def torchrun(nproc: int, spec: Path, out: Path, phase: str) -> None:
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
-        "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(WORKER), str(spec), str(out), phase,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--nnodes=1",
+        "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
+        str(WORKER),
+        str(spec),
+        str(out),
+        phase,
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=HERE.parent)
     assert proc.returncode == 0, f"torchrun {phase} x{nproc} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2proc", "3proc"])
-def runs(request: pytest.FixtureRequest, datasets: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def runs(
+    request: pytest.FixtureRequest, datasets: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
     """``{"world": N, "cases": {name: case}, "run": {name: [rank results]}, "resume": {...}}``."""
     nproc = request.param
     out = tmp_path_factory.mktemp(f"dist{nproc}")
@@ -214,7 +324,9 @@ def test_fillers_with_first_exhausted_hand_out_every_batch_each_rank_read(runs, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["all-w0-drop", "all-w2-drop", "first-w0-drop", "first-w2-drop", "all-explicit-drop", "all-side-drop"])
+@pytest.mark.parametrize(
+    "name", ["all-w0-drop", "all-w2-drop", "first-w0-drop", "first-w2-drop", "all-explicit-drop", "all-side-drop"]
+)
 def test_sync_end_drop_stops_with_the_first_rank_and_counts_what_it_drops(runs, datasets, name):
     per_rank = runs["run"][name]
     nosync = runs["run"][f"{name.split('-')[0]}-nosync"] if runs["cases"][name]["num_workers"] == 0 else None
@@ -275,13 +387,17 @@ def test_a_failing_rank_stops_every_rank(runs, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["all-w0", "all-w2", "first-w0", "first-w2", "all-w0-drop", "all-w2-drop", "first-w0-drop", "first-w2-drop"])
+@pytest.mark.parametrize(
+    "name", ["all-w0", "all-w2", "first-w0", "first-w2", "all-w0-drop", "all-w2-drop", "first-w0-drop", "first-w2-drop"]
+)
 def test_a_second_torchrun_resumes_every_rank_exactly(runs, name):
     k = runs["cases"][name]["save_at"]
     for r, (full, resumed) in enumerate(zip(runs["run"][name], runs["resume"][name])):
         assert "error" not in resumed
         assert len(full["batches"]) > k, "the state must be saved inside the stream"
-        assert resumed["batches"] == full["batches"][k:], f"rank {r}: the resumed run differs from the uninterrupted one"
+        assert resumed["batches"] == full["batches"][k:], (
+            f"rank {r}: the resumed run differs from the uninterrupted one"
+        )
         assert resumed["dropped"] == full["dropped"]
 
 
@@ -315,18 +431,24 @@ def test_every_cut_in_the_tail_resumes_every_rank_exactly(runs, name):
     total = len(full[0]["batches"])
     assert all(len(r["batches"]) == total for r in full) and total > 15
     if name == "tail-w3":
-        assert any(b["filler"] for r in full for b in r["batches"][-15:]), "a rank should be in its filler phase in the tail"
+        assert any(b["filler"] for r in full for b in r["batches"][-15:]), (
+            "a rank should be in its filler phase in the tail"
+        )
     for r, (f, res) in enumerate(zip(full, resumed)):
         assert "error" not in f and "error" not in res
         assert sorted(map(int, res["tail"])) == list(range(total - 15, total + 1))
         for cut, batches in res["tail"].items():
-            assert batches == f["batches"][int(cut):], f"rank {r}, cut {cut}: the resumed run differs from the uninterrupted one"
+            assert batches == f["batches"][int(cut) :], (
+                f"rank {r}, cut {cut}: the resumed run differs from the uninterrupted one"
+            )
 
 
 def test_sync_stop_needs_a_process_group_and_a_matching_group(datasets):
     d = datasets["skew"]
     srcs = [mixer.Source(n, v["pattern"], weight=v["weight"]) for n, v in d.items()]
-    mix = mixer.Mixture(srcs, batching=mixer.TokenBudget(max_tokens=MAX_TOKENS), stop="all_exhausted", rank=1, world_size=2)
+    mix = mixer.Mixture(
+        srcs, batching=mixer.TokenBudget(max_tokens=MAX_TOKENS), stop="all_exhausted", rank=1, world_size=2
+    )
     assert mixer.make_loader(mix).sync is None  # no process group: each rank ends with its own stream
     with pytest.raises(mixer.ConfigError, match="needs an initialized torch.distributed process group"):
         mixer.make_loader(mix, sync_stop=True)
@@ -349,19 +471,42 @@ def test_train_ddp_example_resumes_loss_for_loss(demo_shards, tmp_path):
     same batches and, with the same model state, produce the same losses, bit for bit."""
     cache_dir = Path(demo_shards["prose"]).parents[2]
     script = HERE.parent / "examples" / "train_ddp.py"
-    common = ["--steps", "6", "--workers", "1", "--max-tokens", "4096", "--cache-dir", str(cache_dir), "--ckpt-dir", str(tmp_path / "ckpt")]
+    common = [
+        "--steps",
+        "6",
+        "--workers",
+        "1",
+        "--max-tokens",
+        "4096",
+        "--cache-dir",
+        str(cache_dir),
+        "--ckpt-dir",
+        str(tmp_path / "ckpt"),
+    ]
 
     def launch(*args: str) -> None:
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
-            "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(script), *common, *args,
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--nnodes=1",
+            "--master_addr=127.0.0.1",
+            f"--master_port={_free_port()}",
+            str(script),
+            *common,
+            *args,
         ]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
     launch("--ckpt-every", "3", "--log-dir", str(tmp_path / "full"))
-    assert sorted(p.name for p in (tmp_path / "ckpt" / "step-000003").iterdir()) == ["data-rank0.pt", "data-rank1.pt", "model.pt"]
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "step-000003").iterdir()) == [
+        "data-rank0.pt",
+        "data-rank1.pt",
+        "model.pt",
+    ]
     launch("--resume", str(tmp_path / "ckpt" / "step-000003"), "--log-dir", str(tmp_path / "resumed"))
     for rank in (0, 1):
         full = [json.loads(line) for line in (tmp_path / "full" / f"rank{rank}.jsonl").read_text().splitlines()]
@@ -387,13 +532,32 @@ def test_train_ddp_example_trains_on_every_demo_sample_once_with_zero_loss_fille
             with tarfile.open(shard) as tar:
                 total += len({m.name.split(".", 1)[0] for m in tar.getmembers() if m.isfile()})
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1", "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}", str(HERE.parent / "examples" / "train_ddp.py"), "--steps", "100000", "--workers", "0",
-        "--max-tokens", "4096", "--cache-dir", str(cache_dir), "--log-dir", str(tmp_path / "log"),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--nnodes=1",
+        "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
+        str(HERE.parent / "examples" / "train_ddp.py"),
+        "--steps",
+        "100000",
+        "--workers",
+        "0",
+        "--max-tokens",
+        "4096",
+        "--cache-dir",
+        str(cache_dir),
+        "--log-dir",
+        str(tmp_path / "log"),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=tmp_path)
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    logs = [[json.loads(line) for line in (tmp_path / "log" / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
+    logs = [
+        [json.loads(line) for line in (tmp_path / "log" / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)
+    ]
     assert len(logs[0]) == len(logs[1])
     assert sum(rec["keys"] for log in logs for rec in log) == total
     fillers = [rec for log in logs for rec in log if rec.get("filler")]

@@ -16,9 +16,11 @@ def test_no_references_to_documents_outside_the_repository():
     private = re.compile(r"seed 00\d|gotcha|\.\./shared|DESIGN\.md|seeds/")
     found = [
         f"{path.relative_to(REPO)}:{n}: {line.strip()}"
-        for path in USER_FACING if path.is_file()
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if private.search(line)
-    ]  # fmt: skip
+        for path in USER_FACING
+        if path.is_file()
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if private.search(line)
+    ]
     assert found == []
 
 
@@ -33,7 +35,15 @@ def test_readme_states_the_io_options_defaults():
     assert f"`max_connections` {d.max_connections} per process" in readme
     assert f"`max_open_shards` {d.max_open_shards} per reader" in readme
     doc = " ".join((IOOptions.__doc__ or "").split())
-    for name, shown in (("timeout", f"{d.timeout:g}"), ("retries", d.retries), ("backoff", d.backoff), ("block_size", "1 MiB"), ("read_ahead", d.read_ahead), ("max_connections", d.max_connections), ("max_open_shards", d.max_open_shards)):
+    for name, shown in (
+        ("timeout", f"{d.timeout:g}"),
+        ("retries", d.retries),
+        ("backoff", d.backoff),
+        ("block_size", "1 MiB"),
+        ("read_ahead", d.read_ahead),
+        ("max_connections", d.max_connections),
+        ("max_open_shards", d.max_open_shards),
+    ):
         assert f"``{name}`` (default {shown})" in doc
 
 
@@ -56,4 +66,6 @@ def test_the_architecture_page_names_every_layer_and_module_and_only_those():
         if p.name != "__init__.py"
     }
     assert modules <= named, f"modules missing from docs/internals/architecture.md: {sorted(modules - named)}"
-    assert named <= modules, f"docs/internals/architecture.md names modules that do not exist: {sorted(named - modules)}"
+    assert named <= modules, (
+        f"docs/internals/architecture.md names modules that do not exist: {sorted(named - modules)}"
+    )

@@ -9,7 +9,9 @@ from mixer.errors import StateError
 from mixer.plan.world import Draws, seed_for
 
 
-@pytest.mark.parametrize("cut", [0, 1, 100, Draws.BLOCK - 1, Draws.BLOCK, Draws.BLOCK + 3, 5 * Draws.BLOCK, 1000 * Draws.BLOCK + 17])
+@pytest.mark.parametrize(
+    "cut", [0, 1, 100, Draws.BLOCK - 1, Draws.BLOCK, Draws.BLOCK + 3, 5 * Draws.BLOCK, 1000 * Draws.BLOCK + 17]
+)
 def test_a_restored_draws_continues_exactly(cut):
     first = Draws(7, "shuffle", "web", 0)
     head = [first.random() for _ in range(cut)]

@@ -7,21 +7,20 @@ workers are real DataLoader workers. Every state goes through JSON, as a checkpo
 
 from __future__ import annotations
 
-import functools
 import json
 from collections import Counter, defaultdict
 
 import numpy as np
 import pytest
+import shardutil
+from resume_oracle import _equal, batch_view, tail_cuts, take
+from shardutil import LogNormal, expected_tokens
 
 import mixer
 from mixer.mixing import elastic
-from mixer.state.checkpoint import readable
 from mixer.plan.shards import plan, plan_all, slice_of
 from mixer.plan.world import World
-from resume_oracle import _equal, batch_view, tail_cuts, take
-import shardutil
-from shardutil import LogNormal, expected_tokens
+from mixer.state.checkpoint import readable
 
 # Their own spec (own folder): the index tests write index files next to the shards.
 SOURCES = {
@@ -38,9 +37,17 @@ def shards(make_sources):
 
 
 def build(shards, *, rank, world_size, index=False, **options):
-    options = {"weights": {"web": 0.5, "code": 0.3, "tiny": 0.2}, "batching": mixer.TokenBudget(max_tokens=1024),
-               "state_every": 3, "shuffle_buffer": 16, "seed": 7, **options}  # fmt: skip
-    return shardutil.mixture(shards, source_options={"index": True} if index else None, rank=rank, world_size=world_size, **options)
+    options = {
+        "weights": {"web": 0.5, "code": 0.3, "tiny": 0.2},
+        "batching": mixer.TokenBudget(max_tokens=1024),
+        "state_every": 3,
+        "shuffle_buffer": 16,
+        "seed": 7,
+        **options,
+    }
+    return shardutil.mixture(
+        shards, source_options={"index": True} if index else None, rank=rank, world_size=world_size, **options
+    )
 
 
 def run_old(shards, world_size, num_workers, cuts, **options):
@@ -74,7 +81,6 @@ def delivered(*runs):
         for batches in run.values():
             for b in batches:
                 for k, key in enumerate(b.keys):
-                    name = NAMES[int(b.source[k])]
                     n = int(b.lengths[k])
                     np.testing.assert_array_equal(b.tokens[k, :n].numpy(), expected_tokens(key, n))
                     seen[key] += 1
@@ -114,7 +120,9 @@ def test_every_cut_in_the_tail_of_the_old_pass(shards, w, n, w2, n2):
     """The resume oracle's tail cuts, elastically: each old rank saved at every one of its pass's last
     ``tail_cuts`` batches (readers ended at different points), every sample still delivered once."""
     opts = {"stop": "all_exhausted"}
-    lengths = [sum(1 for _ in mixer.make_loader(build(shards, rank=r, world_size=w, **opts), num_workers=n)) for r in range(w)]
+    lengths = [
+        sum(1 for _ in mixer.make_loader(build(shards, rank=r, world_size=w, **opts), num_workers=n)) for r in range(w)
+    ]
     tail = tail_cuts(n)
     assert min(lengths) > tail
     for back in range(tail + 1):
@@ -138,7 +146,9 @@ def test_mix_sample_and_a_second_change(shards):
             second[rank, b.meta.worker].append(b)
         second_states.append(json.loads(json.dumps(loader.state_dict())))
     held = [readable(r["snapshot"]) for s in second_states for r in s["readers"] if r["snapshot"] is not None]
-    assert any(st["inherit"] for r in held for st in r["streams"]), "some second-run reader should still hold inherited slices"
+    assert any(st["inherit"] for r in held for st in r["streams"]), (
+        "some second-run reader should still hold inherited slices"
+    )
     third = resume(shards, 1, 2, second_states, **opts)
     seen = delivered(first, second, third)
     assert set(seen) == every_key(shards) and max(seen.values()) == 1
@@ -164,24 +174,43 @@ def test_packed_rows_go_back_to_the_streams_and_split_documents_are_refused(shar
 
 # FIFO per reader: no shuffle buffer and one bucket, so each reader delivers a source's samples in
 # the order it reads them, and the epoch of every delivered sample follows from the plans.
-FIFO = {"stop": "never", "shuffle_buffer": 0, "batching": mixer.TokenBudget(max_tokens=1024, buckets=[1024]),
-        "weights": {"web": 0.3, "code": 0.2, "tiny": 0.5}}  # fmt: skip
+FIFO = {
+    "stop": "never",
+    "shuffle_buffer": 0,
+    "batching": mixer.TokenBudget(max_tokens=1024, buckets=[1024]),
+    "weights": {"web": 0.3, "code": 0.2, "tiny": 0.5},
+}
 
 
 def slice_keys(sl, counts, name):
     stop = sl.stop if sl.stop is not None else counts[sl.shard]
-    return [shardutil.token_key(name, sl.shard, i) for i in range(sl.start, stop) if sl.parts == 1 or i % sl.parts == sl.part]
+    return [
+        shardutil.token_key(name, sl.shard, i)
+        for i in range(sl.start, stop)
+        if sl.parts == 1 or i % sl.parts == sl.part
+    ]
 
 
 def planned(shards, world, epoch, name, index):
     counts = Counter(int(k.split("-")[1]) for k in shards[name][1])
     idx = mixer.load_index(shards[name][0]) if index else None
     sizes = build(shards, rank=0, world_size=1, index=index, **FIFO).listed[NAMES.index(name)].shard_bytes
-    return [k for sl in plan(len(counts), world, seed=7, source=name, epoch=epoch, sizes=sizes, index=idx) for k in slice_keys(sl, counts, name)]
+    return [
+        k
+        for sl in plan(len(counts), world, seed=7, source=name, epoch=epoch, sizes=sizes, index=idx)
+        for k in slice_keys(sl, counts, name)
+    ]
 
 
 @pytest.mark.parametrize("index", [False, True], ids=["no-index", "index"])
-@pytest.mark.parametrize("w, n, w2, n2, cuts", [pytest.param(2, 2, 3, 1, [38, 33], id="2x2-3x1"), pytest.param(3, 1, 2, 3, [30, 25, 20], id="3x1-2x3"), pytest.param(1, 0, 2, 2, [40], id="1x0-2x2")])
+@pytest.mark.parametrize(
+    "w, n, w2, n2, cuts",
+    [
+        pytest.param(2, 2, 3, 1, [38, 33], id="2x2-3x1"),
+        pytest.param(3, 1, 2, 3, [30, 25, 20], id="3x1-2x3"),
+        pytest.param(1, 0, 2, 2, [40], id="1x0-2x2"),
+    ],
+)
 def test_every_sample_once_per_source_epoch_with_stop_never(shards, w, n, w2, n2, cuts, index):
     name = "tiny"
     counts = Counter(int(k.split("-")[1]) for k in shards[name][1])
@@ -196,18 +225,29 @@ def test_every_sample_once_per_source_epoch_with_stop_never(shards, w, n, w2, n2
             e += 1
         assert [k for _, k in read[: len(mine)]] == mine  # FIFO: delivered in reading order
         tagged.update(read[: len(mine)])
-    new_states = [elastic.resume_state(build(shards, rank=r, world_size=w2, index=index, **FIFO), json.loads(json.dumps(states)), num_workers=n2) for r in range(w2)]
+    new_states = [
+        elastic.resume_state(
+            build(shards, rank=r, world_size=w2, index=index, **FIFO), json.loads(json.dumps(states)), num_workers=n2
+        )
+        for r in range(w2)
+    ]
     last = max(readable(r["snapshot"])["streams"][NAMES.index(name)]["epoch"] for s in new_states for r in s["readers"])
     assert last >= 1, "the cut should come after some old reader crossed into epoch 1 of 'tiny'"
     if w * max(n, 1) > 1:  # old readers in different epochs: the ones behind leave whole planned epochs
         old_mix = build(shards, rank=0, world_size=w, index=index, **FIFO)
-        stood = [elastic.settle(old_mix, World(rank=r, world_size=w, worker=j, num_workers=n), states[r]["readers"][j]) for r in range(w) for j in range(n)]
+        stood = [
+            elastic.settle(old_mix, World(rank=r, world_size=w, worker=j, num_workers=n), states[r]["readers"][j])
+            for r in range(w)
+            for j in range(n)
+        ]
         assert len({s.streams[NAMES.index(name)]["epoch"] for s in stood}) > 1
     new = resume(shards, w2, n2, states, batches=80, index=index, **FIFO)
     for rank, s in enumerate(new_states):
         for j, r in enumerate(s["readers"]):
             st = readable(r["snapshot"])["streams"][NAMES.index(name)]
-            inherited = len(st["buffer"]) + sum(len(slice_keys(slice_of(row, "test"), counts, name)) for row in st["inherit"])
+            inherited = len(st["buffer"]) + sum(
+                len(slice_keys(slice_of(row, "test"), counts, name)) for row in st["inherit"]
+            )
             mine = [k for b in new[rank, j] for k in b.keys if k.startswith(name)]
             world = World(rank=rank, world_size=w2, worker=j, num_workers=max(n2, 1))
             after = planned(shards, world, last + 1, name, index)
@@ -230,7 +270,9 @@ def test_every_sample_once_per_source_epoch_with_stop_never(shards, w, n, w2, n2
 
 def test_the_same_shape_from_a_list_resumes_batch_for_batch(shards):
     states, _ = run_old(shards, 2, 1, [5, 7])
-    reference = [batch_view(b) for b in take(mixer.make_loader(build(shards, rank=1, world_size=2), num_workers=1), 19)][7:]
+    reference = [
+        batch_view(b) for b in take(mixer.make_loader(build(shards, rank=1, world_size=2), num_workers=1), 19)
+    ][7:]
     loader = mixer.make_loader(build(shards, rank=1, world_size=2), num_workers=1)
     loader.load_state_dict(states)
     got = [batch_view(b) for b in take(loader, 12)]
@@ -289,11 +331,28 @@ def test_torchrun_two_ranks_saved_three_resume_every_sample_once(shards, tmp_pat
     here = Path(__file__).parent
     weights = {"web": 0.5, "code": 0.3, "tiny": 0.2}
     spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"sources": [[n, shards[n][0], w] for n, w in weights.items()], "cuts": [6, 4], "workers": [1, 2]}))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(here.parent), os.environ.get("PYTHONPATH", "")]))
+    spec.write_text(
+        json.dumps({"sources": [[n, shards[n][0], w] for n, w in weights.items()], "cuts": [6, 4], "workers": [1, 2]})
+    )
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(here.parent), os.environ.get("PYTHONPATH", "")]),
+    )
     for nproc, phase in ((2, "save"), (3, "resume")):
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1", "--master_addr=127.0.0.1",
-               f"--master_port={_free_port()}", str(here / "elastic_worker.py"), str(spec), str(tmp_path), phase]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--nnodes=1",
+            "--master_addr=127.0.0.1",
+            f"--master_port={_free_port()}",
+            str(here / "elastic_worker.py"),
+            str(spec),
+            str(tmp_path),
+            phase,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=here.parent)
         assert proc.returncode == 0, f"torchrun {phase} x{nproc} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     saved = [json.loads((tmp_path / f"save-rank{r}.json").read_text()) for r in range(2)]

@@ -15,8 +15,8 @@ import pytest
 from shardutil import expected_tokens, write_samples
 
 import mixer
-import mixer.stream.source_stream
 import mixer.plan.world
+import mixer.stream.source_stream
 from mixer.plan.world import Draws
 
 pytestmark = pytest.mark.skipif(mixer.stream.source_stream._convert is None, reason="the compiled core was not built")
@@ -40,21 +40,35 @@ def _mixed_source(folder: Path, shards: int = 3, per_shard: int = 90) -> str:
             elif kind == 7:
                 samples.append({"__key__": key, "tokens.npy": expected_tokens(key, 700 + n)})  # over max_length
             elif kind == 8:
-                samples.append({"__key__": key, "input_ids.npy": expected_tokens(key, n, dtype=np.int64), "json": b'{"a": 1}'})
+                samples.append(
+                    {"__key__": key, "input_ids.npy": expected_tokens(key, n, dtype=np.int64), "json": b'{"a": 1}'}
+                )
             else:
                 samples.append({"__key__": key, "tokens.npy": expected_tokens(key, n)})
         out.append(samples)
     return write_samples(folder, "m", out)
 
 
-def _run(pattern: str, lane: bool, monkeypatch: pytest.MonkeyPatch, *, batches: int = 40, workers: int = 0, **options: Any) -> tuple[list[Any], Any, Any]:
+def _run(
+    pattern: str, lane: bool, monkeypatch: pytest.MonkeyPatch, *, batches: int = 40, workers: int = 0, **options: Any
+) -> tuple[list[Any], Any, Any]:
     """Batches (keys, lengths, tokens), stats counters and the loader state after `batches` batches."""
     with monkeypatch.context() as m:
         if not lane:
             m.setattr(mixer.stream.source_stream, "_convert", None)
         source_options = options.pop("source", {})
-        sources = [mixer.Source("m", pattern, **source_options), mixer.Source("n", pattern, weight=0.5, **source_options)]
-        mix = mixer.Mixture(sources, batching=mixer.TokenBudget(4096, max_length=512), seed=3, shuffle_buffer=64, state_every=4, **options)
+        sources = [
+            mixer.Source("m", pattern, **source_options),
+            mixer.Source("n", pattern, weight=0.5, **source_options),
+        ]
+        mix = mixer.Mixture(
+            sources,
+            batching=mixer.TokenBudget(4096, max_length=512),
+            seed=3,
+            shuffle_buffer=64,
+            state_every=4,
+            **options,
+        )
         loader = mixer.make_loader(mix, num_workers=workers)
         seen = []
         for i, batch in enumerate(loader):
@@ -110,7 +124,9 @@ def test_shared_shards_and_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     # resume from the lane's state: the next batches are those of an uninterrupted run
     whole, _, _ = _run(pattern, True, monkeypatch, workers=2, batches=36)
     sources = [mixer.Source("m", pattern), mixer.Source("n", pattern, weight=0.5)]
-    mix = mixer.Mixture(sources, batching=mixer.TokenBudget(4096, max_length=512), seed=3, shuffle_buffer=64, state_every=4)
+    mix = mixer.Mixture(
+        sources, batching=mixer.TokenBudget(4096, max_length=512), seed=3, shuffle_buffer=64, state_every=4
+    )
     loader = mixer.make_loader(mix, num_workers=2)
     loader.load_state_dict(state)
     rest = []
@@ -127,7 +143,10 @@ def test_damage_is_counted_the_same(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     victim = tmp_path / "m-000001.tar"
     data = victim.read_bytes()
     victim.write_bytes(data[: len(data) // 2])  # cut mid-shard
-    runs = [_run(pattern, lane, monkeypatch, batches=60, stop="all_exhausted", source={"on_error": "skip"}) for lane in (True, False)]
+    runs = [
+        _run(pattern, lane, monkeypatch, batches=60, stop="all_exhausted", source={"on_error": "skip"})
+        for lane in (True, False)
+    ]
     (fast, fast_counters, _), (slow, slow_counters, _) = runs
     _same(fast, slow)
     assert fast_counters == slow_counters
@@ -138,8 +157,12 @@ def test_samples_from_the_lane_are_untracked(tmp_path: Path) -> None:
     plain tuple like it, never a tuple subclass). Held in buffers, tracked ones would bring full
     collections of the whole heap."""
     keys = [f"u-{i:03d}" for i in range(30)]
-    pattern = write_samples(tmp_path, "u", [[{"__key__": k, "tokens.npy": expected_tokens(k, 10 + i)} for i, k in enumerate(keys)]])
-    mix = mixer.Mixture([mixer.Source("u", pattern)], batching=mixer.TokenBudget(4096), seed=0, shuffle_buffer=8, stop="all_exhausted")
+    pattern = write_samples(
+        tmp_path, "u", [[{"__key__": k, "tokens.npy": expected_tokens(k, 10 + i)} for i, k in enumerate(keys)]]
+    )
+    mix = mixer.Mixture(
+        [mixer.Source("u", pattern)], batching=mixer.TokenBudget(4096), seed=0, shuffle_buffer=8, stop="all_exhausted"
+    )
     got = list(mix.reader(mixer.plan.world.World()).streams[0])
     assert sorted(s.key for s in got) == keys
     for s in got:
@@ -187,4 +210,6 @@ def test_txt_tokens_in_c_are_pythons() -> None:
     for text in (b"", b"plain", "caf\u00e9 \u2603".encode()):
         fast, slow = default_tokens({"txt": text}), default_tokens({"txt": text}, native=False)
         assert fast.dtype == slow.dtype == np.uint8 and np.array_equal(fast, slow)
-    assert np.array_equal(default_tokens({"txt": "caf\u00e9"}), np.frombuffer("caf\u00e9".encode(), np.uint8))  # a str: Python's
+    assert np.array_equal(
+        default_tokens({"txt": "caf\u00e9"}), np.frombuffer("caf\u00e9".encode(), np.uint8)
+    )  # a str: Python's

@@ -9,15 +9,15 @@ import warnings
 
 import numpy as np
 import pytest
-import torch
-
-import mixer
 import shardutil
-from mixer.mixing.adaptive import Exp3, ExpGradient
-from mixer import Adaptive
-from mixer.errors import ConfigError, StateError
+import torch
 from resume_oracle import assert_resumes_exactly, batch_view, take
 from shardutil import RESUME_SOURCES
+
+import mixer
+from mixer import Adaptive
+from mixer.errors import ConfigError, StateError
+from mixer.mixing.adaptive import Exp3, ExpGradient
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +27,9 @@ def shards(make_sources):
 
 WEIGHTS = {"web": 0.5, "code": 0.3, "tiny": 0.2}
 PRIOR = np.array([0.5, 0.3, 0.2])
-mixture = functools.partial(shardutil.mixture, weights=WEIGHTS, batching=mixer.TokenBudget(max_tokens=2048),
-                            state_every=8, shuffle_buffer=64)  # fmt: skip
+mixture = functools.partial(
+    shardutil.mixture, weights=WEIGHTS, batching=mixer.TokenBudget(max_tokens=2048), state_every=8, shuffle_buffer=64
+)
 
 
 def fake_loss(batch):
@@ -61,7 +62,10 @@ def run(loader, n):
 @pytest.mark.parametrize("num_workers,lag", [(0, None), (2, 7)])
 def test_updates_take_effect_at_the_agreed_step_with_the_policy_s_shares(shards, num_workers, lag):
     U = 4
-    mix = mixture(shards, schedule=Adaptive(mixer.Weights(WEIGHTS), policy="exp3", lr=0.05, update_every=U, smoothing=0.2, lag=lag))
+    mix = mixture(
+        shards,
+        schedule=Adaptive(mixer.Weights(WEIGHTS), policy="exp3", lr=0.05, update_every=U, smoothing=0.2, lag=lag),
+    )
     loader = mixer.make_loader(mix, num_workers=num_workers)
     effective_lag = 1 if lag is None else lag  # no workers, no device feed, no sync: 0 + 0 + 0 + 1
     with warnings.catch_warnings(record=True) as caught:
@@ -126,7 +130,10 @@ def test_feedback_is_checked(shards):
     loader = mixer.make_loader(mixture(shards, schedule=Adaptive(mixer.Weights(WEIGHTS))))
     batch = next(iter(loader))
     n = len(batch.source)  # (a batch may hold a single sample: one value too many is wrong whatever its size)
-    with pytest.raises(ConfigError, match=re.escape(f"feedback: loss must have one value per sample of the batch, shape ({n},), got ({n + 1},)")):
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(f"feedback: loss must have one value per sample of the batch, shape ({n},), got ({n + 1},)"),
+    ):
         loader.feedback(batch, torch.zeros(n + 1))
 
 
@@ -137,7 +144,9 @@ def test_lag_below_what_the_loader_reads_ahead_is_refused(shards):
 
 
 def test_exp_gradient_through_the_loader_matches_the_policy(shards):
-    mix = mixture(shards, schedule=Adaptive(mixer.Weights(WEIGHTS), policy="exp_gradient", lr=2.0, update_every=3, smoothing=0.0))
+    mix = mixture(
+        shards, schedule=Adaptive(mixer.Weights(WEIGHTS), policy="exp_gradient", lr=2.0, update_every=3, smoothing=0.0)
+    )
     got = run(mixer.make_loader(mix), 12)
     policy = ExpGradient(3, lr=2.0, smoothing=0.0)
     for j in range(3):
@@ -169,11 +178,23 @@ def test_an_exhausted_source_keeps_its_weight_and_the_pass_delivers_everything_o
     assert len({r[2] for r in after}) == 1 and len({r[0] for r in after}) > 1
 
 
-@pytest.mark.parametrize("options,message", [
-    ({"num_workers": 1, "persistent_workers": True}, r"^schedule Adaptive: persistent_workers=True is not supported .*leave persistent_workers=False$"),
-    ({"num_workers": 1, "multiprocessing_context": "spawn"}, r"^schedule Adaptive: needs DataLoader workers started by fork .*multiprocessing_context='fork' \(Linux\) or num_workers=0$"),
-    ({"num_workers": 1, "multiprocessing_context": "forkserver"}, r"^schedule Adaptive: needs DataLoader workers started by fork"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (
+            {"num_workers": 1, "persistent_workers": True},
+            r"^schedule Adaptive: persistent_workers=True is not supported .*leave persistent_workers=False$",
+        ),
+        (
+            {"num_workers": 1, "multiprocessing_context": "spawn"},
+            r"^schedule Adaptive: needs DataLoader workers started by fork .*multiprocessing_context='fork' \(Linux\) or num_workers=0$",
+        ),
+        (
+            {"num_workers": 1, "multiprocessing_context": "forkserver"},
+            r"^schedule Adaptive: needs DataLoader workers started by fork",
+        ),
+    ],
+)
 def test_workers_that_cannot_see_the_shares_table_are_refused_when_the_loader_is_made(shards, options, message):
     mix = mixture(shards, schedule=Adaptive(mixer.Weights(WEIGHTS)))
     with pytest.raises(ConfigError, match=message):

@@ -98,7 +98,10 @@ def _imports(name: str, package: bool, source: str, known: set[str], *, every: b
 
 def _graph(*, every: bool = False) -> dict[str, set[str]]:
     modules = _modules()
-    return {name: _imports(name, package, path.read_text(), set(modules), every=every) for name, (path, package) in modules.items()}
+    return {
+        name: _imports(name, package, path.read_text(), set(modules), every=every)
+        for name, (path, package) in modules.items()
+    }
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -184,17 +187,35 @@ def test_every_import_points_down_the_layers() -> None:
     graph = _graph(every=True)
     upward = sorted(
         f"{a} (layer {LAYERS[layer_of(a)][0]}) imports {b} (layer {LAYERS[layer_of(b)][0]})"
-        for a, targets in graph.items() if a != "mixer"
-        for b in targets if b != "mixer" and layer_of(b) > layer_of(a)
-    )  # fmt: skip
+        for a, targets in graph.items()
+        if a != "mixer"
+        for b in targets
+        if b != "mixer" and layer_of(b) > layer_of(a)
+    )
     assert not upward, "imports that run up the layers:\n" + "\n".join(upward)
 
 
 def test_every_module_is_in_a_layer_and_only_the_foundation_is_at_the_top() -> None:
     top = sorted(name for name in _modules() if name.count(".") == 1)
-    assert top == ["mixer._check", "mixer._native", "mixer._warn", "mixer.batching", "mixer.cli", "mixer.collective", "mixer.config", "mixer.errors",
-                   "mixer.mixing", "mixer.observe", "mixer.plan", "mixer.read", "mixer.runtime", "mixer.spec", "mixer.state",
-                   "mixer.storage", "mixer.stream"]  # fmt: skip
+    assert top == [
+        "mixer._check",
+        "mixer._native",
+        "mixer._warn",
+        "mixer.batching",
+        "mixer.cli",
+        "mixer.collective",
+        "mixer.config",
+        "mixer.errors",
+        "mixer.mixing",
+        "mixer.observe",
+        "mixer.plan",
+        "mixer.read",
+        "mixer.runtime",
+        "mixer.spec",
+        "mixer.state",
+        "mixer.storage",
+        "mixer.stream",
+    ]
     for name in _modules():
         if name != "mixer":
             layer_of(name)
@@ -208,15 +229,29 @@ def test_the_layer_check_sees_an_upward_import() -> None:
 
 def test_no_import_cycle() -> None:
     cycles = _cycles(_graph())
-    assert not cycles, "import cycles in mixer (move the shared piece down, or import inside the function):\n" + "\n".join(
-        " -> ".join(c) for c in cycles
+    assert not cycles, (
+        "import cycles in mixer (move the shared piece down, or import inside the function):\n"
+        + "\n".join(" -> ".join(c) for c in cycles)
     )
 
 
 def test_the_graph_sees_imports() -> None:
     # Guards the test above against passing vacuously: each kind of import is found, or left out.
-    known = {"mixer", "mixer.errors", "mixer.plan", "mixer.plan.world", "mixer.observe", "mixer.observe.stats", "mixer.storage",
-             "mixer.storage.urls", "mixer.mixing", "mixer.mixing.mixture", "mixer.spec", "mixer.spec.source", "mixer.spec.budget"}  # fmt: skip
+    known = {
+        "mixer",
+        "mixer.errors",
+        "mixer.plan",
+        "mixer.plan.world",
+        "mixer.observe",
+        "mixer.observe.stats",
+        "mixer.storage",
+        "mixer.storage.urls",
+        "mixer.mixing",
+        "mixer.mixing.mixture",
+        "mixer.spec",
+        "mixer.spec.source",
+        "mixer.spec.budget",
+    }
     source = """
 from __future__ import annotations
 import os
@@ -233,15 +268,26 @@ if TYPE_CHECKING:
 def build():
     from mixer.plan.world import World
 """
-    runtime = {"mixer.spec.budget", "mixer.errors", "mixer.storage", "mixer.storage.urls", "mixer.observe", "mixer.observe.stats"}
+    runtime = {
+        "mixer.spec.budget",
+        "mixer.errors",
+        "mixer.storage",
+        "mixer.storage.urls",
+        "mixer.observe",
+        "mixer.observe.stats",
+    }
     assert _imports("mixer.spec.source", False, source, known) == runtime
     # every import counts for the layers: type-only and function-level ones too
     assert _imports("mixer.spec.source", False, source, known, every=True) == runtime | {
-        "mixer.mixing", "mixer.mixing.mixture", "mixer.plan", "mixer.plan.world"
+        "mixer.mixing",
+        "mixer.mixing.mixture",
+        "mixer.plan",
+        "mixer.plan.world",
     }
     # Inside a package: relative imports start there, and its own __init__ is already running.
     assert _imports("mixer.storage.logsafe", False, "from .urls import redact\nfrom ..errors import X", known) == {
-        "mixer.storage.urls", "mixer.errors"
+        "mixer.storage.urls",
+        "mixer.errors",
     }
     graph = _graph()
     assert "mixer.storage.urls" in graph["mixer.storage.logsafe"] and "mixer.errors" in graph["mixer.storage.urls"]

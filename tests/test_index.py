@@ -12,17 +12,19 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from servers import FaultyHTTPServer, make_bucket, remote_guard, s3_server, s3_storage_options  # noqa: F401 (remote_guard: a module-wide autouse fixture)
+from shardutil import LogNormal, expected_tokens, write_sources, write_token_shards
 
 import mixer
 from mixer.errors import ShardError
 from mixer.plan.shards import plan, range_bounds, shard_order
-from mixer.read.tario import read_samples
 from mixer.plan.world import World
-from servers import FaultyHTTPServer, make_bucket, remote_guard, s3_storage_options, s3_server  # noqa: F401 (remote_guard: a module-wide autouse fixture)
-from shardutil import LogNormal, expected_tokens, write_sources, write_token_shards
+from mixer.read.tario import read_samples
 
 SPEC = {
-    "few": LogNormal(shards=2, samples=60, median=40, sigma=0.6, lo=2, hi=400, seed=1),  # fewer shards than most worlds' readers
+    "few": LogNormal(
+        shards=2, samples=60, median=40, sigma=0.6, lo=2, hi=400, seed=1
+    ),  # fewer shards than most worlds' readers
     "many": LogNormal(shards=5, samples=150, median=40, sigma=0.6, lo=2, hi=400, seed=2),
 }
 
@@ -93,7 +95,10 @@ def test_stale_entries_are_named_then_reindexed_or_refused(sources, caplog):
     mixer.build_index(pattern)
     changed = pattern.replace("{000000..000001}", "000001")
     os.utime(changed, ns=(1, 1))  # same bytes, new modification time: the validator differs
-    with pytest.raises(ShardError, match=r"stale for 1 shard\(s\): .*few-000001.tar \(indexed: \d+ bytes, mtime:\d+; now: \d+ bytes, mtime:1\).*stale='refuse'"):
+    with pytest.raises(
+        ShardError,
+        match=r"stale for 1 shard\(s\): .*few-000001.tar \(indexed: \d+ bytes, mtime:\d+; now: \d+ bytes, mtime:1\).*stale='refuse'",
+    ):
         mixer.load_index(pattern, stale="refuse")
     with caplog.at_level("WARNING", logger="mixer.plan.index"):
         idx = mixer.load_index(pattern)  # auto: the folder is writable, so re-index
@@ -101,7 +106,9 @@ def test_stale_entries_are_named_then_reindexed_or_refused(sources, caplog):
     assert any("few-000001.tar" in r.getMessage() and "re-indexing" in r.getMessage() for r in caplog.records)
     assert mixer.load_index(pattern, stale="refuse").reindexed == ()  # written back
     with pytest.raises(ShardError, match="stale for 2 shard"):
-        mixer.load_index(pattern, location=str(os.path.dirname(pattern)) + "/elsewhere.json", stale="refuse")  # no file: no entries
+        mixer.load_index(
+            pattern, location=str(os.path.dirname(pattern)) + "/elsewhere.json", stale="refuse"
+        )  # no file: no entries
 
 
 def test_another_decode_makes_every_entry_stale(sources):
@@ -122,8 +129,15 @@ def test_every_sample_exactly_once_with_an_index(sources, world_size, num_worker
     seen = Counter()
     for rank in range(world_size):
         srcs = [mixer.Source(name, pattern, index=True) for name, (pattern, _) in sources.items()]
-        mix = mixer.Mixture(srcs, batching=mixer.TokenBudget(max_tokens=1024), stop="all_exhausted", seed=5,
-                            rank=rank, world_size=world_size, shuffle_buffer=8)  # fmt: skip
+        mix = mixer.Mixture(
+            srcs,
+            batching=mixer.TokenBudget(max_tokens=1024),
+            stop="all_exhausted",
+            seed=5,
+            rank=rank,
+            world_size=world_size,
+            shuffle_buffer=8,
+        )
         assert [p.origin for p in mix.profiles] == ["index", "index"]
         for key, tokens in collect(mixer.make_loader(mix, num_workers=num_workers)):
             name = key.split("-")[0]
@@ -172,8 +186,13 @@ def test_a_mixture_with_an_index_reads_no_shard_up_front_and_ranges_read_only_th
             server.clear()
             keys = []
             for rank in range(4):
-                mix = mixer.Mixture([mixer.Source("solo", url, index=index)], batching=mixer.TokenBudget(max_tokens=1024),
-                                    stop="all_exhausted", rank=rank, world_size=4)  # fmt: skip
+                mix = mixer.Mixture(
+                    [mixer.Source("solo", url, index=index)],
+                    batching=mixer.TokenBudget(max_tokens=1024),
+                    stop="all_exhausted",
+                    rank=rank,
+                    world_size=4,
+                )
                 if rank == 0 and index:  # the index file is read, no shard
                     assert server.requests("one/solo-000000.tar") == [] and server.requests("one/mixer-index.json.gz")
                 keys += [k for k, _ in collect(mixer.make_loader(mix, num_workers=0))]
@@ -226,7 +245,9 @@ def test_remote_build_load_and_read_over_s3(tmp_path):
         assert mixer.load_index(src, stale="refuse").reindexed == ()
         seen = Counter()
         for rank in range(3):
-            mix = mixer.Mixture([src], batching=mixer.TokenBudget(max_tokens=1024), stop="all_exhausted", rank=rank, world_size=3)
+            mix = mixer.Mixture(
+                [src], batching=mixer.TokenBudget(max_tokens=1024), stop="all_exhausted", rank=rank, world_size=3
+            )
             assert mix.profiles[0].origin == "index" and mix.sizes["s3src"] == sum(lengths.values())
             seen.update(k for k, _ in collect(mixer.make_loader(mix, num_workers=0)))
         assert seen == Counter({k: 1 for k in lengths})  # every sample once over the 3 ranks
@@ -239,8 +260,13 @@ def test_a_lost_range_is_counted_exactly(tmp_path):
         remote = server.url("d/" + os.path.basename(pattern))
         mixer.build_index(remote, location=str(tmp_path / "d.json"))
         server.fail("d/d-000001.tar", "status", status=404, times=None)  # GETs only; HEADs still answer
-        mix = mixer.Mixture([mixer.Source("d", remote, index=server.url("d.json"), on_error="skip")],
-                            batching=mixer.TokenBudget(max_tokens=1024), stop="all_exhausted", rank=0, world_size=1)  # fmt: skip
+        mix = mixer.Mixture(
+            [mixer.Source("d", remote, index=server.url("d.json"), on_error="skip")],
+            batching=mixer.TokenBudget(max_tokens=1024),
+            stop="all_exhausted",
+            rank=0,
+            world_size=1,
+        )
         loader = mixer.make_loader(mix, num_workers=0)
         with pytest.warns(RuntimeWarning, match=r"30 indexed sample\(s\) of the range lost"):
             keys = [k for k, _ in collect(loader)]
@@ -254,7 +280,9 @@ def test_the_index_command_builds_then_refreshes(sources, tmp_path, capsys):
 
     pattern, lengths = sources["few"]
     config = tmp_path / "mix.yaml"
-    config.write_text(f"sources:\n  - name: few\n    urls: '{pattern}'\n    index: true\nbatching:\n  max_tokens: 1024\n")
+    config.write_text(
+        f"sources:\n  - name: few\n    urls: '{pattern}'\n    index: true\nbatching:\n  max_tokens: 1024\n"
+    )
     assert main(["index", "--quiet", pattern]) == 0
     out = capsys.readouterr().out
     assert f"2 shards, 60 samples, {sum(lengths.values()):,} tokens; 2 shard(s) read, 0 up to date" in out
@@ -272,10 +300,20 @@ def test_a_mixture_with_an_index_resumes_exactly(tmp_path):
     written = write_sources(tmp_path, RESUME_SOURCES)
     for name in written:
         mixer.build_index(written[name][0])
-    mix = mixture(written, weights={"web": 0.5, "code": 0.3, "tiny": 0.2}, source_options={"index": True},
-                  batching=mixer.TokenBudget(max_tokens=2048), state_every=8, shuffle_buffer=16, rank=1, world_size=3)  # fmt: skip
+    mix = mixture(
+        written,
+        weights={"web": 0.5, "code": 0.3, "tiny": 0.2},
+        source_options={"index": True},
+        batching=mixer.TokenBudget(max_tokens=2048),
+        state_every=8,
+        shuffle_buffer=16,
+        rank=1,
+        world_size=3,
+    )
     assert all(ls.index is not None for ls in mix.listed)
-    assert_resumes_exactly(lambda: mixer.make_loader(mix, num_workers=0), cuts=[1, 5, 9, 17, 30], window=8, view=batch_view)
+    assert_resumes_exactly(
+        lambda: mixer.make_loader(mix, num_workers=0), cuts=[1, 5, 9, 17, 30], window=8, view=batch_view
+    )
 
 
 def test_a_damaged_shard_is_indexed_up_to_the_damage_under_skip(tmp_path, caplog):
@@ -290,12 +328,19 @@ def test_a_damaged_shard_is_indexed_up_to_the_damage_under_skip(tmp_path, caplog
     with caplog.at_level("WARNING", logger="mixer.plan.index"):
         idx = mixer.build_index(src)
     assert idx.counts.tolist() == [30, 10] and idx.entries[1].damage is not None
-    assert any("d-000001.tar is damaged" in r.getMessage() and "10 sample(s) before the damage" in r.getMessage() for r in caplog.records)
+    assert any(
+        "d-000001.tar is damaged" in r.getMessage() and "10 sample(s) before the damage" in r.getMessage()
+        for r in caplog.records
+    )
     seen = Counter()
     for rank in range(2):  # readers read the good ranges only, and never meet the damage
-        mix = mixer.Mixture([src], batching=mixer.TokenBudget(max_tokens=1024), stop="all_exhausted", rank=rank, world_size=2)
+        mix = mixer.Mixture(
+            [src], batching=mixer.TokenBudget(max_tokens=1024), stop="all_exhausted", rank=rank, world_size=2
+        )
         loader = mixer.make_loader(mix, num_workers=0)
         seen.update(k for k, _ in collect(loader))
         assert loader.stats()["sources"]["d"]["total"]["skipped_shards"] == 0
-    assert sorted(seen) == sorted(k for k in lengths if k.startswith("d-000000") or int(k[-6:]) < 10 and k.startswith("d-000001"))
+    assert sorted(seen) == sorted(
+        k for k in lengths if k.startswith("d-000000") or int(k[-6:]) < 10 and k.startswith("d-000001")
+    )
     assert max(seen.values()) == 1

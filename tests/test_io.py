@@ -22,8 +22,8 @@ import servers
 from servers import FaultyHTTPServer, make_bucket, s3_server, s3_storage_options
 
 from mixer import storage as mio
-from mixer.storage.filesystems import close_filesystems
 from mixer.errors import ConfigError, ShardError
+from mixer.storage.filesystems import close_filesystems
 
 SIZE = 300_007  # not a multiple of any block or chunk size used below
 # Retries wait ~10 ms. Reads time out after 30 s, so that a machine loaded by parallel jobs never
@@ -622,8 +622,9 @@ def test_retries_use_no_global_rng(
 def test_real_shard_over_faulty_http(http: FaultyHTTPServer, root: Path) -> None:
     # A real WebDataset shard read through tario: a reset, a 503 and a stall in the middle of it change
     # nothing in the samples (same keys, same bytes, same offsets as from local disk).
-    from mixer.read.tario import read_samples
     from shardutil import write_token_shards
+
+    from mixer.read.tario import read_samples
 
     write_token_shards(root / "real", "web", [[300] * 40])
     path = root / "real" / "web-000000.tar"
@@ -661,7 +662,9 @@ def test_s3_faults(
 ) -> None:
     fake_s3.fail("data/a.tar", kind, **kwargs)
     options = s3_storage_options(fake_s3.url().rstrip("/"))
-    with mio.open_shard("s3://data/a.tar", storage_options=options, block_size=16384, **(STALLS if kind == "stall" else FAST)) as stream:
+    with mio.open_shard(
+        "s3://data/a.tar", storage_options=options, block_size=16384, **(STALLS if kind == "stall" else FAST)
+    ) as stream:
         assert stream.read() == files["data/a.tar"]
     assert _ranges(fake_s3, "data/a.tar") == resume
     fault = f"status {kwargs['status']}" if kind == "status" else kind

@@ -11,8 +11,8 @@ import pytest
 from servers import FaultyHTTPServer, make_bucket, remote_guard, s3_server, s3_storage_options  # noqa: F401 (remote_guard: a module-wide autouse fixture)
 
 from mixer import storage as mio
-from mixer.storage.filesystems import close_filesystems
 from mixer.storage import logsafe
+from mixer.storage.filesystems import close_filesystems
 
 SECRETS = ("PASSWORD9", "SIGSECRET9", "AKIAKEY9", "SESSIONTOKEN9", "SECRETKEY9")
 
@@ -86,12 +86,18 @@ def test_botocore_debug_log_of_signed_s3_requests(
         ("'Authorization': b'AWS4-HMAC-SHA256 Credential=K/x'", "'Authorization': b'***'"),
         ("authorization: bearer-token-9", "authorization: ***"),
         ("https://u:PASSWORD9@h/a.tar?X-Amz-Signature=SIGSECRET9", "https://h/a.tar"),
-        ('127.0.0.1:9 "GET /b/k.tar?X-Amz-Credential=AKIAKEY9&X-Amz-Signature=SIGSECRET9 HTTP/1.1" 200 5',
-         '127.0.0.1:9 "GET /b/k.tar?X-Amz-Credential=***&X-Amz-Signature=*** HTTP/1.1" 200 5'),
-        ("headers={'Authorization': 'Basic dXNlcjpQQVNTV09SRDk=', 'Range': 'bytes=0-'}",
-         "headers={'Authorization': '***', 'Range': 'bytes=0-'}"),
-        ("{'aws_secret_access_key': 'SECRETKEY9', 'region_name': 'us-east-1'}",
-         "{'aws_secret_access_key': '***', 'region_name': 'us-east-1'}"),
+        (
+            '127.0.0.1:9 "GET /b/k.tar?X-Amz-Credential=AKIAKEY9&X-Amz-Signature=SIGSECRET9 HTTP/1.1" 200 5',
+            '127.0.0.1:9 "GET /b/k.tar?X-Amz-Credential=***&X-Amz-Signature=*** HTTP/1.1" 200 5',
+        ),
+        (
+            "headers={'Authorization': 'Basic dXNlcjpQQVNTV09SRDk=', 'Range': 'bytes=0-'}",
+            "headers={'Authorization': '***', 'Range': 'bytes=0-'}",
+        ),
+        (
+            "{'aws_secret_access_key': 'SECRETKEY9', 'region_name': 'us-east-1'}",
+            "{'aws_secret_access_key': '***', 'region_name': 'us-east-1'}",
+        ),
         ("x-amz-security-token:SESSIONTOKEN9\nhost:127.0.0.1", "x-amz-security-token:***\nhost:127.0.0.1"),
         ("Calculating signature using v4 auth.", "Calculating signature using v4 auth."),
         ("Sample of length 12 at offset 512", "Sample of length 12 at offset 512"),
@@ -113,5 +119,9 @@ def test_only_the_libraries_records_are_rewritten(caplog: pytest.LogCaptureFixtu
     logging.getLogger("myapp.io").debug("fetching %s", url)  # the application's own: untouched
     ours, theirs = caplog.records[-2:]
     assert ours.getMessage() == "fetching https://h/a.tar" and ours.args is None
-    assert ours.exc_text is not None and "cannot reach https://h/a.tar" in ours.exc_text and "PASSWORD9" not in caplog.text.split("myapp")[0]
+    assert (
+        ours.exc_text is not None
+        and "cannot reach https://h/a.tar" in ours.exc_text
+        and "PASSWORD9" not in caplog.text.split("myapp")[0]
+    )
     assert theirs.getMessage() == f"fetching {url}" and theirs.args == (url,)

@@ -8,12 +8,12 @@ import functools
 import json
 
 import pytest
-
-import mixer
 import shardutil
-from mixer.plan.world import World
 from resume_oracle import assert_resumes_exactly, batch_view, take
 from shardutil import LogNormal
+
+import mixer
+from mixer.plan.world import World
 
 MANY = 200
 
@@ -22,7 +22,9 @@ MANY = 200
 def many(make_sources):
     """200 small sources: 1-2 shards of 6-17 samples, lengths of different medians."""
     spec = {
-        f"s{i:03d}": LogNormal(shards=1 + i % 2, samples=6 + i % 12, median=40 + 7 * (i % 13), sigma=0.6, lo=2, hi=1024, seed=100 + i)
+        f"s{i:03d}": LogNormal(
+            shards=1 + i % 2, samples=6 + i % 12, median=40 + 7 * (i % 13), sigma=0.6, lo=2, hi=1024, seed=100 + i
+        )
         for i in range(MANY)
     }
     return make_sources(spec)
@@ -33,7 +35,9 @@ def weights(n, skew=1.0):
     return {f"s{i:03d}": 1.0 / (1 + i) ** skew for i in range(n)}
 
 
-mixture = functools.partial(shardutil.mixture, batching=mixer.TokenBudget(max_tokens=1024), shuffle_buffer=64, state_every=4)
+mixture = functools.partial(
+    shardutil.mixture, batching=mixer.TokenBudget(max_tokens=1024), shuffle_buffer=64, state_every=4
+)
 
 
 def held(reader):
@@ -48,7 +52,11 @@ def test_a_reader_never_holds_more_than_its_budget(many, mix_mode, packed):
     """Counted from the live reader after every batch, over several epochs of the common sources.
     The same mixture without a budget holds more, so the cap is what keeps it under."""
     n, budget = 120, 600
-    batching = mixer.Packed(max_tokens=1024, seq_len=256, split_documents=True) if packed else mixer.TokenBudget(max_tokens=1024)
+    batching = (
+        mixer.Packed(max_tokens=1024, seq_len=256, split_documents=True)
+        if packed
+        else mixer.TokenBudget(max_tokens=1024)
+    )
     world = World()
     seen = {}
     for b in (budget, None):
@@ -73,7 +81,9 @@ def test_the_budget_is_apportioned_by_share_with_a_floor(many):
 
 
 def test_a_budget_too_small_for_the_sources_is_refused(many):
-    with pytest.raises(mixer.ConfigError, match=r"buffer_budget: must give each of the 120 sources at least 2 samples.*>= 240, got 100"):
+    with pytest.raises(
+        mixer.ConfigError, match=r"buffer_budget: must give each of the 120 sources at least 2 samples.*>= 240, got 100"
+    ):
         mixture(many, weights=weights(120), buffer_budget=100)
     with pytest.raises(mixer.ConfigError, match="buffer_budget: must be >= 1, got 0"):
         mixture(many, weights=weights(3), buffer_budget=0)
@@ -92,7 +102,9 @@ def test_every_sample_of_200_sources_exactly_once_and_exact_resume(many, mix_mod
     counts = collections.Counter(int(s) for b in batches for s in b.source)
     assert len(counts) == MANY
     n = len(batches)
-    assert_resumes_exactly(lambda: mixer.make_loader(mix, num_workers=2), cuts=[5, n // 3, (2 * n) // 3, n - 2], window=6, view=batch_view)
+    assert_resumes_exactly(
+        lambda: mixer.make_loader(mix, num_workers=2), cuts=[5, n // 3, (2 * n) // 3, n - 2], window=6, view=batch_view
+    )
 
 
 @pytest.mark.parametrize("mix_mode", ["batch", "sample"])

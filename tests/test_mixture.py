@@ -6,16 +6,16 @@ from collections import Counter
 
 import numpy as np
 import pytest
-
-import mixer
 import shardutil
 from shardutil import (
-    expected_tokens,
     LogNormal,
+    expected_tokens,
     npy_bytes,
     write_tar_members,
     write_token_shards,
 )
+
+import mixer
 
 WEIGHTS = {"web": 0.6, "code": 0.3, "books": 0.1}
 
@@ -41,10 +41,12 @@ def collect(loader, limit=None):
 @pytest.fixture(scope="module")
 def small_sources(make_sources):
     """Two sources: 'few' has 2 shards (fewer than most reader counts), 'many' has 5."""
-    return make_sources({
-        "few": LogNormal(shards=2, samples=37, median=40, sigma=0.6, lo=2, hi=400, seed=1),
-        "many": LogNormal(shards=5, samples=61, median=40, sigma=0.6, lo=2, hi=400, seed=2),
-    })
+    return make_sources(
+        {
+            "few": LogNormal(shards=2, samples=37, median=40, sigma=0.6, lo=2, hi=400, seed=1),
+            "many": LogNormal(shards=5, samples=61, median=40, sigma=0.6, lo=2, hi=400, seed=2),
+        }
+    )
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -57,8 +59,13 @@ def test_every_sample_exactly_once_per_source_epoch(small_sources, world_size, n
     for rank in range(world_size):
         srcs = [mixer.Source(name, pattern) for name, (pattern, _) in small_sources.items()]
         mix = mixer.Mixture(
-            srcs, batching=mixer.TokenBudget(max_tokens=1024), stop="all_exhausted", seed=5,
-            rank=rank, world_size=world_size, shuffle_buffer=8,
+            srcs,
+            batching=mixer.TokenBudget(max_tokens=1024),
+            stop="all_exhausted",
+            seed=5,
+            rank=rank,
+            world_size=world_size,
+            shuffle_buffer=8,
         )
         for key, src, tokens in collect(mixer.make_loader(mix, num_workers=num_workers)):
             name = mix.names[src]
@@ -79,7 +86,9 @@ def token_share(mix, batches=2000):
 
 
 def test_deficit_tracks_token_share_within_one_point(three_sources):
-    mix = mixer.Mixture(sources_from(three_sources), batching=mixer.TokenBudget(max_tokens=4096, max_length=4096), seed=0)
+    mix = mixer.Mixture(
+        sources_from(three_sources), batching=mixer.TokenBudget(max_tokens=4096, max_length=4096), seed=0
+    )
     share = token_share(mix)
     assert np.abs(share - np.array(list(WEIGHTS.values()))).max() <= 0.01, share
 
@@ -88,24 +97,37 @@ def test_random_selector_hits_token_share_in_expectation(three_sources):
     # Random picks are independent: over 2,000 batches the token share of a source with share p
     # and roughly equal batch sizes has standard deviation about sqrt(p(1-p)/2000) <= 0.011; four
     # sigmas bound it, and a selector that ignored batch size or weights would miss by far more.
-    mix = mixer.Mixture(sources_from(three_sources), batching=mixer.TokenBudget(max_tokens=4096, max_length=4096), selector="random", seed=3)
+    mix = mixer.Mixture(
+        sources_from(three_sources),
+        batching=mixer.TokenBudget(max_tokens=4096, max_length=4096),
+        selector="random",
+        seed=3,
+    )
     share = token_share(mix)
     assert np.abs(share - np.array(list(WEIGHTS.values()))).max() <= 0.045, share
 
 
 def test_round_robin_alternates_sources(three_sources):
-    mix = mixer.Mixture(sources_from(three_sources), batching=mixer.TokenBudget(max_tokens=4096, max_length=4096), selector="round_robin")
+    mix = mixer.Mixture(
+        sources_from(three_sources),
+        batching=mixer.TokenBudget(max_tokens=4096, max_length=4096),
+        selector="round_robin",
+    )
     firsts = [int(b.source[0]) for _, b in zip(range(9), mixer.make_loader(mix))]
     assert firsts == [0, 1, 2] * 3
 
 
 def test_padding_efficiency_on_lognormal_mix(make_sources):
     # Long-tailed lengths (sigma 1.0-1.2) where count quantiles waste 15-25%.
-    srcs = make_sources({
-        "a": LogNormal(shards=4, samples=6000, median=120, sigma=1.0, lo=1, hi=16384, seed=0),
-        "b": LogNormal(shards=4, samples=6000, median=900, sigma=1.2, lo=1, hi=16384, seed=1),
-    })
-    mix = shardutil.mixture(srcs, weights={"a": None, "b": None}, batching=mixer.TokenBudget(max_tokens=16384), stop="all_exhausted")
+    srcs = make_sources(
+        {
+            "a": LogNormal(shards=4, samples=6000, median=120, sigma=1.0, lo=1, hi=16384, seed=0),
+            "b": LogNormal(shards=4, samples=6000, median=900, sigma=1.2, lo=1, hi=16384, seed=1),
+        }
+    )
+    mix = shardutil.mixture(
+        srcs, weights={"a": None, "b": None}, batching=mixer.TokenBudget(max_tokens=16384), stop="all_exhausted"
+    )
     real = slots = 0
     for batch in mixer.make_loader(mix):
         assert batch.batch_size * batch.seq_len <= 16384
@@ -116,7 +138,9 @@ def test_padding_efficiency_on_lognormal_mix(make_sources):
 
 def test_same_seed_same_batches_other_seed_other_order(three_sources):
     def keys(seed, workers=0):
-        mix = mixer.Mixture(sources_from(three_sources), batching=mixer.TokenBudget(max_tokens=4096, max_length=4096), seed=seed)
+        mix = mixer.Mixture(
+            sources_from(three_sources), batching=mixer.TokenBudget(max_tokens=4096, max_length=4096), seed=seed
+        )
         return [k for b, _ in zip(mixer.make_loader(mix, num_workers=workers), range(40)) for k in b.keys]
 
     a = keys(0)
@@ -127,7 +151,11 @@ def test_same_seed_same_batches_other_seed_other_order(three_sources):
 
 def test_zero_and_two_workers_give_the_same_multiset(three_sources):
     def delivered(workers):
-        mix = mixer.Mixture(sources_from(three_sources), batching=mixer.TokenBudget(max_tokens=8192, max_length=8192), stop="all_exhausted")
+        mix = mixer.Mixture(
+            sources_from(three_sources),
+            batching=mixer.TokenBudget(max_tokens=8192, max_length=8192),
+            stop="all_exhausted",
+        )
         return Counter(k for k, _, _ in collect(mixer.make_loader(mix, num_workers=workers)))
 
     zero, two = delivered(0), delivered(2)
@@ -140,14 +168,22 @@ def test_never_restarts_sources_with_a_new_reshuffled_epoch(small_sources):
     # Invariant at the source level: with stop="never" a reader's stream of one source is its
     # epochs back to back, each one exactly once, each in a new order.
     from mixer.plan.profiling import list_source
+    from mixer.plan.world import World
     from mixer.read.counters import Counters
     from mixer.stream.source_stream import SourceStream
-    from mixer.plan.world import World
 
     # shuffle_buffer=0 so that epochs do not overlap in the output; the order then changes only
     # through the per-epoch shard order, hence the 5-shard source.
     source = list_source(mixer.Source("many", small_sources["many"][0]))
-    stream = SourceStream(source, World(), seed=1, budget=mixer.TokenBudget(max_tokens=512), shuffle_buffer=0, finite=False, counters=Counters())
+    stream = SourceStream(
+        source,
+        World(),
+        seed=1,
+        budget=mixer.TokenBudget(max_tokens=512),
+        shuffle_buffer=0,
+        finite=False,
+        counters=Counters(),
+    )
     keys = [next(stream).key for _ in range(3 * 61)]
     epochs = [keys[i * 61 : (i + 1) * 61] for i in range(3)]
     for epoch in epochs:
@@ -183,16 +219,25 @@ def test_first_exhausted_stops_at_the_first_finished_source(small_sources):
 
 
 def test_sample_mix_mixes_within_batches_and_keeps_exactly_once(three_sources):
-    mix = mixer.Mixture(sources_from(three_sources), batching=mixer.TokenBudget(max_tokens=8192, max_length=8192), mix="sample", stop="all_exhausted")
+    mix = mixer.Mixture(
+        sources_from(three_sources),
+        batching=mixer.TokenBudget(max_tokens=8192, max_length=8192),
+        mix="sample",
+        stop="all_exhausted",
+    )
     got = collect(mixer.make_loader(mix))
     assert Counter(k for k, _, _ in got) == Counter({k: 1 for _, kl in three_sources.values() for k in kl})
-    mix2 = mixer.Mixture(sources_from(three_sources), batching=mixer.TokenBudget(max_tokens=8192, max_length=8192), mix="sample")
+    mix2 = mixer.Mixture(
+        sources_from(three_sources), batching=mixer.TokenBudget(max_tokens=8192, max_length=8192), mix="sample"
+    )
     mixed = sum(len(set(b.source.tolist())) > 1 for b, _ in zip(mixer.make_loader(mix2), range(50)))
     assert mixed > 10
 
 
 def test_sample_unit_balances_sample_counts(three_sources):
-    mix = mixer.Mixture(sources_from(three_sources), batching=mixer.TokenBudget(max_tokens=4096, max_length=4096), unit="samples")
+    mix = mixer.Mixture(
+        sources_from(three_sources), batching=mixer.TokenBudget(max_tokens=4096, max_length=4096), unit="samples"
+    )
     counts = np.zeros(3)
     for batch, _ in zip(mixer.make_loader(mix), range(600)):
         counts += np.bincount(batch.source.numpy(), minlength=3)
@@ -215,14 +260,21 @@ def test_size_estimate_is_close_and_reported(three_sources):
     for name, (_, kl) in three_sources.items():
         true = sum(kl.values())
         assert 0.8 * true <= mix.sizes[name] <= 1.25 * true, (name, mix.sizes[name], true)
-    given = mixer.Mixture([mixer.Source("web", three_sources["web"][0], size=123.0)], batching=mixer.TokenBudget(max_tokens=4096, max_length=4096))
+    given = mixer.Mixture(
+        [mixer.Source("web", three_sources["web"][0], size=123.0)],
+        batching=mixer.TokenBudget(max_tokens=4096, max_length=4096),
+    )
     assert given.sizes == {"web": 123.0}
 
 
 def test_overlong_samples_are_truncated_or_dropped_and_counted(tmp_path):
     pattern = write_token_shards(tmp_path, "s", [[10, 500, 20, 700]])
     for overlong, lengths in (("truncate", [10, 100, 20, 100]), ("drop", [10, 20])):
-        mix = mixer.Mixture([mixer.Source("s", pattern)], batching=mixer.TokenBudget(max_tokens=400, max_length=100, overlong=overlong), stop="all_exhausted")
+        mix = mixer.Mixture(
+            [mixer.Source("s", pattern)],
+            batching=mixer.TokenBudget(max_tokens=400, max_length=100, overlong=overlong),
+            stop="all_exhausted",
+        )
         loader = mixer.make_loader(mix)
         got = sorted(len(t) for _, _, t in collect(loader))
         assert got == sorted(lengths)
@@ -267,13 +319,19 @@ def test_error_pattern_matches_nothing(tmp_path):
 
 def test_error_sample_without_tokens_names_shard_and_key(tmp_path):
     good = npy_bytes(np.arange(1, 6, dtype=np.int32))
-    path = write_tar_members(tmp_path / "bad-000000.tar", [("a.tokens.npy", good), ("b.json", b"{}"), ("c.tokens.npy", good)])
+    path = write_tar_members(
+        tmp_path / "bad-000000.tar", [("a.tokens.npy", good), ("b.json", b"{}"), ("c.tokens.npy", good)]
+    )
     # The up-front profile already reads the shard: the error surfaces at construction.
     with pytest.raises(mixer.SampleError, match=r"bad-000000\.tar.*'b'"):
         mixer.Mixture([mixer.Source("bad", path)], batching=mixer.TokenBudget(max_tokens=64))
     # With on_error="skip" the sample is skipped and counted, the others delivered.
     with pytest.warns(RuntimeWarning, match=r"skipping bad sample.*'b': no token member.*while profiling"):
-        mix = mixer.Mixture([mixer.Source("bad", path, on_error="skip")], batching=mixer.TokenBudget(max_tokens=64), stop="all_exhausted")
+        mix = mixer.Mixture(
+            [mixer.Source("bad", path, on_error="skip")],
+            batching=mixer.TokenBudget(max_tokens=64),
+            stop="all_exhausted",
+        )
     assert mix.profiles[0].skipped == 1
     loader = mixer.make_loader(mix)
     with pytest.warns(RuntimeWarning, match="skipping bad sample"):
@@ -296,18 +354,31 @@ def test_error_sample_longer_than_budget_found_while_profiling(tmp_path):
 
 def test_a_sample_longer_than_budget_found_while_profiling_is_skipped_and_counted(tmp_path):
     pattern = write_token_shards(tmp_path, "early", [[10] * 5 + [900] + [10] * 5])
-    with pytest.warns(RuntimeWarning, match=r"skipping bad sample\(s\) in shard .*early-000000\.tar.*'early-000000-000005': length 900 exceeds.*while profiling"):
-        mix = mixer.Mixture([mixer.Source("early", pattern, on_error="skip")], batching=mixer.TokenBudget(max_tokens=512), stop="all_exhausted")
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"skipping bad sample\(s\) in shard .*early-000000\.tar.*'early-000000-000005': length 900 exceeds.*while profiling",
+    ):
+        mix = mixer.Mixture(
+            [mixer.Source("early", pattern, on_error="skip")],
+            batching=mixer.TokenBudget(max_tokens=512),
+            stop="all_exhausted",
+        )
     assert mix.profiles[0].skipped == 1
     assert sorted(mix.profiles[0].lengths.tolist()) == [10] * 10  # the skipped sample measures nothing
     # the readers meet it again, skip it again and count it; everything else is delivered
     loader = mixer.make_loader(mix)
-    with pytest.warns(RuntimeWarning, match=r"skipping bad sample.*'early-000000-000005': length 900 exceeds max_tokens=512"):
+    with pytest.warns(
+        RuntimeWarning, match=r"skipping bad sample.*'early-000000-000005': length 900 exceeds max_tokens=512"
+    ):
         keys = sorted(k for k, _, _ in collect(loader))
     assert keys == [f"early-000000-{i:06d}" for i in range(11) if i != 5]
     assert loader.counters()["early"]["skipped_samples"] == 1
     # a sample the budget truncates is no error, up front or later
-    mix = mixer.Mixture([mixer.Source("early", pattern)], batching=mixer.TokenBudget(max_tokens=512, max_length=512), stop="all_exhausted")
+    mix = mixer.Mixture(
+        [mixer.Source("early", pattern)],
+        batching=mixer.TokenBudget(max_tokens=512, max_length=512),
+        stop="all_exhausted",
+    )
     assert mix.profiles[0].skipped == 0 and 900 in mix.profiles[0].lengths.tolist()  # measured before the cut
     loader = mixer.make_loader(mix)
     assert len(collect(loader)) == 11 and loader.counters()["early"]["truncated"] == 1
@@ -317,7 +388,12 @@ def test_error_sample_longer_than_budget_found_while_streaming(tmp_path):
     # The profile reads a prefix only; a long sample found later is an error naming shard and key.
     lengths = [[10] * 3000 + [900]]
     pattern = write_token_shards(tmp_path, "late", lengths)
-    mix = mixer.Mixture([mixer.Source("late", pattern)], batching=mixer.TokenBudget(max_tokens=512), stop="all_exhausted", shuffle_buffer=0)
+    mix = mixer.Mixture(
+        [mixer.Source("late", pattern)],
+        batching=mixer.TokenBudget(max_tokens=512),
+        stop="all_exhausted",
+        shuffle_buffer=0,
+    )
     with pytest.raises(mixer.SampleError, match=OVERLONG.format("late", "late", "late-000000-003000", 900)):
         collect(mixer.make_loader(mix))
 
@@ -340,12 +416,19 @@ def test_shuffle_buffer_never_spans_several_epochs_of_a_small_source(small_sourc
     # 'few' has 37 samples, far fewer than the buffer: the buffer shrinks to one epoch, so reading
     # never runs more than about one epoch ahead of what was handed out.
     from mixer.plan.profiling import list_source
+    from mixer.plan.world import World
     from mixer.read.counters import Counters
     from mixer.stream.source_stream import SourceStream
-    from mixer.plan.world import World
 
-    stream = SourceStream(list_source(mixer.Source("few", small_sources["few"][0])), World(), seed=0, budget=mixer.TokenBudget(max_tokens=512),
-                          shuffle_buffer=1000, finite=False, counters=Counters())
+    stream = SourceStream(
+        list_source(mixer.Source("few", small_sources["few"][0])),
+        World(),
+        seed=0,
+        budget=mixer.TokenBudget(max_tokens=512),
+        shuffle_buffer=1000,
+        finite=False,
+        counters=Counters(),
+    )
     keys = [next(stream).key for _ in range(10 * 37)]
     # Without the shrink the buffer would read ~27 epochs ahead and some keys would be handed out
     # far more often than others over ten epochs' worth.
@@ -370,7 +453,9 @@ def test_a_plain_dataloader_over_the_mixture_works(three_sources):
     # without make_loader (batches then cross by value).
     from torch.utils.data import DataLoader
 
-    mix = mixer.Mixture(sources_from(three_sources), batching=mixer.TokenBudget(max_tokens=8192, max_length=8192), stop="all_exhausted")
+    mix = mixer.Mixture(
+        sources_from(three_sources), batching=mixer.TokenBudget(max_tokens=8192, max_length=8192), stop="all_exhausted"
+    )
     plain = Counter(k for b in DataLoader(mix, batch_size=None, num_workers=2) for k in b.keys)
     ours = Counter(k for k, _, _ in collect(mixer.make_loader(mix, num_workers=2)))
     assert plain == ours and set(plain.values()) == {1}
@@ -385,12 +470,16 @@ def test_a_rare_source_reads_about_what_it_delivers(make_sources):
     from mixer.mixing.holding import HOLD_MIN_BATCHES, MIN_SHUFFLE
     from mixer.plan.world import World
 
-    srcs = make_sources({
-        "common": LogNormal(shards=4, samples=6000, median=30, sigma=0.7, lo=2, hi=400, seed=0),
-        "rare": LogNormal(shards=4, samples=6000, median=30, sigma=0.7, lo=2, hi=400, seed=1),
-    })
+    srcs = make_sources(
+        {
+            "common": LogNormal(shards=4, samples=6000, median=30, sigma=0.7, lo=2, hi=400, seed=0),
+            "rare": LogNormal(shards=4, samples=6000, median=30, sigma=0.7, lo=2, hi=400, seed=1),
+        }
+    )
     budget = mixer.TokenBudget(max_tokens=4096)
-    mix = shardutil.mixture(srcs, weights={"common": 0.995, "rare": 0.005}, batching=budget, shuffle_buffer=1000, seed=3)
+    mix = shardutil.mixture(
+        srcs, weights={"common": 0.995, "rare": 0.005}, batching=budget, shuffle_buffer=1000, seed=3
+    )
     reader = mix.reader(World(rank=0, world_size=1, worker=0, num_workers=1))
     rare, bucketer, stream = reader.counters[1], reader.batchers[1], reader.streams[1]
     hold = int(HOLD_MIN_BATCHES * budget.max_tokens)

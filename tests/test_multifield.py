@@ -7,13 +7,13 @@ import pickle
 
 import numpy as np
 import pytest
-import torch
-
-import mixer
-from resume_oracle import _equal, assert_resumes_exactly, take
 import shardutil
+import torch
+from resume_oracle import _equal, assert_resumes_exactly, take
 from shardutil import lognormal_lengths, split_evenly, write_samples
 from test_audio import RATE, encode, pcm, text_tokens, write_speech_shards
+
+import mixer
 
 pytest.importorskip("soundfile")
 
@@ -34,9 +34,16 @@ def corpora(tmp_path_factory):
 
 def mixture(corpora, *, decode=None, **kwargs):
     """`shardutil.mixture` over both corpora, each decoded by `decode` (default: SpeechDecode())."""
-    options = {"fields": FIELDS, "batching": mixer.TokenBudget(max_tokens=8 * RATE, multiple_of=2), "shuffle_buffer": 16, "state_every": 3}
+    options = {
+        "fields": FIELDS,
+        "batching": mixer.TokenBudget(max_tokens=8 * RATE, multiple_of=2),
+        "shuffle_buffer": 16,
+        "state_every": 3,
+    }
     source_options = {"decode": decode or mixer.SpeechDecode(), "length": "audio"}
-    return shardutil.mixture(corpora, weights={"read": None, "commands": None}, source_options=source_options, **{**options, **kwargs})
+    return shardutil.mixture(
+        corpora, weights={"read": None, "commands": None}, source_options=source_options, **{**options, **kwargs}
+    )
 
 
 def test_audio_and_text_round_trip_exactly_for_every_key(corpora):
@@ -87,13 +94,25 @@ def test_duration_filters_are_counted_as_dropped(corpora):
 
 
 def field_view(b):
-    return (tuple(b.keys), b["audio"].clone(), b["text"].clone(), b["audio_lengths"].clone(), b["text_lengths"].clone(), b.source.clone(), b.meta.step)
+    return (
+        tuple(b.keys),
+        b["audio"].clone(),
+        b["text"].clone(),
+        b["audio_lengths"].clone(),
+        b["text_lengths"].clone(),
+        b.source.clone(),
+        b.meta.step,
+    )
 
 
-@pytest.mark.parametrize("num_workers, mix, cuts", [(0, "batch", [1, 2, 5, 7]), (2, "batch", [2, 7]), (2, "sample", [3, 5])])
+@pytest.mark.parametrize(
+    "num_workers, mix, cuts", [(0, "batch", [1, 2, 5, 7]), (2, "batch", [2, 7]), (2, "sample", [3, 5])]
+)
 def test_resume_oracle_multi_field(corpora, num_workers, mix, cuts):
     mix_ = mixture(corpora, mix=mix, batching=mixer.TokenBudget(max_tokens=4 * RATE))
-    assert_resumes_exactly(lambda: mixer.make_loader(mix_, num_workers=num_workers), cuts=cuts, window=5, view=field_view)
+    assert_resumes_exactly(
+        lambda: mixer.make_loader(mix_, num_workers=num_workers), cuts=cuts, window=5, view=field_view
+    )
 
 
 def test_generic_fields_dtypes_casts_and_pads(tmp_path):
@@ -111,7 +130,13 @@ def test_generic_fields_dtypes_casts_and_pads(tmp_path):
         return {"x": decode_npy(raw["x.npy"]), "y": decode_npy(raw["y.npy"])}
 
     fields = {"x": mixer.Field("int64", pad=7), "y": mixer.Field("float16", pad=-1.0)}
-    mix = mixer.Mixture([mixer.Source("g", pattern, decode=decode)], batching=mixer.TokenBudget(max_tokens=400), fields=fields, stop="all_exhausted", dtype="int32")
+    mix = mixer.Mixture(
+        [mixer.Source("g", pattern, decode=decode)],
+        batching=mixer.TokenBudget(max_tokens=400),
+        fields=fields,
+        stop="all_exhausted",
+        dtype="int32",
+    )
     got = {}
     for b in mixer.make_loader(mix, num_workers=2):
         assert b["x"].dtype == torch.int64 and b["y"].dtype == torch.float16 and b.buffer.dtype == torch.int32
@@ -131,18 +156,27 @@ def test_a_float_field_never_silently_becomes_int(tmp_path):
     from mixer.read.decode import decode_npy
 
     decode = lambda raw: {"v": decode_npy(raw["v.npy"])}  # noqa: E731
-    mix = mixer.Mixture([mixer.Source("f", pattern, decode=decode)], batching=mixer.TokenBudget(max_tokens=64), fields={"v": mixer.Field("int32")})
+    mix = mixer.Mixture(
+        [mixer.Source("f", pattern, decode=decode)],
+        batching=mixer.TokenBudget(max_tokens=64),
+        fields={"v": mixer.Field("int32")},
+    )
     with pytest.raises(mixer.SampleError, match=r"field 'v'.*same_kind"):
         take(mixer.make_loader(mix), 1)
 
 
 def test_misconfigurations_fail_clearly(corpora):
-    with pytest.raises(mixer.ConfigError, match=r"source 'read': length='audio' names a field, but the mixture's fields= \['text'\] lack it"):
+    with pytest.raises(
+        mixer.ConfigError,
+        match=r"source 'read': length='audio' names a field, but the mixture's fields= \['text'\] lack it",
+    ):
         mixture(corpora, fields={"text": mixer.Field("int32")})
     with pytest.raises(mixer.ConfigError, match=r"decode returned fields \['audio', 'text'\]; pass Mixture\(fields="):
         srcs = [mixer.Source("read", corpora["read"][0], decode=mixer.SpeechDecode())]
         take(mixer.make_loader(mixer.Mixture(srcs, batching=mixer.TokenBudget(max_tokens=8 * RATE))), 1)
-    with pytest.raises(mixer.SampleError, match=r"decode gave \['audio', 'text'\], the mixture's fields need 'speaker'"):
+    with pytest.raises(
+        mixer.SampleError, match=r"decode gave \['audio', 'text'\], the mixture's fields need 'speaker'"
+    ):
         take(mixer.make_loader(mixture(corpora, fields={**FIELDS, "speaker": mixer.Field()})), 1)
     for bad, match in [
         ({}, r"^fields: must be a non-empty mapping of name -> mixer.Field, got \{\} \(dict\)$"),
@@ -155,7 +189,9 @@ def test_misconfigurations_fail_clearly(corpora):
     # The same rules and words as a config file's fields.<name>.<key> (mixer._check).
     with pytest.raises(mixer.ConfigError, match=r"^Field\.pad: 0\.5 is not representable as int32$"):
         mixer.Field("int32", pad=0.5)
-    with pytest.raises(mixer.ConfigError, match=r"^Field\.dtype: must be one of 'int8', .*, got 'bfloat16'; did you mean 'float16'\?$"):
+    with pytest.raises(
+        mixer.ConfigError, match=r"^Field\.dtype: must be one of 'int8', .*, got 'bfloat16'; did you mean 'float16'\?$"
+    ):
         mixer.Field("bfloat16")
 
 
@@ -185,7 +221,12 @@ def test_npy_text_member_and_int16_audio(tmp_path):
     sample = {"__key__": key, "wav": encode(pcm(key, 777), "WAV"), "tokens.npy": text_tokens(key, 5)}
     pattern = write_samples(tmp_path, "one", [[sample]])
     src = mixer.Source("one", pattern, decode=mixer.SpeechDecode(dtype="int16"), length="audio")
-    mix = mixer.Mixture([src], batching=mixer.TokenBudget(max_tokens=1000), fields={"audio": mixer.Field("float32"), "text": mixer.Field("int64")}, stop="all_exhausted")
+    mix = mixer.Mixture(
+        [src],
+        batching=mixer.TokenBudget(max_tokens=1000),
+        fields={"audio": mixer.Field("float32"), "text": mixer.Field("int64")},
+        stop="all_exhausted",
+    )
     (b,) = list(mixer.make_loader(mix))
     assert b["audio"][0].tolist() == pcm(key, 777).astype(np.float32).tolist()
     assert b["text"].dtype == torch.int64 and b["text"][0].tolist() == text_tokens(key, 5).tolist()

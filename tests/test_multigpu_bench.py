@@ -33,13 +33,34 @@ def test_two_cpu_ranks_under_gloo(three_sources, tmp_path):
         )
     )
     out = tmp_path / "multigpu.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     proc = subprocess.run(
         [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-            "benchmarks/multigpu.py", "--config", str(config), "--device", "cpu",
-            "--steps", "8", "--warmup", "2", "--step-ms", "5", "--workers", "0", "--json", str(out),
-        ],  # fmt: skip
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "benchmarks/multigpu.py",
+            "--config",
+            str(config),
+            "--device",
+            "cpu",
+            "--steps",
+            "8",
+            "--warmup",
+            "2",
+            "--step-ms",
+            "5",
+            "--workers",
+            "0",
+            "--json",
+            str(out),
+        ],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -66,7 +87,11 @@ def test_two_cpu_ranks_under_gloo(three_sources, tmp_path):
     assert result["checks"] and result["checks"][0]["result"] == "info"  # no GPU target judged on CPU
     # the saved result prints again through --summarize (as gpu_check.sh does with its runs)
     again = subprocess.run(
-        [sys.executable, "benchmarks/multigpu.py", "--summarize", str(out), str(out)], cwd=REPO, capture_output=True, text=True, timeout=60
+        [sys.executable, "benchmarks/multigpu.py", "--summarize", str(out), str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert again.returncode == 0, again.stderr[-3000:]
     assert sum(line.startswith("| cpu | 2 | 0 | 5 (") for line in again.stdout.splitlines()) == 6

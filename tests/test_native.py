@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from shardutil import LogNormal
 
 import mixer
 from mixer import _native
-from shardutil import LogNormal
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = """
@@ -34,17 +34,21 @@ print(json.dumps({"cores": mixer._native.cores(), "digest": h.hexdigest(), "batc
 
 def _run(patterns: dict[str, str], native: bool) -> dict[str, object]:
     env = dict(os.environ, PYTHONPATH=str(REPO), MIXER_NATIVE="1" if native else "0")
-    proc = subprocess.run([sys.executable, "-c", RUN, json.dumps(patterns)], capture_output=True, text=True, env=env, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN, json.dumps(patterns)], capture_output=True, text=True, env=env, timeout=240
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
 def test_the_pure_python_path_gives_the_same_batches(make_sources):
-    sources = make_sources({
-        "web": LogNormal(shards=4, samples=300, median=120, sigma=0.8, lo=2, hi=2048, seed=40),
-        "code": LogNormal(shards=2, samples=80, median=400, sigma=1.0, lo=2, hi=2048, seed=41),
-    })  # fmt: skip
+    sources = make_sources(
+        {
+            "web": LogNormal(shards=4, samples=300, median=120, sigma=0.8, lo=2, hi=2048, seed=40),
+            "code": LogNormal(shards=2, samples=80, median=400, sigma=1.0, lo=2, hi=2048, seed=41),
+        }
+    )
     patterns = {name: pattern for name, (pattern, _) in sources.items()}
     python = _run(patterns, native=False)
     assert python["cores"] == {"tarwalk": False, "rows": False, "loops": False}

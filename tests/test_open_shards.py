@@ -9,20 +9,21 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-
-import mixer
-from mixer.plan.world import World
-from mixer.storage import OpenShards
-from mixer.read.counters import Counters
 from resume_oracle import assert_resumes_exactly, batch_view, take
 from servers import FaultyHTTPServer, remote_test_guard
 from shardutil import LogNormal, expected_tokens, write_token_shards
 
+import mixer
+from mixer.plan.world import World
+from mixer.read.counters import Counters
+from mixer.storage import OpenShards
 from mixer.storage.filesystems import close_filesystems
 
 # 12 sources of 2 shards of 60 samples: a shard holds several batches of a source at this budget,
 # so the reader switches sources in the middle of shards (where the cap has to close one).
-MANY = {f"s{i:02d}": LogNormal(shards=2, samples=120, median=60, sigma=0.6, lo=2, hi=512, seed=100 + i) for i in range(12)}
+MANY = {
+    f"s{i:02d}": LogNormal(shards=2, samples=120, median=60, sigma=0.6, lo=2, hi=512, seed=100 + i) for i in range(12)
+}
 REOPENED = Counters.FIELDS.index("reopened")
 
 
@@ -32,7 +33,9 @@ def many(make_sources):
 
 
 def _mix(many, cap: int, **kw):
-    sources = [mixer.Source(name, pattern, io_options={"max_open_shards": cap}, **kw) for name, (pattern, _) in many.items()]
+    sources = [
+        mixer.Source(name, pattern, io_options={"max_open_shards": cap}, **kw) for name, (pattern, _) in many.items()
+    ]
     return mixer.Mixture(sources, batching=mixer.TokenBudget(1024), seed=3, shuffle_buffer=16)
 
 
@@ -101,6 +104,7 @@ def test_with_one_source_per_batch_the_shard_closed_is_the_one_picked_last(many)
     """mix="batch" under the deficit selector: the cap closes the shard of the source furthest
     ahead of its target (not the least recently read, which on the selector's near-cyclic visits
     is the one wanted next), so fewer shards are reopened; the batches are the same."""
+
     def run(use_pick: bool):
         reader = _mix(many, 4).reader(World())
         if not use_pick:
@@ -179,7 +183,9 @@ def test_open_fds_of_a_worker_stay_within_the_cap(make_sources):
     """Counted inside the DataLoader workers, where the shards are read (the shard files among
     /proc/self/fd): 12 sources under a cap of 3 never hold more than 3 open; uncapped they hold
     more (so this fails without the cap)."""
-    many = make_sources({name: replace(spec, seed=spec.seed + 100) for name, spec in MANY.items()})  # a folder of its own
+    many = make_sources(
+        {name: replace(spec, seed=spec.seed + 100) for name, spec in MANY.items()}
+    )  # a folder of its own
     names = list(many)
     assert _peak_fds(many, names, 3) == 3
     assert _peak_fds(many, names, 64) > 3  # the measurement sees open shards
@@ -201,8 +207,15 @@ def served(tmp_path_factory):
 
 def _remote_pass(base: str, names, cap: int, read_ahead: int, n: int):
     # Size and bucket edges given: nothing is profiled, so every request the server sees is a reader's.
-    sources = [mixer.Source(name, f"{base}{name}/{name}-{{000000..000003}}.tar", size=1e4,
-                            io_options={"max_open_shards": cap, "read_ahead": read_ahead}) for name in names]  # fmt: skip
+    sources = [
+        mixer.Source(
+            name,
+            f"{base}{name}/{name}-{{000000..000003}}.tar",
+            size=1e4,
+            io_options={"max_open_shards": cap, "read_ahead": read_ahead},
+        )
+        for name in names
+    ]
     mix = mixer.Mixture(sources, batching=mixer.TokenBudget(1024, buckets=[64, 128, 256]), seed=5, shuffle_buffer=4)
     reader = mix.reader(World(rank=0, world_size=1, worker=0, num_workers=1))
     batches = take(reader, n)
@@ -239,7 +252,10 @@ def test_compressed_shards_reopen_by_decompressing_again(tmp_path):
     where it stopped (counted as a reopen); the batches are those of a reader that kept it open."""
     rng = np.random.default_rng(8)
     names = [f"z{i}" for i in range(4)]
-    patterns = {n: write_token_shards(tmp_path, n, [rng.integers(20, 200, 40).tolist() for _ in range(2)], suffix=".tar.gz") for n in names}
+    patterns = {
+        n: write_token_shards(tmp_path, n, [rng.integers(20, 200, 40).tolist() for _ in range(2)], suffix=".tar.gz")
+        for n in names
+    }
 
     def run(cap: int):
         sources = [mixer.Source(n, patterns[n], io_options={"max_open_shards": cap}) for n in names]
@@ -257,7 +273,9 @@ def test_compressed_shards_reopen_by_decompressing_again(tmp_path):
 # ---- many sources, mix="sample": a reopen per burst of samples, not per sample
 
 # 200 sources of one shard of 40 samples, Zipf weights: most are read a sample at a time, far apart.
-ZIPF = {f"z{i:03d}": LogNormal(shards=1, samples=40, median=60, sigma=0.6, lo=2, hi=512, seed=300 + i) for i in range(200)}
+ZIPF = {
+    f"z{i:03d}": LogNormal(shards=1, samples=40, median=60, sigma=0.6, lo=2, hi=512, seed=300 + i) for i in range(200)
+}
 
 
 def test_many_sources_under_a_small_cap_reopen_once_per_burst_not_per_sample(make_sources):
@@ -267,7 +285,10 @@ def test_many_sources_under_a_small_cap_reopen_once_per_burst_not_per_sample(mak
     handed out reopened 1,599 times for 6,458 samples read here (0.25 per sample); in bursts 44 for
     5,362 (0.008). The bound sits between, with room for another seed or shard layout."""
     zipf = make_sources(ZIPF)
-    sources = [mixer.Source(n, p, weight=1.0 / (1 + i), io_options={"max_open_shards": 8}) for i, (n, (p, _)) in enumerate(zipf.items())]
+    sources = [
+        mixer.Source(n, p, weight=1.0 / (1 + i), io_options={"max_open_shards": 8})
+        for i, (n, (p, _)) in enumerate(zipf.items())
+    ]
     mix = mixer.Mixture(sources, batching=mixer.TokenBudget(1024), seed=1, mix="sample")
     reader = mix.reader(World(rank=0, world_size=1, worker=0, num_workers=1))
     counters = take(reader, 150)[-1].meta.counters
@@ -293,8 +314,13 @@ def test_many_sources_under_a_small_cap_read_about_what_an_uncapped_reader_reads
     zipf = make_sources(ZIPF)
 
     def read_bytes(cap: int) -> int:
-        sources = [mixer.Source(n, p, weight=1.0 / (1 + i), io_options={"max_open_shards": cap}) for i, (n, (p, _)) in enumerate(zipf.items())]
-        reader = mixer.Mixture(sources, batching=mixer.TokenBudget(1024), seed=1, mix="sample").reader(World(rank=0, world_size=1, worker=0, num_workers=1))
+        sources = [
+            mixer.Source(n, p, weight=1.0 / (1 + i), io_options={"max_open_shards": cap})
+            for i, (n, (p, _)) in enumerate(zipf.items())
+        ]
+        reader = mixer.Mixture(sources, batching=mixer.TokenBudget(1024), seed=1, mix="sample").reader(
+            World(rank=0, world_size=1, worker=0, num_workers=1)
+        )
         before = _rchar()
         take(reader, 150)
         return _rchar() - before

@@ -9,16 +9,16 @@ from collections import defaultdict
 
 import numpy as np
 import pytest
+import shardutil
 import torch
+from resume_oracle import _equal, assert_resumes_exactly, take
+from shardutil import LogNormal, expected_tokens
 
 import mixer
 from mixer.batching.batch import BatchMeta
-from mixer.read.decode import Sample
 from mixer.batching.batchers import PackedGroup, Packer
 from mixer.batching.collate import PackedLayout
-from resume_oracle import _equal, assert_resumes_exactly, take
-import shardutil
-from shardutil import LogNormal, expected_tokens
+from mixer.read.decode import Sample
 
 SEQ = 512
 
@@ -26,10 +26,12 @@ SEQ = 512
 @pytest.fixture(scope="module")
 def shards(make_sources):
     """'short' documents well under a row, 'long' ones around and beyond it (up to 4 rows)."""
-    return make_sources({
-        "short": LogNormal(shards=4, samples=600, median=60, sigma=0.9, lo=1, hi=400, seed=0),
-        "long": LogNormal(shards=2, samples=120, median=400, sigma=0.9, lo=1, hi=4 * SEQ, seed=1),
-    })
+    return make_sources(
+        {
+            "short": LogNormal(shards=4, samples=600, median=60, sigma=0.9, lo=1, hi=400, seed=0),
+            "long": LogNormal(shards=2, samples=120, median=400, sigma=0.9, lo=1, hi=4 * SEQ, seed=1),
+        }
+    )
 
 
 # mixture(shards, batching=..., **mixture_options)
@@ -114,19 +116,43 @@ def test_collate_geometry_by_hand():
     toks = {k: np.arange(1, 11, dtype=np.int32) * (i + 1) for i, k in enumerate("abc")}
     s = {k: Sample(k, toks[k], n, 0, i) for i, (k, n) in enumerate([("a", 3), ("b", 6), ("c", 2)])}
     # rows of 4: [a a a b] [b b b b] [c c . .]   (b split into 1 + 4 + ... here: 1 + 4, and c whole)
-    group = PackedGroup([s["a"], s["b"], s["b"], s["c"]], rows=[0, 0, 1, 2], cols=[0, 3, 0, 0], starts=[0, 0, 1, 0], counts=[3, 1, 4, 2], row_len=4, flat=False)
-    batch = PackedLayout(mixer.Packed(max_tokens=12, seq_len=4, split_documents=True), dtype="int32", pad_id=-1).collate(
-        group, np.array([1, 0, 0, 1]), meta=BatchMeta(step=0)
+    group = PackedGroup(
+        [s["a"], s["b"], s["b"], s["c"]],
+        rows=[0, 0, 1, 2],
+        cols=[0, 3, 0, 0],
+        starts=[0, 0, 1, 0],
+        counts=[3, 1, 4, 2],
+        row_len=4,
+        flat=False,
     )
+    batch = PackedLayout(
+        mixer.Packed(max_tokens=12, seq_len=4, split_documents=True), dtype="int32", pad_id=-1
+    ).collate(group, np.array([1, 0, 0, 1]), meta=BatchMeta(step=0))
     a, b, c = toks["a"], toks["b"], toks["c"]
     assert batch.rows.tolist() == [[*a[:3], b[0]], b[1:5].tolist(), [*c[:2], -1, -1]]
     assert batch.cu_seqlens.dtype == torch.int32 and batch.cu_seqlens.tolist() == [0, 3, 4, 8, 12]
-    assert batch.position_ids.tolist() == [0, 1, 2, 0, 0, 1, 2, 3, 0, 1, 2, 3]  # c's segment runs on over its row's tail
+    assert batch.position_ids.tolist() == [
+        0,
+        1,
+        2,
+        0,
+        0,
+        1,
+        2,
+        3,
+        0,
+        1,
+        2,
+        3,
+    ]  # c's segment runs on over its row's tail
     assert batch.lengths.tolist() == [3, 1, 4, 2] and batch.offsets.tolist() == [0, 0, 1, 0]
     assert batch.source.tolist() == [1, 0, 0, 1] and batch.keys == ["a", "b", "b", "c"]
     assert batch.max_seqlen == 4 and batch.num_tokens == 10 and batch.padding_efficiency == 10 / 12
     ptr = batch.buffer.untyped_storage().data_ptr()
-    assert all(t.untyped_storage().data_ptr() == ptr for t in (batch.tokens, batch.cu_seqlens, batch.position_ids, batch.source))
+    assert all(
+        t.untyped_storage().data_ptr() == ptr
+        for t in (batch.tokens, batch.cu_seqlens, batch.position_ids, batch.source)
+    )
 
 
 # ---- end to end --------------------------------------------------------------------------------
@@ -191,13 +217,18 @@ def test_every_document_whole_and_once_or_split_and_counted(shards, packed):
 
 def test_rows_without_splitting_keep_documents_whole(shards):
     packed = mixer.Packed(max_tokens=8 * SEQ, seq_len=4 * SEQ)
-    pieces, _ = check_batches(mixer.make_loader(mixture(shards, batching=packed, stop="all_exhausted")), packed, pad_id=0)
+    pieces, _ = check_batches(
+        mixer.make_loader(mixture(shards, batching=packed, stop="all_exhausted")), packed, pad_id=0
+    )
     assert all(len(p) == 1 for p in pieces.values()) and len(pieces) == 720
 
 
 def test_a_document_longer_than_a_row_needs_splitting_or_max_length(shards):
     # found while profiling: the readers' error, naming shard and key
-    with pytest.raises(mixer.SampleError, match=r"source 'long': shard \S*long-\d+\.tar, key '[^']+': length \d+ exceeds seq_len=512; set Packed\(split_documents=True"):
+    with pytest.raises(
+        mixer.SampleError,
+        match=r"source 'long': shard \S*long-\d+\.tar, key '[^']+': length \d+ exceeds seq_len=512; set Packed\(split_documents=True",
+    ):
         mixture(shards, batching=mixer.Packed(max_tokens=4 * SEQ, seq_len=SEQ))
     packed = mixer.Packed(max_tokens=4 * SEQ, seq_len=SEQ, max_length=SEQ, overlong="drop")
     loader = mixer.make_loader(mixture(shards, batching=packed, stop="all_exhausted"))
@@ -213,7 +244,10 @@ def test_a_document_longer_than_a_row_needs_splitting_or_max_length(shards):
         # The same rules and words as a config file's batching.<key> (mixer._check).
         ({"max_tokens": 0}, r"^Packed\.max_tokens: must be >= 1, got 0$"),
         ({"max_tokens": 8, "seq_len": 9}, r"^Packed\.seq_len: must be <= 8, got 9$"),
-        ({"max_tokens": 8, "seq_len": 4, "max_length": 5}, r"^Packed\.max_length: must be <= seq_len \(4\) unless split_documents is true, got 5$"),
+        (
+            {"max_tokens": 8, "seq_len": 4, "max_length": 5},
+            r"^Packed\.max_length: must be <= seq_len \(4\) unless split_documents is true, got 5$",
+        ),
         ({"max_tokens": 8, "open_batches": 0}, r"^Packed\.open_batches: must be >= 1, got 0$"),
         ({"max_tokens": 8, "overlong": "cut"}, r"^Packed\.overlong: must be one of 'truncate', 'drop', got 'cut'$"),
         ({"max_tokens": 8, "split_documents": 1}, r"^Packed\.split_documents: must be true or false, got 1$"),
@@ -239,7 +273,10 @@ def test_token_shares_per_source_as_in_the_padded_layout(shards, mix):
     """The selector balances real tokens delivered whatever the layout: after the same number of
     real tokens both layouts sit on the 0.4 / 0.6 target."""
     results = {}
-    for name, batching in (("padded", mixer.TokenBudget(max_tokens=4 * SEQ, max_length=4 * SEQ)), ("packed", mixer.Packed(max_tokens=4 * SEQ, seq_len=SEQ, split_documents=True))):
+    for name, batching in (
+        ("padded", mixer.TokenBudget(max_tokens=4 * SEQ, max_length=4 * SEQ)),
+        ("packed", mixer.Packed(max_tokens=4 * SEQ, seq_len=SEQ, split_documents=True)),
+    ):
         loader = mixer.make_loader(mixture(shards, batching=batching, mix=mix))
         delivered = np.zeros(2)
         for b in loader:
@@ -258,7 +295,15 @@ def test_token_shares_per_source_as_in_the_padded_layout(shards, mix):
 
 
 def packed_view(batch):
-    return (tuple(batch.keys), batch.tokens.clone(), batch.cu_seqlens.clone(), batch.position_ids.clone(), batch.source.clone(), batch.offsets.clone(), batch.meta.step)
+    return (
+        tuple(batch.keys),
+        batch.tokens.clone(),
+        batch.cu_seqlens.clone(),
+        batch.position_ids.clone(),
+        batch.source.clone(),
+        batch.offsets.clone(),
+        batch.meta.step,
+    )
 
 
 SPLIT = mixer.Packed(max_tokens=2 * SEQ, seq_len=SEQ, split_documents=True, open_batches=2)
@@ -267,11 +312,20 @@ WHOLE = mixer.Packed(max_tokens=8 * SEQ, seq_len=4 * SEQ, open_batches=3)  # sev
 
 @pytest.mark.parametrize(
     "num_workers, mix, stop, packed",
-    [(0, "batch", "never", SPLIT), (2, "batch", "all_exhausted", SPLIT), (2, "sample", "never", SPLIT), (0, "sample", "all_exhausted", SPLIT), (0, "batch", "never", WHOLE), (2, "sample", "never", WHOLE)],
+    [
+        (0, "batch", "never", SPLIT),
+        (2, "batch", "all_exhausted", SPLIT),
+        (2, "sample", "never", SPLIT),
+        (0, "sample", "all_exhausted", SPLIT),
+        (0, "batch", "never", WHOLE),
+        (2, "sample", "never", WHOLE),
+    ],
 )
 def test_resume_oracle_packed(shards, num_workers, mix, stop, packed):
     mix_ = mixture(shards, batching=packed, mix=mix, stop=stop)
-    assert_resumes_exactly(lambda: mixer.make_loader(mix_, num_workers=num_workers), cuts=[1, 3, 4, 9, 22], window=8, view=packed_view)
+    assert_resumes_exactly(
+        lambda: mixer.make_loader(mix_, num_workers=num_workers), cuts=[1, 3, 4, 9, 22], window=8, view=packed_view
+    )
 
 
 def test_int64_buffer_keeps_int32_cu_seqlens(shards):
@@ -299,10 +353,14 @@ def test_pinned_and_cuda_paths():
     for x in s:
         p.add(x, x.length)
     group = next(p.drain())
-    b = PackedLayout(packed, dtype="int32", pad_id=0).collate(group, np.zeros(len(group), dtype=np.int64), meta=BatchMeta())
+    b = PackedLayout(packed, dtype="int32", pad_id=0).collate(
+        group, np.zeros(len(group), dtype=np.int64), meta=BatchMeta()
+    )
     pinned = b.pin_memory()
     assert pinned.is_pinned() and pinned.cu_seqlens.is_pinned() and torch.equal(pinned.tokens, b.tokens)
     on = pinned.to("cuda", non_blocking=True)
-    assert on.tokens.is_cuda and on.cu_seqlens.dtype == torch.int32 and torch.equal(on.position_ids.cpu(), b.position_ids)
+    assert (
+        on.tokens.is_cuda and on.cu_seqlens.dtype == torch.int32 and torch.equal(on.position_ids.cpu(), b.position_ids)
+    )
     fed = list(mixer.to_device([pinned], "cuda"))
     assert torch.equal(fed[0].cu_seqlens.cpu(), b.cu_seqlens)

@@ -89,7 +89,11 @@ def test_suite_entry_quick(tmp_path):
     result = plan_scale.run(opts, lambda msg: None)
     assert [row["status"] for row in result.rows] == ["ok"] * len(plan_scale.scenarios(True))
     judged = [c for c in result.checks if c["target"] is not None]
-    assert {c["check"].split(": ")[1] for c in judged} == {"plan time per reader, max s", "imbalance max/mean bytes", "imbalance max/mean tokens"}
+    assert {c["check"].split(": ")[1] for c in judged} == {
+        "plan time per reader, max s",
+        "imbalance max/mean bytes",
+        "imbalance max/mean tokens",
+    }
 
 
 def test_an_index_balances_few_shards_per_reader_by_tokens():

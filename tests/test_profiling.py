@@ -46,7 +46,9 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     rng = np.random.default_rng(14)
     for i in range(SOURCES):
         write_token_shards(folder / "many", f"s{i:02d}", [rng.integers(8, 200, 30).tolist() for _ in range(3)])
-    write_token_shards(folder / "big", "big", [rng.integers(100, 300, BIG_PER_SHARD).tolist() for _ in range(BIG_SHARDS)])
+    write_token_shards(
+        folder / "big", "big", [rng.integers(100, 300, BIG_PER_SHARD).tolist() for _ in range(BIG_SHARDS)]
+    )
     return folder
 
 
@@ -105,7 +107,9 @@ def _sample_ends(path: Path) -> list[int]:
 
 
 def test_remote_reads_are_ranged_with_an_end_byte_and_about_what_is_used(http: FaultyHTTPServer, root: Path) -> None:
-    mix = mixer.Mixture([mixer.Source("big", http.url("big/big-{000000..000002}.tar"))], batching=mixer.TokenBudget(4096))
+    mix = mixer.Mixture(
+        [mixer.Source("big", http.url("big/big-{000000..000002}.tar"))], batching=mixer.TokenBudget(4096)
+    )
     per_shard = mixer.plan.profiling.MAX_SAMPLES // BIG_SHARDS
     assert mix.profiles[0].lengths.size == per_shard * BIG_SHARDS
     requests = gets(http)
@@ -119,7 +123,9 @@ def test_remote_reads_are_ranged_with_an_end_byte_and_about_what_is_used(http: F
     assert used <= asked <= used * mixer.plan.profiling.SLACK + FIRST_WINDOW + MIN_WINDOW * len(requests), (used, asked)
     assert asked < size / 2 and len(requests) <= 2 * BIG_SHARDS
     # The estimate is that of an unbounded look: tokens per byte over the same samples.
-    unbounded = mixer.Mixture([mixer.Source("big", str(root / "big" / "big-{000000..000002}.tar"))], batching=mixer.TokenBudget(4096))
+    unbounded = mixer.Mixture(
+        [mixer.Source("big", str(root / "big" / "big-{000000..000002}.tar"))], batching=mixer.TokenBudget(4096)
+    )
     assert np.array_equal(unbounded.profiles[0].lengths, mix.profiles[0].lengths)
     assert unbounded.profiles[0].tokens_per_byte == mix.profiles[0].tokens_per_byte
 
@@ -148,7 +154,12 @@ def test_end_offset_ends_the_stream_and_the_request(http: FaultyHTTPServer, root
     assert (request.start, request.end, request.status) == (1000, 4999, 206)
     # The same through S3 (the server posing as an endpoint: a GetObject is a GET of /bucket/key).
     http.clear()
-    with no_aws_config(), mixer.storage.open_shard("s3://big/big-000000.tar", end_offset=4096, storage_options=s3_storage_options(http.url().rstrip("/"))) as stream:
+    with (
+        no_aws_config(),
+        mixer.storage.open_shard(
+            "s3://big/big-000000.tar", end_offset=4096, storage_options=s3_storage_options(http.url().rstrip("/"))
+        ) as stream,
+    ):
         assert stream.read() == data[:4096] and stream.size == len(data)
     (request,) = gets(http)
     assert (request.start, request.end, request.status) == (0, 4095, 206)
@@ -190,7 +201,9 @@ class _OpenShards:
                 self.now -= 1
 
 
-def test_parallel_look_equals_the_sequential_one_and_is_bounded(http: FaultyHTTPServer, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_parallel_look_equals_the_sequential_one_and_is_bounded(
+    http: FaultyHTTPServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     http.delay = 0.05  # every GET waits: the looks overlap only if they run at once
     budget = mixer.TokenBudget(4096, num_buckets=4)
     monkeypatch.setattr(mixer.plan.profiling, "MAX_CONCURRENT", 1)
@@ -220,7 +233,10 @@ def test_errors_name_the_first_failing_source_in_order(http: FaultyHTTPServer) -
     # at a time meets first, naming its source.
     http.fail("many/s09-000000.tar", "status", status=404, times=None)
     http.fail("many/s04-000001.tar", "status", status=404, times=None)
-    with pytest.raises(ShardError, match=r"^source 's04': shard http://127\.0\.0\.1:\d+/many/s04-000001\.tar at byte 0: not found \(HTTP 404\)"):
+    with pytest.raises(
+        ShardError,
+        match=r"^source 's04': shard http://127\.0\.0\.1:\d+/many/s04-000001\.tar at byte 0: not found \(HTTP 404\)",
+    ):
         mixer.Mixture(many(http), batching=mixer.TokenBudget(4096))
 
 
@@ -228,7 +244,9 @@ def test_retries_and_skips_of_the_look_are_counted(http: FaultyHTTPServer) -> No
     http.fail("many/s01-000001.tar", "status", status=503, times=2)  # transient: retried from the same byte
     http.fail("many/s02-000002.tar", "status", status=404, times=None)  # permanent: skipped (on_error="skip")
     with pytest.warns(RuntimeWarning, match="source 's02': profiling skips shard"):
-        mix = mixer.Mixture(many(http, 3, on_error="skip", io_options={"backoff": 0.01}), batching=mixer.TokenBudget(4096))
+        mix = mixer.Mixture(
+            many(http, 3, on_error="skip", io_options={"backoff": 0.01}), batching=mixer.TokenBudget(4096)
+        )
     assert [p.lengths.size for p in mix.profiles] == [90, 90, 60]
     # Each source's retries are the retriable faults the server served its shards, each asked again
     # once (and nothing else asked again: the default 60 s timeout takes no healthy answer for a stall).
@@ -260,7 +278,9 @@ def test_cache_hit_reads_nothing_and_gives_the_same_mixture(http: FaultyHTTPServ
     first = mixer.Mixture(many(http), batching=mixer.TokenBudget(4096), profile_cache=str(cache))
     assert len(gets(http)) == 3 * SOURCES and [p.origin for p in first.profiles] == ["read"] * SOURCES
     files = sorted(cache.iterdir())
-    assert len(files) == SOURCES and all(f.suffix == ".json" and f.stat().st_size < 4096 for f in files)  # no temp file left
+    assert len(files) == SOURCES and all(
+        f.suffix == ".json" and f.stat().st_size < 4096 for f in files
+    )  # no temp file left
     entry = json.loads(files[0].read_text())
     assert set(entry) == {"version", "key", "lengths", "tokens_per_byte", "size", "skipped"}
     http.clear()
@@ -268,7 +288,11 @@ def test_cache_hit_reads_nothing_and_gives_the_same_mixture(http: FaultyHTTPServ
     assert gets(http) == []  # a restarted job reads no shard to start
     assert [p.origin for p in second.profiles] == ["cache"] * SOURCES
     for a, b in zip(first.profiles, second.profiles):
-        assert np.array_equal(a.lengths, b.lengths) and (a.size, a.tokens_per_byte, a.estimated) == (b.size, b.tokens_per_byte, b.estimated)
+        assert np.array_equal(a.lengths, b.lengths) and (a.size, a.tokens_per_byte, a.estimated) == (
+            b.size,
+            b.tokens_per_byte,
+            b.estimated,
+        )
     assert first.edges == second.edges and first.sizes == second.sizes
     # A given size still wins over the cached estimate; the lengths come from the cache.
     sized = mixer.Mixture(many(http, 1, size=123.0), batching=mixer.TokenBudget(4096), profile_cache=cache)
@@ -280,7 +304,10 @@ def test_a_changed_listing_or_policy_misses(http: FaultyHTTPServer, tmp_path: Pa
     mixer.Mixture(many(http, 2), batching=mixer.TokenBudget(4096), profile_cache=cache)
     http.clear()
     # s01 gains a shard (listed as {0..2}: one more URL), s00 is unchanged: only s01 is read again.
-    sources = [many(http, 1)[0], mixer.Source("s01", [http.url("many/s01-{000000..000001}.tar"), http.url("many/s02-000000.tar")])]
+    sources = [
+        many(http, 1)[0],
+        mixer.Source("s01", [http.url("many/s01-{000000..000001}.tar"), http.url("many/s02-000000.tar")]),
+    ]
     mix = mixer.Mixture(sources, batching=mixer.TokenBudget(4096), profile_cache=cache)
     assert [p.origin for p in mix.profiles] == ["cache", "read"]
     assert {r.path.split("/")[-1] for r in gets(http)} <= {"s01-000000.tar", "s01-000001.tar", "s02-000000.tar"}
@@ -364,9 +391,23 @@ def test_under_torchrun_rank_0_looks_and_the_other_ranks_receive(http: FaultyHTT
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         here = Path(__file__).parent
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1", "--master_addr=127.0.0.1",
-               f"--master_port={port}", str(here / "profile_worker.py"), str(spec), str(tmp_path)]  # fmt: skip
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(here.parent), os.environ.get("PYTHONPATH", "")]))
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--nnodes=1",
+            "--master_addr=127.0.0.1",
+            f"--master_port={port}",
+            str(here / "profile_worker.py"),
+            str(spec),
+            str(tmp_path),
+        ]
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join([str(here.parent), os.environ.get("PYTHONPATH", "")]),
+        )
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=here.parent)
         assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
@@ -389,7 +430,9 @@ def test_under_torchrun_rank_0_looks_and_the_other_ranks_receive(http: FaultyHTT
     # rank 0 met the 404 (s08 was looked at in parallel, s09 fails): both ranks raise it, naming s09
     for rank in (0, 1):
         kind, message = result("fail", rank)["error"]
-        assert kind == "ShardError" and message.startswith(f"source 's09': shard {http.url('many/s09-000001.tar')} at byte 0: not found (HTTP 404)")
+        assert kind == "ShardError" and message.startswith(
+            f"source 's09': shard {http.url('many/s09-000001.tar')} at byte 0: not found (HTTP 404)"
+        )
     assert fetched(9, 10) == 2  # s09-000000 and the 404: rank 1 asked nothing
     assert [p["origin"] for p in result("cached", 1)["profiles"]] == ["read", "read"]
     assert len(list(cache.iterdir())) == 2  # written once, by rank 0
@@ -403,8 +446,12 @@ def test_under_torchrun_rank_0_looks_and_the_other_ranks_receive(http: FaultyHTT
 def test_the_config_keys_reach_the_mixture(http: FaultyHTTPServer, tmp_path: Path) -> None:
     from mixer.config.mixture_config import build_mixture, parse_config
 
-    raw = {"sources": [{"name": "s00", "urls": http.url("many/s00-{000000..000002}.tar")}], "batching": {"max_tokens": 4096},
-           "profile_cache": str(tmp_path / "c"), "profile_share": False}  # fmt: skip
+    raw = {
+        "sources": [{"name": "s00", "urls": http.url("many/s00-{000000..000002}.tar")}],
+        "batching": {"max_tokens": 4096},
+        "profile_cache": str(tmp_path / "c"),
+        "profile_share": False,
+    }
     config = parse_config(raw)
     assert (config.profile_cache, config.profile_share) == (str(tmp_path / "c"), False)
     assert parse_config(config.to_dict()) == config

@@ -76,7 +76,9 @@ def test_one_way_to_build_a_loader(three_sources):
 
     params = list(inspect.signature(mixer.make_loader).parameters.values())
     assert params[0].name == "mixture" and len(params) > 10
-    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is not inspect.Parameter.empty for p in params[1:])
+    assert all(
+        p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is not inspect.Parameter.empty for p in params[1:]
+    )
 
 
 def test_removed_spellings_stay_removed():
@@ -96,9 +98,11 @@ def test_user_facing_text_builds_loaders_and_device_feeds_one_way():
     direct = re.compile(r"(?<![\w.])(?<!class )(?:mixer\.)?(?:Loader|DeviceFeed)\(")
     found = [
         f"{path.relative_to(repo)}: {line.strip()}"
-        for path in texts if path.is_file()
-        for line in path.read_text(encoding="utf-8").splitlines() if direct.search(line)
-    ]  # fmt: skip
+        for path in texts
+        if path.is_file()
+        for line in path.read_text(encoding="utf-8").splitlines()
+        if direct.search(line)
+    ]
     assert found == ["mixer/runtime/device.py: return DeviceFeed(batches, device, prefetch=prefetch, timing=timing)"]
 
 

@@ -49,10 +49,10 @@ from shardutil import expected_tokens, token_key, write_token_shards
 
 import mixer
 from mixer import storage as mio
+from mixer.errors import ConfigError, SampleError, ShardError
+from mixer.storage.filesystems import close_filesystems
 
 log = logging.getLogger(__name__)
-from mixer.storage.filesystems import close_filesystems
-from mixer.errors import ConfigError, SampleError, ShardError
 
 SHARDS = 4
 PER_SHARD = 10
@@ -137,7 +137,11 @@ def run(
     """One pass (stop="all_exhausted") through make_loader: the delivered keys, in order, each checked
     against its exact tokens, and the source's counters. ``arm`` runs after the Mixture is built."""
     source = mixer.Source(
-        "x", urls, on_error=on_error, storage_options=storage_options, io_options={**FAST, **(io_options or {})}  # type: ignore[arg-type]
+        "x",
+        urls,
+        on_error=on_error,
+        storage_options=storage_options,
+        io_options={**FAST, **(io_options or {})},  # type: ignore[arg-type]
     )
     mix = mixer.Mixture([source], batching=mixer.TokenBudget(max_tokens=2048), stop="all_exhausted", seed=0)
     if arm is not None:
@@ -206,7 +210,14 @@ def check_retries(http: FaultyHTTPServer, counters: dict[str, int], *, short_tim
 Counts = Callable[[list[Member], int], dict[str, int]]
 Arm = Callable[[FaultyHTTPServer, list[Member]], None]
 FAULTS: list[tuple[str, Arm, int | None, int | None, Counts, list[str]]] = [
-    ("503_twice", lambda s, m: s.fail(NAME, "status", status=503, times=2), None, None, lambda m, size: {}, ["status 503"] * 2),
+    (
+        "503_twice",
+        lambda s, m: s.fail(NAME, "status", status=503, times=2),
+        None,
+        None,
+        lambda m, size: {},
+        ["status 503"] * 2,
+    ),
     (
         "reset_mid_shard",
         lambda s, m: s.fail(NAME, "reset", after=m[4].data + 100, pause=0.05),
@@ -215,7 +226,14 @@ FAULTS: list[tuple[str, Arm, int | None, int | None, Counts, list[str]]] = [
         lambda m, size: {},
         ["reset"],
     ),
-    ("stall", lambda s, m: s.fail(NAME, "stall", after=m[6].data + 7, seconds=5), None, None, lambda m, size: {}, ["stall"]),
+    (
+        "stall",
+        lambda s, m: s.fail(NAME, "stall", after=m[6].data + 7, seconds=5),
+        None,
+        None,
+        lambda m, size: {},
+        ["stall"],
+    ),
     # the whole shard, uncounted (a brace pattern lists no sizes, and no response told one)
     (
         "404",
@@ -236,7 +254,14 @@ FAULTS: list[tuple[str, Arm, int | None, int | None, Counts, list[str]]] = [
         ["truncate"],
     ),
     # the first 8 bytes of member 3's data (the .npy magic) overwritten: that sample alone fails to decode
-    ("corrupt_member", lambda s, m: s.corrupt(NAME, m[3].data), None, 3, lambda m, size: {"skipped_samples": 1}, ["corrupt"]),
+    (
+        "corrupt_member",
+        lambda s, m: s.corrupt(NAME, m[3].data),
+        None,
+        3,
+        lambda m, size: {"skipped_samples": 1},
+        ["corrupt"],
+    ),
     # member 7's tar header overwritten (bad checksum): sample 6 might have continued there, so it is
     # lost with the rest; the rest is unknown in samples, known in bytes (the server told the size)
     (
@@ -244,7 +269,12 @@ FAULTS: list[tuple[str, Arm, int | None, int | None, Counts, list[str]]] = [
         lambda s, m: s.corrupt(NAME, m[7].header),
         6,
         None,
-        lambda m, size: {"skipped_shards": 1, "skipped_samples": 1, "skipped_unknown": 1, "skipped_bytes": size - m[6].header},
+        lambda m, size: {
+            "skipped_shards": 1,
+            "skipped_samples": 1,
+            "skipped_unknown": 1,
+            "skipped_bytes": size - m[6].header,
+        },
         ["corrupt"],
     ),
 ]
@@ -272,7 +302,13 @@ def test_fault_while_streaming(
     members = layout[FAULTY]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        keys, counters = run(urls, workers=workers, storage_options=options, arm=lambda: arm(http, members), io_options=STALLS if fault == "stall" else None)
+        keys, counters = run(
+            urls,
+            workers=workers,
+            storage_options=options,
+            arm=lambda: arm(http, members),
+            io_options=STALLS if fault == "stall" else None,
+        )
     missing = set()
     if lost_from is not None:
         missing = keys_from(layout, FAULTY, lost_from)
@@ -325,7 +361,10 @@ def test_fault_during_profiling(
     check_retries(http, counters)
 
     # under on_error="raise", building the Mixture fails and names the shard
-    with pytest.raises(ShardError, match=r"^source 'x': shard http://127\.0\.0\.1:\d+/bucket/x-000002\.tar at byte 0: not found \(HTTP 404\)"):
+    with pytest.raises(
+        ShardError,
+        match=r"^source 'x': shard http://127\.0\.0\.1:\d+/bucket/x-000002\.tar at byte 0: not found \(HTTP 404\)",
+    ):
         mixer.Mixture([mixer.Source("x", urls, io_options=FAST)], batching=mixer.TokenBudget(max_tokens=2048))
 
 
@@ -340,7 +379,12 @@ def test_raise_names_url_shard_and_byte(http: FaultyHTTPServer, layout: dict[int
     url = re.escape(http.url(NAME))
     cut = members[6].data + 10
     cases: list[tuple[Callable[[], None], type[Exception], str, int]] = [
-        (lambda: http.fail(NAME, "status", status=404, times=None), ShardError, rf"source 'x': shard {url} at byte 0: not found \(HTTP 404\)", 3),
+        (
+            lambda: http.fail(NAME, "status", status=404, times=None),
+            ShardError,
+            rf"source 'x': shard {url} at byte 0: not found \(HTTP 404\)",
+            3,
+        ),
         (lambda: http.truncate(NAME, cut), ShardError, rf"source 'x': {url}: shard is truncated at byte {cut}", 3),
         (
             lambda: http.corrupt(NAME, members[7].header),
@@ -367,7 +411,13 @@ def test_raise_names_url_shard_and_byte(http: FaultyHTTPServer, layout: dict[int
     for arm, kind, pattern, retries in cases:
         http.clear()
         with pytest.raises(kind, match=pattern):
-            run(urls, workers=workers, on_error="raise", arm=arm, io_options={"retries": retries, **(STALLS if "timed out" in pattern else {})})
+            run(
+                urls,
+                workers=workers,
+                on_error="raise",
+                arm=arm,
+                io_options={"retries": retries, **(STALLS if "timed out" in pattern else {})},
+            )
 
 
 # ------------------------------------------------------------------------------- real S3 (moto)
@@ -398,11 +448,17 @@ def test_moto_s3(moto: dict[str, Any], layout: dict[int, list[Member]], everythi
 
         # the object is deleted after the source was built: NoSuchKey, a permanent fault
         keys, counters = run(
-            urls, workers=workers, storage_options=moto["options"], arm=lambda: client.delete_object(Bucket="bucket", Key=key)
+            urls,
+            workers=workers,
+            storage_options=moto["options"],
+            arm=lambda: client.delete_object(Bucket="bucket", Key=key),
         )
         check(keys, everything, keys_from(layout, FAULTY, 0))
         assert counters["skipped_shards"] == 1
-        with pytest.raises(ShardError, match=r"source 'x': shard s3://bucket/x-000001\.tar at byte 0: not found: NoSuchKey \(HTTP 404\)"):
+        with pytest.raises(
+            ShardError,
+            match=r"source 'x': shard s3://bucket/x-000001\.tar at byte 0: not found: NoSuchKey \(HTTP 404\)",
+        ):
             run(urls, workers=workers, on_error="raise", storage_options=moto["options"])
 
         # a truncated object
@@ -426,9 +482,16 @@ def _texts(exc: BaseException) -> list[str]:
 
 
 def test_presigned_urls_never_appear_in_errors_warnings_or_logs(
-    http: FaultyHTTPServer, layout: dict[int, list[Member]], everything: set[str], caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
+    http: FaultyHTTPServer,
+    layout: dict[int, list[Member]],
+    everything: set[str],
+    caplog: pytest.LogCaptureFixture,
+    capfd: pytest.CaptureFixture[str],
 ) -> None:
-    secret_url = http.url(PATTERN).replace("127.0.0.1", "user:PASSWORD9@127.0.0.1") + f"?X-Amz-Credential=AKIA9&X-Amz-Signature={SECRET}"
+    secret_url = (
+        http.url(PATTERN).replace("127.0.0.1", "user:PASSWORD9@127.0.0.1")
+        + f"?X-Amz-Credential=AKIA9&X-Amz-Signature={SECRET}"
+    )
     members = layout[FAULTY]
 
     def arm() -> None:
@@ -455,13 +518,18 @@ def test_presigned_urls_never_appear_in_errors_warnings_or_logs(
     assert any("x-000003.tar" in t for t in texts) and any("retry" in t for t in texts)
 
     # errors, in this process and through a worker (whose traceback travels as text)
-    for workers, make in [(0, lambda: http.truncate(NAME, members[6].data + 10)), (2, lambda: http.fail(NAME, "status", status=403, times=None))]:
+    for workers, make in [
+        (0, lambda: http.truncate(NAME, members[6].data + 10)),
+        (2, lambda: http.fail(NAME, "status", status=403, times=None)),
+    ]:
         http.clear()
         with pytest.raises(ShardError) as info:
             run(secret_url, workers=workers, on_error="raise", arm=make)
         assert "bucket/x-000001.tar" in str(info.value)
         texts += _texts(info.value)
-    with pytest.raises(ShardError) as info:  # at the door (listing, when the mixture is built): a prefix that lists nothing
+    with pytest.raises(
+        ShardError
+    ) as info:  # at the door (listing, when the mixture is built): a prefix that lists nothing
         source = mixer.Source("y", secret_url.split("x-{")[0] + "nope/?X-Amz-Signature=" + SECRET, io_options=FAST)
         mixer.Mixture([source], batching=mixer.TokenBudget(max_tokens=2048))
     texts += _texts(info.value)
@@ -473,13 +541,17 @@ def test_presigned_urls_never_appear_in_errors_warnings_or_logs(
 
 def test_pipe_only_from_code(root: Path, everything: set[str]) -> None:
     pattern = f"pipe:cat {root}/bucket/x-{{000000..000003}}.tar"
-    with pytest.raises(ConfigError, match=r"^Source\('p'\)\.urls\[0\]: pipe:cat .*'pipe:' URLs run a shell command, .*allow_pipe=True"):
+    with pytest.raises(
+        ConfigError, match=r"^Source\('p'\)\.urls\[0\]: pipe:cat .*'pipe:' URLs run a shell command, .*allow_pipe=True"
+    ):
         mixer.Source("p", pattern)
     config = {"sources": [{"name": "x", "urls": pattern}], "batching": {"max_tokens": 2048}, "stop": "all_exhausted"}
     with pytest.raises(ConfigError, match=r"allow_pipe=True"):
         mixer.load_config(config)
     # a config file cannot switch it on ...
-    with pytest.raises(ConfigError, match=r"^sources\[0\]\.allow_pipe: not a config key: 'pipe:' URLs run shell commands"):
+    with pytest.raises(
+        ConfigError, match=r"^sources\[0\]\.allow_pipe: not a config key: 'pipe:' URLs run shell commands"
+    ):
         mixer.parse_config({**config, "sources": [{"name": "x", "urls": pattern, "allow_pipe": True}]})
     # ... the code that loads it can
     loader = mixer.make_loader(mixer.load_config(config, allow_pipe=True))
@@ -512,7 +584,18 @@ def test_remote_benchmark_runs(tmp_path: Path) -> None:
 
     repo = Path(__file__).resolve().parents[1]
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "remote", "--quick", "--quiet", "--methods", "local,http", "--bench-dir", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "benchmarks",
+            "remote",
+            "--quick",
+            "--quiet",
+            "--methods",
+            "local,http",
+            "--bench-dir",
+            str(tmp_path),
+        ],
         cwd=repo,
         capture_output=True,
         text=True,

@@ -8,13 +8,13 @@ import random
 
 import numpy as np
 import pytest
+import shardutil
 import torch
+from resume_oracle import assert_resumes_exactly, batch_view, tail_cuts, take
+from shardutil import RESUME_SOURCES
 
 import mixer
 from mixer.mixing.selector import SELECTORS, Deficit, RandomPick, RoundRobin
-from resume_oracle import assert_resumes_exactly, batch_view, tail_cuts, take
-import shardutil
-from shardutil import RESUME_SOURCES
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,10 @@ mixture = functools.partial(
 def oracle(mix, *, num_workers=0, cuts, window=12, reference=None):
     return assert_resumes_exactly(
         lambda: mixer.make_loader(mix, num_workers=num_workers),
-        cuts=cuts, window=window, view=batch_view, reference=reference,
+        cuts=cuts,
+        window=window,
+        view=batch_view,
+        reference=reference,
     )
 
 
@@ -45,7 +48,10 @@ def test_fifty_random_cut_points_with_the_uninterrupted_run_as_oracle(shards):
     mix = mixture(shards)
     reference = [batch_view(b) for b in take(mixer.make_loader(mix), 260)]
     # Cuts right after 'tiny' restarted an epoch: find them from the counters the batches carry.
-    epochs = [b.meta.counters[2][mixer.read.counters.Counters.FIELDS.index("epochs")] for b in take(mixer.make_loader(mix), 240)]
+    epochs = [
+        b.meta.counters[2][mixer.read.counters.Counters.FIELDS.index("epochs")]
+        for b in take(mixer.make_loader(mix), 240)
+    ]
     after_restart = [i + 1 for i in range(1, len(epochs)) if epochs[i] != epochs[i - 1]][:8]
     assert after_restart, "the fixture should make 'tiny' restart its epoch"
     rng = random.Random(0)
@@ -76,7 +82,10 @@ def test_sample_level_mixing(shards):
 
 def test_time_varying_schedule_resumes_at_the_same_step(shards):
     schedule = mixer.Curriculum(
-        [mixer.Phase(weights={"web": 1.0}, until=30), mixer.Phase(weights={"code": 1.0, "tiny": 1.0}, until=None, ramp=20)],
+        [
+            mixer.Phase(weights={"web": 1.0}, until=30),
+            mixer.Phase(weights={"code": 1.0, "tiny": 1.0}, until=None, ramp=20),
+        ],
         unit="steps",
     )
     mix = mixture(shards, schedule=schedule)
@@ -149,7 +158,12 @@ def test_state_from_a_different_mixture_is_refused(shards):
     loader = mixer.make_loader(mixture(shards))
     take(loader, 5)
     state = loader.state_dict()
-    for other in (mixture(shards, seed=1), mixture(shards, shuffle_buffer=65), mixture(shards, selector="random"), mixture(shards, buffer_budget=600)):
+    for other in (
+        mixture(shards, seed=1),
+        mixture(shards, shuffle_buffer=65),
+        mixture(shards, selector="random"),
+        mixture(shards, buffer_budget=600),
+    ):
         with pytest.raises(mixer.StateError, match="different mixture"):
             mixer.make_loader(other).load_state_dict(state)
 
@@ -167,10 +181,14 @@ def test_state_of_another_topology_or_version_is_refused(shards):
         mixer.make_loader(mix, num_workers=2).load_state_dict({"step": 3})
     # A state of the previous format says what it is and what this mixer reads.
     old = {**state, "version": 2, "readers": [{"state": None, "since": 0, "skips": []}] * 2}
-    with pytest.raises(mixer.StateError, match=r"version 2 \(mixer before the checkpoint module.*reads state version 6"):
+    with pytest.raises(
+        mixer.StateError, match=r"version 2 \(mixer before the checkpoint module.*reads state version 6"
+    ):
         mixer.make_loader(mix, num_workers=2).load_state_dict(old)
     # The state before the columnar reader snapshots (one JSON object per source) likewise.
-    with pytest.raises(mixer.StateError, match=r"version 4 \(mixer before the columnar reader state.*reads state version 6"):
+    with pytest.raises(
+        mixer.StateError, match=r"version 4 \(mixer before the columnar reader state.*reads state version 6"
+    ):
         mixer.make_loader(mix, num_workers=2).load_state_dict(dict(state, version=4))
 
 
@@ -192,7 +210,10 @@ def test_every_part_refuses_unknown_and_missing_keys(shards):
     """Each part restores only itself, and a key it does not know (or lacks) is a StateError that
     names the part and the key. The streams' and batchers' states are columns over the sources
     (mixer.state.columns): their fields are checked as one part each, and a damaged column is refused."""
-    for mix_mode, batching in (("batch", mixer.TokenBudget(max_tokens=2048)), ("sample", mixer.Packed(max_tokens=4096, seq_len=2048))):
+    for mix_mode, batching in (
+        ("batch", mixer.TokenBudget(max_tokens=2048)),
+        ("sample", mixer.Packed(max_tokens=4096, seq_len=2048)),
+    ):
         mix = mixture(shards, mix=mix_mode, batching=batching)
         loader = mixer.make_loader(mix)
         take(loader, 8)  # state_every=8: reader 0 holds a snapshot
@@ -235,7 +256,11 @@ def test_a_reader_resumes_exactly_from_its_own_state(shards, mix_mode, packed):
     every part, nothing to replay) resumes it exactly, through the same oracle."""
     from mixer.plan.world import World
 
-    batching = mixer.Packed(max_tokens=4096, seq_len=1024, split_documents=True) if packed else mixer.TokenBudget(max_tokens=2048)
+    batching = (
+        mixer.Packed(max_tokens=4096, seq_len=1024, split_documents=True)
+        if packed
+        else mixer.TokenBudget(max_tokens=2048)
+    )
     mix = mixture(shards, mix=mix_mode, batching=batching, stop="all_exhausted")
     world = World(rank=0, world_size=1, worker=0, num_workers=1)
     view = (lambda b: (tuple(b.keys), b.source.clone(), b.tokens.clone(), b.meta.step)) if packed else batch_view
@@ -268,7 +293,9 @@ class _Picks:
         self.selector.load_state_dict(state)
 
 
-@pytest.mark.parametrize("make", [lambda: Deficit(3), lambda: RandomPick(3, seed=4, stream=(0,)), lambda: RoundRobin(3)])
+@pytest.mark.parametrize(
+    "make", [lambda: Deficit(3), lambda: RandomPick(3, seed=4, stream=(0,)), lambda: RoundRobin(3)]
+)
 def test_selectors_resume_exactly(make):
     assert_resumes_exactly(lambda: _Picks(make()), cuts=[1, 5, 33], window=50)
 
@@ -278,7 +305,9 @@ def test_selectors_resume_exactly(make):
 #: Shards of very unequal sizes, so that with 1-6 readers the readers end at different points of the
 #: pass's tail while others go on (the round robin then skips the ended ones).
 TAIL_SOURCES = {
-    "web": shardutil.LogNormal(shards=(9, 7, 5, 3, 8, 6, 4, 2, 9, 5, 3, 7, 6, 2, 4, 8, 5, 3), median=90, sigma=0.7, lo=2, hi=1024, seed=20),
+    "web": shardutil.LogNormal(
+        shards=(9, 7, 5, 3, 8, 6, 4, 2, 9, 5, 3, 7, 6, 2, 4, 8, 5, 3), median=90, sigma=0.7, lo=2, hi=1024, seed=20
+    ),
     "code": shardutil.LogNormal(shards=(6, 3, 5, 2, 4, 1, 3), median=260, sigma=0.8, lo=2, hi=1024, seed=21),
 }
 #: So few samples that with many readers some have no work at all and others end after one batch.
@@ -290,8 +319,13 @@ SPARSE_SOURCES = {
 
 def tail_mixture(make_sources, spec=TAIL_SOURCES, **options):
     return shardutil.mixture(
-        make_sources(spec), weights={"web": 0.6, "code": 0.4}, batching=mixer.TokenBudget(max_tokens=1024),
-        stop="all_exhausted", state_every=3, shuffle_buffer=16, **options,
+        make_sources(spec),
+        weights={"web": 0.6, "code": 0.4},
+        batching=mixer.TokenBudget(max_tokens=1024),
+        stop="all_exhausted",
+        state_every=3,
+        shuffle_buffer=16,
+        **options,
     )
 
 
@@ -303,14 +337,20 @@ def ends_per_reader(loader):
     return last
 
 
-@pytest.mark.parametrize("num_workers", [1, 2, pytest.param(3, marks=pytest.mark.slow), 4, pytest.param(5, marks=pytest.mark.slow), 6])
+@pytest.mark.parametrize(
+    "num_workers", [1, 2, pytest.param(3, marks=pytest.mark.slow), 4, pytest.param(5, marks=pytest.mark.slow), 6]
+)
 def test_every_cut_in_the_tail_of_a_finite_pass(make_sources, num_workers):
     """After a reader has ended, the others go on in the round robin without it: a resumed loader
     must continue in that order, not in a rotation counted from the batches handed out."""
     mix = tail_mixture(make_sources)
     ends = ends_per_reader(mixer.make_loader(mix, num_workers=num_workers))
     reference = assert_resumes_exactly(
-        lambda: mixer.make_loader(mix, num_workers=num_workers), cuts=[], window=1, tail=tail_cuts(num_workers), view=batch_view
+        lambda: mixer.make_loader(mix, num_workers=num_workers),
+        cuts=[],
+        window=1,
+        tail=tail_cuts(num_workers),
+        view=batch_view,
     )
     n = len(reference)
     if num_workers >= 3:  # the case that went wrong: a reader ended inside the tail while two or more go on
@@ -319,13 +359,21 @@ def test_every_cut_in_the_tail_of_a_finite_pass(make_sources, num_workers):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("options", [{"persistent_workers": True}, {"device": "cpu"}, {"mix": "sample"}], ids=["persistent", "device", "mix-sample"])
+@pytest.mark.parametrize(
+    "options",
+    [{"persistent_workers": True}, {"device": "cpu"}, {"mix": "sample"}],
+    ids=["persistent", "device", "mix-sample"],
+)
 def test_tail_cuts_with_persistent_workers_the_device_feed_and_sample_mixing(make_sources, options):
     mix_options = {k: v for k, v in options.items() if k == "mix"}
     loader_options = {k: v for k, v in options.items() if k != "mix"}
     mix = tail_mixture(make_sources, **mix_options)
     assert_resumes_exactly(
-        lambda: mixer.make_loader(mix, num_workers=4, **loader_options), cuts=[], window=1, tail=tail_cuts(4), view=batch_view
+        lambda: mixer.make_loader(mix, num_workers=4, **loader_options),
+        cuts=[],
+        window=1,
+        tail=tail_cuts(4),
+        view=batch_view,
     )
 
 
@@ -334,7 +382,11 @@ def test_tail_cuts_through_the_elastic_entry_point_with_the_same_shape(make_sour
     """A list of one state per rank with the saved shape resumes batch for batch (mixer.mixing.elastic)."""
     mix = tail_mixture(make_sources)
     assert_resumes_exactly(
-        lambda: mixer.make_loader(mix, num_workers=4), cuts=[], window=1, tail=tail_cuts(4), view=batch_view,
+        lambda: mixer.make_loader(mix, num_workers=4),
+        cuts=[],
+        window=1,
+        tail=tail_cuts(4),
+        view=batch_view,
         load=lambda loader, state: loader.load_state_dict([state]),
     )
 
@@ -347,7 +399,11 @@ def test_tail_cuts_with_readers_that_have_no_work_or_end_after_one_batch(make_so
         # some readers hand out nothing, one ends with its first batch
         assert len(ends) < 6 and any(count == 1 for _, count in ends.values()), ends
     assert_resumes_exactly(
-        lambda: mixer.make_loader(mix, num_workers=num_workers), cuts=[], window=1, tail=tail_cuts(num_workers), view=batch_view
+        lambda: mixer.make_loader(mix, num_workers=num_workers),
+        cuts=[],
+        window=1,
+        tail=tail_cuts(num_workers),
+        view=batch_view,
     )
 
 
@@ -365,7 +421,10 @@ def test_the_turn_is_read_from_the_readers_counts():
     assert Resume(8, readers(4, 1, 3)).turn == 1  # round 3 held readers 0 and 2; reader 0 handed out last
     assert Resume(8, readers(5, 1, 2)).turn == 1
     assert Resume(7, readers(3, 0, 4)).turn == 0
-    with_snapshot = [{"snapshot": {"batches": 3}, "replay": 2, "skips": []}, {"snapshot": None, "replay": 5, "skips": []}]
+    with_snapshot = [
+        {"snapshot": {"batches": 3}, "replay": 2, "skips": []},
+        {"snapshot": None, "replay": 5, "skips": []},
+    ]
     assert Resume(10, with_snapshot).turn == 0
 
 

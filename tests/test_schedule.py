@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 import mixer
-
 from mixer.errors import ConfigError
 from mixer.mixing.hierarchical import Hierarchical
 from mixer.mixing.schedule import (
@@ -140,15 +139,27 @@ def test_temperature_positional_and_keyword_forms():
         (dict(start=float("nan")), "Temperature.start: must be finite, got nan"),
         (dict(start=True), "Temperature.start: must be a number, got True"),
         (dict(start="5"), "Temperature.start: must be a number, got '5'"),
-        (dict(start=5, shape="exp"), "Temperature.shape: must be one of 'constant', 'linear', 'cosine', 'step', got 'exp'"),
+        (
+            dict(start=5, shape="exp"),
+            "Temperature.shape: must be one of 'constant', 'linear', 'cosine', 'step', got 'exp'",
+        ),
         (dict(start=5, base="size"), "Temperature.base: must be 'sizes', 'weights' or None, got 'size'"),
         (dict(start=5, end=1), "Temperature.end: only used by a non-constant shape (shape='constant'), got 1"),
         (dict(start=5, steps=10), "Temperature.steps: only used by a non-constant shape (shape='constant'), got 10"),
-        (dict(start=5, tokens=1e9), "Temperature.tokens: only used by a non-constant shape (shape='constant'), got 1000000000.0"),
+        (
+            dict(start=5, tokens=1e9),
+            "Temperature.tokens: only used by a non-constant shape (shape='constant'), got 1000000000.0",
+        ),
         (dict(start=5, shape="linear", steps=10), "Temperature.end: required by shape='linear'"),
         (dict(start=5, end=0, shape="linear", steps=10), "Temperature.end: must be > 0, got 0"),
-        (dict(start=5, end=1, shape="cosine"), "Temperature: shape='cosine' needs exactly one of steps or tokens, got steps=None, tokens=None"),
-        (dict(start=5, end=1, shape="cosine", steps=10, tokens=1e9), "Temperature: shape='cosine' needs exactly one of steps or tokens, got steps=10, tokens=1000000000.0"),
+        (
+            dict(start=5, end=1, shape="cosine"),
+            "Temperature: shape='cosine' needs exactly one of steps or tokens, got steps=None, tokens=None",
+        ),
+        (
+            dict(start=5, end=1, shape="cosine", steps=10, tokens=1e9),
+            "Temperature: shape='cosine' needs exactly one of steps or tokens, got steps=10, tokens=1000000000.0",
+        ),
         (dict(start=5, end=1, shape="step", steps=0), "Temperature.steps: must be >= 1, got 0"),
         (dict(start=5, end=1, shape="step", steps=1.5), "Temperature.steps: must be an integer, got 1.5"),
         (dict(start=5, end=1, shape="step", tokens=-1), "Temperature.tokens: must be > 0, got -1"),
@@ -301,7 +312,9 @@ def test_phase_temperature_on_sizes_when_phase_has_no_weights():
 def test_curriculum_unknown_name_and_check_schedule():
     c = Curriculum([Phase({"a": 1}, until=10), Phase({"bookz": 1})], unit="steps")
     close(c.probs(ABC, 0, 0), [1, 0, 0])
-    with pytest.raises(ConfigError, match=r"^Curriculum.phases\[1\].weights: unknown source 'bookz' \(sources: a, b, c\)$"):
+    with pytest.raises(
+        ConfigError, match=r"^Curriculum.phases\[1\].weights: unknown source 'bookz' \(sources: a, b, c\)$"
+    ):
         c.probs(ABC, 10, 0)
     # check_schedule checks every phase up front (also through a floor), not only the first.
     close(check_schedule(Curriculum([Phase({"a": 1})]), ABC), [1, 0, 0])
@@ -323,13 +336,22 @@ def _phases(*phases):
         (lambda: Curriculum([]), "Curriculum.phases: must be a non-empty sequence of Phase, got []"),
         (lambda: Curriculum([Phase()], unit="samples"), "Curriculum.unit: must be 'tokens' or 'steps', got 'samples'"),
         (lambda: Curriculum([{"a": 1}]), "Curriculum.phases[0]: must be a Phase, got {'a': 1}"),
-        (lambda: Curriculum([Phase(until=5)]), "Curriculum.phases[0].until: the last phase runs to the end of training; must be None, got 5"),
-        (lambda: Curriculum([Phase(), Phase()]), "Curriculum.phases[0].until: required (only the last phase has until=None)"),
+        (
+            lambda: Curriculum([Phase(until=5)]),
+            "Curriculum.phases[0].until: the last phase runs to the end of training; must be None, got 5",
+        ),
+        (
+            lambda: Curriculum([Phase(), Phase()]),
+            "Curriculum.phases[0].until: required (only the last phase has until=None)",
+        ),
         (
             lambda: Curriculum([Phase(until=10), Phase(until=10), Phase()]),
             "Curriculum.phases[1].until: must be greater than the previous boundary 10, got 10",
         ),
-        (lambda: Curriculum([Phase(until=10, ramp=1), Phase()]), "Curriculum.phases[0].ramp: the first phase has nothing to ramp from; must be 0, got 1"),
+        (
+            lambda: Curriculum([Phase(until=10, ramp=1), Phase()]),
+            "Curriculum.phases[0].ramp: the first phase has nothing to ramp from; must be 0, got 1",
+        ),
         (
             lambda: Curriculum([Phase(until=10), Phase(until=15, ramp=6), Phase()]),
             "Curriculum.phases[1].ramp: longer than the phase (5 tokens), got 6",
@@ -342,8 +364,14 @@ def _phases(*phases):
             lambda: Curriculum([Phase({"a": 1})], temperature=Temperature(2, base="sizes")),
             "Curriculum.temperature.base: 'sizes' would ignore the weights of phases[0]; use 'weights' or None",
         ),
-        (lambda: Curriculum([Phase()], temperature=2.0), "Curriculum.temperature: must be a Temperature or None, got 2.0"),
-        (lambda: Phase({"a": 1}, temperature=Temperature(2, base="sizes")), "Phase.temperature.base: 'sizes' would ignore this phase's weights; use 'weights' or None"),
+        (
+            lambda: Curriculum([Phase()], temperature=2.0),
+            "Curriculum.temperature: must be a Temperature or None, got 2.0",
+        ),
+        (
+            lambda: Phase({"a": 1}, temperature=Temperature(2, base="sizes")),
+            "Phase.temperature.base: 'sizes' would ignore this phase's weights; use 'weights' or None",
+        ),
         (lambda: Phase(temperature=2.0), "Phase.temperature: must be a Temperature or None, got 2.0"),
         (lambda: Phase(until=0), "Phase.until: must be > 0, got 0"),
         (lambda: Phase(ramp=-1), "Phase.ramp: must be >= 0, got -1"),
@@ -367,10 +395,14 @@ def test_ramp_may_fill_its_phase_exactly():
 
 # A dataset summary in the omnilingual-asr format: (corpus, language, hours).
 SUMMARY = [("librispeech", "eng", 960.5), ("commonvoice", "eng", 1500.2), ("commonvoice", "fra", 450.8)]
-ASR = info(sizes=[h for _, _, h in SUMMARY], names=[f"{c}/{lang}" for c, lang, _ in SUMMARY], groups=[c for c, _, _ in SUMMARY])
+ASR = info(
+    sizes=[h for _, _, h in SUMMARY], names=[f"{c}/{lang}" for c, lang, _ in SUMMARY], groups=[c for c, _, _ in SUMMARY]
+)
 
 
-@pytest.mark.parametrize("beta_group,beta_source", [(0.5, 0.5), (0.0, 0.0), (1.0, 1.0), (0.3, 0.8), (1.0, 0.0), (0.0, 1.0)])
+@pytest.mark.parametrize(
+    "beta_group,beta_source", [(0.5, 0.5), (0.0, 0.0), (1.0, 1.0), (0.3, 0.8), (1.0, 0.0), (0.0, 1.0)]
+)
 def test_hierarchical_matches_seed_002(beta_group, beta_source):
     # omnilingual-asr get_partition_weights_from_betas:
     #   corpus_weight = (corpus_hours / total_hours) ** beta_corpus, normalised over corpora
@@ -410,7 +442,10 @@ def test_hierarchical_groups_of_one_and_three_sources():
     close(Hierarchical(1.0, 1.0).probs(i, 0, 0), [0.2, 0.1, 0.2, 0.5])
     # Beta ½: groups √0.2 : √0.8 = 1 : 2 -> ⅓, ⅔; within b √(1/8) : √(2/8) : √(5/8) = 1 : √2 : √5.
     s = 1 + math.sqrt(2) + math.sqrt(5)
-    close(Hierarchical(0.5, 0.5).probs(i, 0, 0), [1 / 3, 2 / (3 * s), 2 * math.sqrt(2) / (3 * s), 2 * math.sqrt(5) / (3 * s)])
+    close(
+        Hierarchical(0.5, 0.5).probs(i, 0, 0),
+        [1 / 3, 2 / (3 * s), 2 * math.sqrt(2) / (3 * s), 2 * math.sqrt(5) / (3 * s)],
+    )
 
 
 def test_hierarchical_none_groups_are_separate_and_empty_sources_get_nothing():
@@ -554,7 +589,9 @@ class _Described(_AddressRepr):
 def test_a_schedule_whose_description_holds_an_address_is_refused_when_the_mixture_is_built(three_sources):
     from mixer.mixing.schedule import describe_schedule
 
-    with pytest.raises(mixer.ConfigError, match=r"schedule _AddressRepr: its description .* holds an object address.*describe\(\)"):
+    with pytest.raises(
+        mixer.ConfigError, match=r"schedule _AddressRepr: its description .* holds an object address.*describe\(\)"
+    ):
         describe_schedule(_AddressRepr())
     with pytest.raises(mixer.ConfigError, match=r"schedule Floored: its description .* holds an object address"):
         describe_schedule(mixer.Floored(_AddressRepr(), 0.01))

@@ -59,7 +59,10 @@ def test_tokens_seen_are_estimated_as_documented(three_sources, num_workers):
     # worth in the first 300 steps (seeds 4-6; up to 10% of the tokens seen), under 1% by 3,000 steps.
     per_step = 6000  # about a batch
     tokens_curriculum = mixer.Curriculum(
-        [mixer.Phase({"web": 1, "code": 0, "books": 0}, until=20 * per_step), mixer.Phase({"web": 0, "code": 1, "books": 1}, ramp=30 * per_step)],
+        [
+            mixer.Phase({"web": 1, "code": 0, "books": 0}, until=20 * per_step),
+            mixer.Phase({"web": 0, "code": 1, "books": 1}, ramp=30 * per_step),
+        ],
         unit="tokens",
     )
     mix = mixer.Mixture(sources(three_sources), batching=budget(), schedule=tokens_curriculum, seed=4)

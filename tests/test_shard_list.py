@@ -7,8 +7,8 @@ import pickle
 import pytest
 
 import mixer
-from mixer.storage import ShardList, expand_urls
 from mixer.spec.source import ListedSource
+from mixer.storage import ShardList, expand_urls
 
 
 @pytest.mark.parametrize(

@@ -61,7 +61,10 @@ def test_assignment_by_size_balances_bytes():
     assert max(loads) / (sum(loads) / 5) <= 1.05
     # The same shards split by count (sizes unknown) are far less balanced for this seed, so the
     # bound above tells the two splits apart.
-    by_count = [sum(sizes[sl.shard] for sl in plan(len(sizes), World(rank=r, world_size=5), seed=3, source="s", epoch=0)) for r in range(5)]
+    by_count = [
+        sum(sizes[sl.shard] for sl in plan(len(sizes), World(rank=r, world_size=5), seed=3, source="s", epoch=0))
+        for r in range(5)
+    ]
     assert max(by_count) / (sum(by_count) / 5) > 1.2
 
 

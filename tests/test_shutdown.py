@@ -13,7 +13,6 @@ import sys
 import time
 
 import pytest
-
 from shardutil import write_token_shards
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "shutdown_script.py")
@@ -53,8 +52,14 @@ def alive(pid: int) -> bool:
 def start(scenario: str, pattern: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, SCRIPT, scenario, pattern],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(__file__), os.environ.get("PYTHONPATH")]))},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(__file__), os.environ.get("PYTHONPATH")])),
+        },
     )
 
 

@@ -9,16 +9,16 @@ import json
 import zlib
 
 import pytest
+import shardutil
+from resume_oracle import assert_resumes_exactly, batch_view
+from shardutil import RESUME_SOURCES
 
 import mixer
 from mixer.batching.batchers import Bucketer
+from mixer.plan.world import World
+from mixer.read.decode import Sample
 from mixer.state.checkpoint import LOCATION_COLUMNS, locate_pair, locate_sample, pack_located, readable
 from mixer.state.columns import pack, pack_items, pack_parts, unpack
-from mixer.read.decode import Sample
-from mixer.plan.world import World
-from resume_oracle import assert_resumes_exactly, batch_view
-import shardutil
-from shardutil import RESUME_SOURCES
 
 mixture = functools.partial(
     shardutil.mixture,
@@ -40,7 +40,11 @@ def plain(batchers):
 @pytest.mark.parametrize("mix_mode", ["batch", "sample"])
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_a_live_readers_columns_equal_the_plain_ones_at_every_batch(shards, mix_mode, packed):
-    batching = mixer.Packed(max_tokens=4096, seq_len=1024, split_documents=True) if packed else mixer.TokenBudget(max_tokens=2048)
+    batching = (
+        mixer.Packed(max_tokens=4096, seq_len=1024, split_documents=True)
+        if packed
+        else mixer.TokenBudget(max_tokens=2048)
+    )
     mix = mixture(shards, mix=mix_mode, batching=batching, stop="all_exhausted")
     reader = mix.reader(World(num_workers=1))
     batchers = reader.batchers[:1] if mix_mode == "sample" else reader.batchers

@@ -13,12 +13,12 @@ import sys
 
 import numpy as np
 import pytest
+from shardutil import write_token_shards
 
 import mixer
 from mixer.batching.batch import BatchMeta
-from mixer.read.counters import Counters
 from mixer.observe.stats import History, Stats, format_line, format_table, plot_run, plot_schedule, report
-from shardutil import write_token_shards
+from mixer.read.counters import Counters
 
 WEIGHTS = {"web": 0.6, "code": 0.3, "books": 0.1}
 DELIVERED = ("samples", "tokens", "padded", "batches")  # the counters a test can recount from batches
@@ -26,7 +26,10 @@ DELIVERED = ("samples", "tokens", "padded", "batches")  # the counters a test ca
 # Targets move with the global step (a ramp between two phases), so a window's integrated target
 # differs from the whole run's and from the target at any single step.
 STEP_CURRICULUM = mixer.Curriculum(
-    [mixer.Phase({"web": 0.2, "code": 0.4, "books": 0.4}, until=10), mixer.Phase({"web": 0.7, "code": 0.2, "books": 0.1}, ramp=20)],
+    [
+        mixer.Phase({"web": 0.2, "code": 0.4, "books": 0.4}, until=10),
+        mixer.Phase({"web": 0.7, "code": 0.2, "books": 0.1}, ramp=20),
+    ],
     unit="steps",
 )
 
@@ -83,7 +86,10 @@ class Tally:
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_counters_equal_what_the_batches_hold_and_the_window_moves(three_sources, num_workers):
     mix = mixer.Mixture(
-        sources_from(three_sources), batching=mixer.TokenBudget(max_tokens=8192, max_length=8192), schedule=STEP_CURRICULUM, seed=3
+        sources_from(three_sources),
+        batching=mixer.TokenBudget(max_tokens=8192, max_length=8192),
+        schedule=STEP_CURRICULUM,
+        seed=3,
     )
     window = 7
     loader = mixer.make_loader(mix, num_workers=num_workers, stats_window=window)
@@ -125,7 +131,10 @@ def test_after_a_resume_stats_count_from_the_resume(three_sources, num_workers):
     # The readers' counters come back with the state (the saved run included); loader.stats() counts
     # from the resume, exactly, while loader.counters() keeps the readers' raw totals.
     mix = mixer.Mixture(
-        sources_from(three_sources), batching=mixer.TokenBudget(max_tokens=8192, max_length=8192), schedule=STEP_CURRICULUM, seed=3
+        sources_from(three_sources),
+        batching=mixer.TokenBudget(max_tokens=8192, max_length=8192),
+        schedule=STEP_CURRICULUM,
+        seed=3,
     )
     first = mixer.make_loader(mix, num_workers=num_workers)
     before = Tally(mix)
@@ -156,9 +165,12 @@ def test_sample_unit_shares_errors_and_table_count_samples(three_sources, num_wo
     # between the sources, so token shares are far from the sample shares: a token share against a
     # sample target would be off by much more than the 1e-12 checked here.
     mix = mixer.Mixture(
-        sources_from(three_sources), batching=mixer.TokenBudget(max_tokens=8192, max_length=8192), schedule=STEP_CURRICULUM,
-        unit="samples", seed=4,  # (at 40 batches the 0.05 below is near chance: seed 5 misses it by 0.005 on the reservoir refilled per sample, seed 3 by 0.008 refilled in bursts)
-    )  # fmt: skip
+        sources_from(three_sources),
+        batching=mixer.TokenBudget(max_tokens=8192, max_length=8192),
+        schedule=STEP_CURRICULUM,
+        unit="samples",
+        seed=4,  # (at 40 batches the 0.05 below is near chance: seed 5 misses it by 0.005 on the reservoir refilled per sample, seed 3 by 0.008 refilled in bursts)
+    )
     loader = mixer.make_loader(mix, num_workers=num_workers, stats_window=9)
     tally = Tally(mix)
     for k, batch in enumerate(loader, 1):
@@ -183,10 +195,18 @@ def test_sample_unit_shares_errors_and_table_count_samples(three_sources, num_wo
     assert "target, realized and error are sample shares (unit: samples)" in lines
     for i, name in enumerate(mix.names):
         s = rep["sources"][name]
-        assert s["realized"] == pytest.approx(sample_share[i], abs=1e-12) and s["target"] == pytest.approx(target[i], abs=1e-9)
+        assert s["realized"] == pytest.approx(sample_share[i], abs=1e-12) and s["target"] == pytest.approx(
+            target[i], abs=1e-9
+        )
         assert s["token_share"] == pytest.approx(token_share[i], abs=1e-12)
         cells = lines[2 + i].split()
-        assert cells[:5] == [name, f"{target[i]:.4f}", f"{sample_share[i]:.4f}", f"{sample_share[i] - target[i]:+.4f}", f"{token_share[i]:.4f}"]
+        assert cells[:5] == [
+            name,
+            f"{target[i]:.4f}",
+            f"{sample_share[i]:.4f}",
+            f"{sample_share[i] - target[i]:+.4f}",
+            f"{token_share[i]:.4f}",
+        ]
     assert stats["starved"] == []
 
 
@@ -199,9 +219,13 @@ def test_sample_unit_starvation_compares_sample_shares(tmp_path, caplog):
     short = write_token_shards(tmp_path, "short", [[40] * 1000, [40] * 1000])
     long = write_token_shards(tmp_path, "long", [[4000, 4000], [4000, 4000]])
     mix = mixer.Mixture(
-        [mixer.Source("short", short), mixer.Source("long", long)], batching=mixer.TokenBudget(max_tokens=4096),
-        unit="samples", stop="all_exhausted", shuffle_buffer=0, seed=0,
-    )  # fmt: skip
+        [mixer.Source("short", short), mixer.Source("long", long)],
+        batching=mixer.TokenBudget(max_tokens=4096),
+        unit="samples",
+        stop="all_exhausted",
+        shuffle_buffer=0,
+        seed=0,
+    )
     loader = mixer.make_loader(mix, stats_window=100)
     counts = np.zeros(2, dtype=np.int64)
     tokens = np.zeros(2, dtype=np.int64)
@@ -222,8 +246,10 @@ def test_sample_unit_starvation_compares_sample_shares(tmp_path, caplog):
     assert s["token_share"] == pytest.approx(tokens[1] / tokens.sum(), abs=1e-12) and s["token_share"] > 0.35
     assert stats["starved"] == ["long"]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert warnings == [f"source 'long' is starved: realized sample share {s['realized']:.4f} over the last 10 batches, "
-                        "below half its target 0.5000 (exhausted, too few samples for its share, or too few shards for the readers?)"]
+    assert warnings == [
+        f"source 'long' is starved: realized sample share {s['realized']:.4f} over the last 10 batches, "
+        "below half its target 0.5000 (exhausted, too few samples for its share, or too few shards for the readers?)"
+    ]
 
 
 def test_window_spans_source_epochs(tmp_path):
@@ -350,16 +376,46 @@ def test_report_and_table(three_sources):
     for i, (name, w) in enumerate(WEIGHTS.items()):
         s = rep["sources"][name]
         assert set(s) == {
-            "target", "realized", "error", "token_share", "sample_share", "tokens", "samples", "read", "padding_efficiency",
-            "epochs", "skipped_samples", "skipped_shards", "skipped_unknown", "skipped_bytes", "target_now",
-        }  # fmt: skip
+            "target",
+            "realized",
+            "error",
+            "token_share",
+            "sample_share",
+            "tokens",
+            "samples",
+            "read",
+            "padding_efficiency",
+            "epochs",
+            "skipped_samples",
+            "skipped_shards",
+            "skipped_unknown",
+            "skipped_bytes",
+            "target_now",
+        }
         assert s["tokens"] == tokens[i] and s["target"] == pytest.approx(w) and s["target_now"] == pytest.approx(w)
     table = format_table(rep)
     lines = table.splitlines()
     assert lines[0].split() == [
-        "source", "target", "realized", "error", "sample", "share", "tokens", "samples", "read", "pad", "eff", "epochs", "skipped",
-        "bad", "shards", "rest", "unknown", "bytes", "lost",
-    ]  # fmt: skip
+        "source",
+        "target",
+        "realized",
+        "error",
+        "sample",
+        "share",
+        "tokens",
+        "samples",
+        "read",
+        "pad",
+        "eff",
+        "epochs",
+        "skipped",
+        "bad",
+        "shards",
+        "rest",
+        "unknown",
+        "bytes",
+        "lost",
+    ]
     assert "target, realized and error are token shares (unit: tokens)" in lines
     # read: samples taken from the shards (delivered or still in a buffer), per source
     counters = loader.counters()
@@ -371,7 +427,9 @@ def test_report_and_table(three_sources):
 
 def _png_size(path):
     data = open(path, "rb").read()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR" and data.rstrip(b"\x00").endswith(b"IEND\xaeB`\x82")
+    assert (
+        data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR" and data.rstrip(b"\x00").endswith(b"IEND\xaeB`\x82")
+    )
     return struct.unpack(">II", data[16:24])
 
 
@@ -381,7 +439,11 @@ def _series(fig):
 
 
 def test_plot_run_draws_target_and_realized_per_source(three_sources, tmp_path):
-    mix = mixer.Mixture(sources_from(three_sources), batching=mixer.TokenBudget(max_tokens=8192, max_length=8192), schedule=STEP_CURRICULUM)
+    mix = mixer.Mixture(
+        sources_from(three_sources),
+        batching=mixer.TokenBudget(max_tokens=8192, max_length=8192),
+        schedule=STEP_CURRICULUM,
+    )
     history = History(mix.names)
     for k, batch in enumerate(mixer.make_loader(mix), 1):
         history.update(batch)

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from shardutil import LogNormal
 from test_distributed import _free_port
 
@@ -31,7 +30,9 @@ MAX_TOKENS = 512
 @pytest.fixture(scope="module")
 def sources(make_sources: Any) -> list[dict[str, Any]]:
     # enough batches that no rank's stream ends before the victim acts
-    written = make_sources({"web": LogNormal(shards=8, samples=1600, median=60, sigma=0.5, seed=5, lo=4, hi=MAX_TOKENS)})
+    written = make_sources(
+        {"web": LogNormal(shards=8, samples=1600, median=60, sigma=0.5, seed=5, lo=4, hi=MAX_TOKENS)}
+    )
     return [{"name": "web", "pattern": written["web"][0], "weight": 1.0}]
 
 
@@ -42,22 +43,53 @@ def _exited(pid: int) -> bool:
         return True
 
 
-def launch(tmp_path: Path, sources: list[dict[str, Any]], *, survivors: int, how: str, timeout: float, num_workers: int) -> list[dict[str, Any]]:
+def launch(
+    tmp_path: Path, sources: list[dict[str, Any]], *, survivors: int, how: str, timeout: float, num_workers: int
+) -> list[dict[str, Any]]:
     """Runs ``survivors`` ranks under one agent and the victim (the last rank) under another; returns
     the survivors' results (and a late victim's) once each of those processes has exited by itself."""
     out = tmp_path / "out"
     out.mkdir()
     spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"sources": sources, "max_tokens": MAX_TOKENS, "num_workers": num_workers, "timeout": timeout, "victim": survivors, "at": 3, "how": how, "late_s": 2.5}))
+    spec.write_text(
+        json.dumps(
+            {
+                "sources": sources,
+                "max_tokens": MAX_TOKENS,
+                "num_workers": num_workers,
+                "timeout": timeout,
+                "victim": survivors,
+                "at": 3,
+                "how": how,
+                "late_s": 2.5,
+            }
+        )
+    )
     port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+    )
 
     def agent(node: int, nproc: int) -> subprocess.Popen[bytes]:
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}", f"--nproc-per-node={nproc}",
-            "--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=0", str(WORKER), str(spec), str(out),
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            f"--node-rank={node}",
+            f"--nproc-per-node={nproc}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            "--max-restarts=0",
+            str(WORKER),
+            str(spec),
+            str(out),
         ]
-        return subprocess.Popen(cmd, stdout=(tmp_path / f"agent{node}.log").open("wb"), stderr=subprocess.STDOUT, env=env, cwd=HERE.parent)
+        return subprocess.Popen(
+            cmd, stdout=(tmp_path / f"agent{node}.log").open("wb"), stderr=subprocess.STDOUT, env=env, cwd=HERE.parent
+        )
 
     agents = [agent(0, survivors), agent(1, 1)]
     paths = [out / f"rank{r}.json" for r in range(survivors + (how == "late"))]

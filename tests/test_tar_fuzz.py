@@ -17,13 +17,15 @@ import numpy as np
 import pytest
 import webdataset as wds
 
-from mixer.read import decode, tario
 from mixer.errors import SampleError
+from mixer.read import decode, tario
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import tar_fuzz  # noqa: E402
 
-needs_core = pytest.mark.skipif(tario._tarwalk is None, reason="mixer._native._tarwalk was not built (no C compiler at install)")
+needs_core = pytest.mark.skipif(
+    tario._tarwalk is None, reason="mixer._native._tarwalk was not built (no C compiler at install)"
+)
 
 CASES_PER_SEED = 600  # 4 seeds: ~2,400 cases, ~15 s on a busy 2-core machine
 
@@ -43,7 +45,13 @@ def _shard(mtime: float | None, n: int = 40) -> bytes:
     kw = {} if mtime is None else {"mtime": mtime}
     with wds.TarWriter(out, **kw) as writer:
         for i in range(n):
-            writer.write({"__key__": f"doc/{i:05d}", "tokens.npy": rng.integers(0, 30000, int(rng.integers(1, 900))).astype(np.int32), "json": b"{}"})
+            writer.write(
+                {
+                    "__key__": f"doc/{i:05d}",
+                    "tokens.npy": rng.integers(0, 30000, int(rng.integers(1, 900))).astype(np.int32),
+                    "json": b"{}",
+                }
+            )
     return out.getvalue()
 
 
@@ -86,7 +94,11 @@ def test_scan_stops_where_bytes_are_missing_and_resumes_with_the_pending_sample(
     assert list(sample) == ["__key__", "__url__", "__offset__", "__end__", "json"] and sample["__end__"] is None
     assert need > cut - 2048  # the whole member, from its PAX header on
     status, pos, need, sample, key = tario._tarwalk.scan(data, pos, len(data), 0, "u", sample, key, out)
-    assert status == tario._tarwalk.END and [s["__key__"] for s in out] == ["doc/00000", "doc/00001"] and key == "doc/00002"
+    assert (
+        status == tario._tarwalk.END
+        and [s["__key__"] for s in out] == ["doc/00000", "doc/00001"]
+        and key == "doc/00002"
+    )
     assert out == list(tario.read_samples(io.BytesIO(data), url="u", native=False))[:2]
 
 

@@ -24,8 +24,8 @@ import pytest
 import webdataset as wds
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
-from mixer.read import tario
 from mixer.errors import ConfigError, SampleError, ShardError
+from mixer.read import tario
 from mixer.read.tario import TarDamage, group_samples, iter_members, read_samples
 
 MTIME = 1_700_000_000
@@ -108,7 +108,11 @@ def write_samples(path: Path, samples: Sequence[dict[str, Any]], **writer_kw: An
 def token_samples(n: int, seed: int = 0) -> list[dict[str, Any]]:
     rng = np.random.default_rng(seed)
     return [
-        {"__key__": f"{i:06d}", "tokens.npy": rng.integers(0, 30000, int(rng.integers(1, 700)), dtype=np.int32), "txt": f"t{i}"}
+        {
+            "__key__": f"{i:06d}",
+            "tokens.npy": rng.integers(0, 30000, int(rng.integers(1, 700)), dtype=np.int32),
+            "txt": f"t{i}",
+        }
         for i in range(n)
     ]
 
@@ -117,7 +121,9 @@ def pad(data: bytes) -> bytes:
     return data + bytes(-len(data) % 512)
 
 
-def header(name: str, size: int, *, type: bytes = tarfile.REGTYPE, fmt: int = tarfile.USTAR_FORMAT, **attrs: Any) -> bytes:
+def header(
+    name: str, size: int, *, type: bytes = tarfile.REGTYPE, fmt: int = tarfile.USTAR_FORMAT, **attrs: Any
+) -> bytes:
     info = tarfile.TarInfo(name)
     info.size, info.type, info.mtime = size, type, MTIME
     for k, v in attrs.items():
@@ -156,7 +162,7 @@ TRICKY = [
     ("a.json", b"6"),  # key "a" again: a new sample, as in webdataset
     ("d.o.t/s.t.x.t", b"7"),
     ("x" * 120 + "/deep/" + "y" * 90 + ".npy", b"8" * 3000),
-    ("ünï/cödé.txt", "unicode".encode()),
+    ("ünï/cödé.txt", b"unicode"),
     ("sp ace/k ey.txt", b"9"),
 ]
 
@@ -191,7 +197,9 @@ def test_integer_mtime_shard_multi_member_subdirs_uppercase(tmp_path: Path) -> N
     assert our_members(path) == tarfile_members(path)
 
 
-@pytest.mark.parametrize("fmt", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT, tarfile.USTAR_FORMAT], ids=["pax", "gnu", "ustar"])
+@pytest.mark.parametrize(
+    "fmt", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT, tarfile.USTAR_FORMAT], ids=["pax", "gnu", "ustar"]
+)
 def test_tricky_names(tmp_path: Path, fmt: int) -> None:
     path = write_tar(tmp_path / "tricky.tar", TRICKY, fmt)
     if fmt == tarfile.GNU_FORMAT:
@@ -199,8 +207,17 @@ def test_tricky_names(tmp_path: Path, fmt: int) -> None:
             assert b"././@LongLink" in f.read()  # really GNU 'L' long names
     got = assert_same_as_webdataset(path)
     assert [s["__key__"] for s in got] == [
-        "a", "__meta__", "b", "dir/", "c", "a", "d.o.t/s", "x" * 120 + "/deep/" + "y" * 90, "ünï/cödé", "sp ace/k ey"
-    ]  # fmt: skip
+        "a",
+        "__meta__",
+        "b",
+        "dir/",
+        "c",
+        "a",
+        "d.o.t/s",
+        "x" * 120 + "/deep/" + "y" * 90,
+        "ünï/cödé",
+        "sp ace/k ey",
+    ]
     assert payload(got[0]) == {"txt": b"1", "cls": b"2", "seg.0.txt": b"3"}
     assert payload(got[2]) == {"txt": b"4", "tokens.npy": b"5"}
     assert our_members(path) == tarfile_members(path)
@@ -211,7 +228,20 @@ def test_random_names_group_like_webdataset() -> None:
     rng = random.Random(0)
     alphabet = "ab._/_\nAé"
     names = {"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 9))) for _ in range(1500)}
-    names |= {"__a__", "__a__/b.c", "x/__a__/b.c", "__a__.b", "__a_.b", "a/.b", "a//b.c", "/a.b", "a.", ".", "a/b.", "_.__"}
+    names |= {
+        "__a__",
+        "__a__/b.c",
+        "x/__a__/b.c",
+        "__a__.b",
+        "__a_.b",
+        "a/.b",
+        "a//b.c",
+        "/a.b",
+        "a.",
+        ".",
+        "a/b.",
+        "_.__",
+    }
     for name in sorted(names):
         if name.endswith("/"):
             continue  # tarfile would write a directory-looking name; covered in test_tricky_names
@@ -262,13 +292,16 @@ def test_pax_global_header_and_size_record(tmp_path: Path) -> None:
     records = b"26 comment=hello, global\n"
     size_record = b"9 size=5\n"
     raw = (
-        header("pax_global_header", len(records), type=tarfile.XGLTYPE) + pad(records)
+        header("pax_global_header", len(records), type=tarfile.XGLTYPE)
+        + pad(records)
         + raw_member("a.txt", b"first")
-        + header("PaxHeader/b.txt", len(size_record), type=tarfile.XHDTYPE) + pad(size_record)
-        + header("b.txt", 0) + pad(b"12345")
+        + header("PaxHeader/b.txt", len(size_record), type=tarfile.XHDTYPE)
+        + pad(size_record)
+        + header("b.txt", 0)
+        + pad(b"12345")
         + raw_member("c.txt", b"third")
         + END
-    )  # fmt: skip
+    )
     path = tmp_path / "global.tar"
     path.write_bytes(raw)
     got = assert_same_as_webdataset(path)
@@ -296,10 +329,11 @@ def test_old_and_odd_member_types(tmp_path: Path) -> None:
         + raw_member("b.txt", b"2", type=tarfile.CONTTYPE)
         + header("b.chr", 0, type=tarfile.CHRTYPE)
         + header("b.fifo", 0, type=tarfile.FIFOTYPE)
-        + header("b.vol", 700, type=b"V") + pad(b"v" * 700)
+        + header("b.vol", 700, type=b"V")
+        + pad(b"v" * 700)
         + raw_member("c.txt", b"3", type=tarfile.AREGTYPE)
         + END
-    )  # fmt: skip
+    )
     path = tmp_path / "odd.tar"
     path.write_bytes(raw)
     assert our_members(path) == tarfile_members(path)
@@ -384,7 +418,10 @@ def test_resume_at_every_sample_offset(mixed_shard: Path) -> None:
 
 def test_group_samples_without_iter_members_estimates_last_end() -> None:
     got = list(group_samples([("a.txt", 0, b"x"), ("a.cls", 1024, b""), ("b.txt", 1536, b"y" * 513)], url="u"))
-    assert [(s["__key__"], s["__offset__"], s["__end__"]) for s in got] == [("a", 0, 1536), ("b", 1536, 1536 + 512 + 1024)]
+    assert [(s["__key__"], s["__offset__"], s["__end__"]) for s in got] == [
+        ("a", 0, 1536),
+        ("b", 1536, 1536 + 512 + 1024),
+    ]
 
 
 @pytest.mark.parametrize("kw", [{"start_offset": 100}, {"start_offset": -512}, {"chunk_size": 100}])
@@ -432,7 +469,12 @@ def test_cut_inside_member_data(shard: tuple[Path, list[dict[str, Any]]]) -> Non
     # complete and delivered, ending where sample 3 starts; sample 3 is the one the cut lost
     assert keys == ["000000", "000001", "000002"]
     assert "truncated" in str(err) and f"at byte {cut}" in str(err) and f"offset {good[3]['__offset__']}" in str(err)
-    assert (err.offset, err.member, err.truncated, err.lost) == (good[3]["__offset__"], "000003.tokens.npy", True, ["000003"])
+    assert (err.offset, err.member, err.truncated, err.lost) == (
+        good[3]["__offset__"],
+        "000003.tokens.npy",
+        True,
+        ["000003"],
+    )
     got = []
     with pytest.raises(TarDamage):
         for sample in read_samples(io.BytesIO(path.read_bytes()[:cut]), url="u"):
@@ -515,8 +557,14 @@ def test_not_a_tar(tmp_path: Path) -> None:
     [
         (b"hello\n", r"not a tar file \(starts with b'hello\\n', 6 bytes\)$"),
         (b"<html>\x00\xff" + bytes(600), r"not a tar file \(starts with b'<html>\\x00\\xff\\x00.*', 608 bytes\)$"),
-        (gzip.compress(b"x" * 2000, mtime=0), r"not a tar file \(starts with b'\\x1f\\x8b.*; gzip-compressed data: name the shard \.tar\.gz or \.tgz$"),
-        (lzma.compress(b"x" * 2000), r"not a tar file \(starts with b'\\xfd7zXZ.*; xz-compressed data: name the shard \.tar\.xz$"),
+        (
+            gzip.compress(b"x" * 2000, mtime=0),
+            r"not a tar file \(starts with b'\\x1f\\x8b.*; gzip-compressed data: name the shard \.tar\.gz or \.tgz$",
+        ),
+        (
+            lzma.compress(b"x" * 2000),
+            r"not a tar file \(starts with b'\\xfd7zXZ.*; xz-compressed data: name the shard \.tar\.xz$",
+        ),
     ],
     ids=["text", "html", "gzip", "xz"],
 )
@@ -540,7 +588,9 @@ def test_short_file_with_a_few_zero_bytes_is_truncated() -> None:
         list(read_samples(io.BytesIO(bytes(100)), url="u"))
 
 
-@pytest.mark.parametrize(("field", "why"), [(b"-0000000001\0", "negative size"), (b"12z45\0     ", "invalid number field")])
+@pytest.mark.parametrize(
+    ("field", "why"), [(b"-0000000001\0", "negative size"), (b"12z45\0     ", "invalid number field")]
+)
 def test_bad_size_field_with_a_valid_checksum(tmp_path: Path, field: bytes, why: str) -> None:
     block = header("b.txt", 0)
     block = block[:124] + field + block[136:]
@@ -553,7 +603,9 @@ def test_bad_size_field_with_a_valid_checksum(tmp_path: Path, field: bytes, why:
 
 def test_unsupported_sparse_member(tmp_path: Path) -> None:
     path = tmp_path / "sparse.tar"
-    path.write_bytes(raw_member("a.txt", b"x") + header("s.bin", 0, type=tarfile.GNUTYPE_SPARSE, fmt=tarfile.GNU_FORMAT) + END)
+    path.write_bytes(
+        raw_member("a.txt", b"x") + header("s.bin", 0, type=tarfile.GNUTYPE_SPARSE, fmt=tarfile.GNU_FORMAT) + END
+    )
     with pytest.raises(ShardError, match="sparse member at offset 1024"):
         ours(path)
 
@@ -561,7 +613,11 @@ def test_unsupported_sparse_member(tmp_path: Path) -> None:
 def test_extension_header_without_member(tmp_path: Path) -> None:
     longname = b"n" * 200 + b"\0"
     path = tmp_path / "dangling.tar"
-    path.write_bytes(header("././@LongLink", len(longname), type=tarfile.GNUTYPE_LONGNAME, fmt=tarfile.GNU_FORMAT) + pad(longname) + END)
+    path.write_bytes(
+        header("././@LongLink", len(longname), type=tarfile.GNUTYPE_LONGNAME, fmt=tarfile.GNU_FORMAT)
+        + pad(longname)
+        + END
+    )
     with pytest.raises(ShardError, match="corrupt header at offset 0"):
         ours(path)
 

@@ -5,20 +5,26 @@ import pickle
 
 import numpy as np
 import pytest
-import torch
+from shardutil import write_token_shards
 
 import mixer
 from mixer.batching.batch import BatchMeta
 from mixer.batching.collate import collate
 from mixer.errors import MixerError
 from mixer.runtime.transport import SlotPool, grouped, ungrouped
-from shardutil import write_token_shards
 
 
 def batch_in_slot(pool, worker=0):
     """A batch collated as a worker's reader does it: into a slot when one is free, then sealed."""
     writer = pool.writer(worker)
-    b = collate([np.array([1, 2, 3]), np.array([4])], np.array([3, 1]), np.array([0, 1]), ["a", "b"], out=writer.out, meta=BatchMeta(step=0))
+    b = collate(
+        [np.array([1, 2, 3]), np.array([4])],
+        np.array([3, 1]),
+        np.array([0, 1]),
+        ["a", "b"],
+        out=writer.out,
+        meta=BatchMeta(step=0),
+    )
     b.slot = writer.seal()
     return b
 
@@ -96,8 +102,13 @@ def test_workers_deliver_the_same_samples_by_either_path(three_sources, context)
 
 
 def test_grouped_sends_1_2_4_then_full_groups_and_marks_the_last():
-    assert list(grouped(range(12), 1, 4)) == [(1, [0], False), (1, [1, 2], False), (1, [3, 4, 5, 6], False),
-                                              (1, [7, 8, 9, 10], False), (1, [11], True)]  # fmt: skip
+    assert list(grouped(range(12), 1, 4)) == [
+        (1, [0], False),
+        (1, [1, 2], False),
+        (1, [3, 4, 5, 6], False),
+        (1, [7, 8, 9, 10], False),
+        (1, [11], True),
+    ]
     # A stream that ends on a group's edge still says so, with an empty group.
     assert list(grouped(range(3), 0, 4)) == [(0, [0], False), (0, [1, 2], False), (0, [], True)]
     assert list(grouped([], 2, 4)) == [(2, [], True)]
@@ -144,7 +155,9 @@ def test_workers_deliver_steps_in_order_through_groups(tmp_path):
     DataLoader's single-batch order (k * 3 + w for a worker's k-th batch, ended workers left out)."""
     per_shard = [[8 + i % 9 for i in range(360)], [9, 11] * 20, []]
     pattern = write_token_shards(tmp_path, "lop", per_shard)
-    mix = mixer.Mixture([mixer.Source("lop", pattern)], batching=mixer.TokenBudget(max_tokens=64, max_length=64), stop="all_exhausted")
+    mix = mixer.Mixture(
+        [mixer.Source("lop", pattern)], batching=mixer.TokenBudget(max_tokens=64, max_length=64), stop="all_exhausted"
+    )
     loader = mixer.make_loader(mix, num_workers=3)
     assert loader.dataloader.dataset.group > 1  # the batches do travel in groups here
     got = [(b.meta.worker, b.meta.step) for b in loader]
@@ -156,7 +169,9 @@ def test_workers_deliver_steps_in_order_through_groups(tmp_path):
 def test_the_fork_leaves_the_callers_gc_as_it_was(three_sources):
     """The heap is frozen only around the fork: afterwards the parent collects as before, and a
     caller's own gc.freeze() is left alone."""
-    mix = mixer.Mixture([mixer.Source("web", three_sources["web"][0])], batching=mixer.TokenBudget(max_tokens=4096, max_length=4096))
+    mix = mixer.Mixture(
+        [mixer.Source("web", three_sources["web"][0])], batching=mixer.TokenBudget(max_tokens=4096, max_length=4096)
+    )
     loader = mixer.make_loader(mix, num_workers=2)
     it = iter(loader)
     next(it)

@@ -14,9 +14,9 @@ import collections
 import time
 
 import pytest
+from shardutil import key_lengths, write_token_shards
 
 import mixer
-from shardutil import key_lengths, write_token_shards
 
 # Every STALL_EVERY-th step the training loop stalls long enough for a worker to answer every
 # request it holds (a checkpoint save, an evaluation, a GPU step that blocks).
@@ -60,11 +60,14 @@ def test_workers_that_end_early_never_lose_or_repeat_a_batch(tmp_path, num_worke
     assert len(keys) == len(lengths) and len(keys) > 300
 
 
-@pytest.mark.parametrize("options", [
-    {"pin_memory": True},
-    {"persistent_workers": True},
-    {"pin_memory": True, "persistent_workers": True},
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"pin_memory": True},
+        {"persistent_workers": True},
+        {"pin_memory": True, "persistent_workers": True},
+    ],
+)
 @pytest.mark.slow
 def test_slots_hold_with_the_pin_thread_and_persistent_workers(tmp_path, options):
     pattern, lengths = lopsided_source(tmp_path, 4)

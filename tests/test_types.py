@@ -16,6 +16,9 @@ def test_mypy_reports_no_errors():
     # About 15 s without a cache, under a second with .mypy_cache.
     done = subprocess.run(
         [sys.executable, "-m", "mypy", "--no-color-output", "--no-error-summary", "mixer"],
-        cwd=ROOT, capture_output=True, text=True, timeout=180,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert done.returncode == 0, f"mypy found problems:\n{done.stdout}{done.stderr}"

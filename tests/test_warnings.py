@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from shardutil import npy_bytes, write_tar_members
 
 import mixer
-from shardutil import npy_bytes, write_tar_members
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,15 +32,19 @@ def bad_shards(tmp_path):
 def test_warnings_name_the_callers_line(bad_shards):
     source = mixer.Source("bad", bad_shards, on_error="skip")
     with pytest.warns(RuntimeWarning, match="profiling skips shard") as profiled:
-        mix = mixer.Mixture([source], batching=mixer.TokenBudget(max_tokens=64), stop="all_exhausted"); line = sys._getframe().f_lineno  # noqa: E702
+        line = sys._getframe().f_lineno + 1  # the next line builds the mixture
+        mix = mixer.Mixture([source], batching=mixer.TokenBudget(max_tokens=64), stop="all_exhausted")
     # Profiling judges samples as readers do: it warns about the bad sample of shard 0 too.
     messages = sorted(str(w.message) for w in profiled)
-    assert len(messages) == 2 and "profiling skips shard" in messages[0] and "skipping bad sample" in messages[1], messages
+    assert len(messages) == 2 and "profiling skips shard" in messages[0] and "skipping bad sample" in messages[1], (
+        messages
+    )
     assert {(w.filename, w.lineno) for w in profiled} == {(__file__, line)}
 
     loader = mixer.make_loader(mix)
     with pytest.warns(RuntimeWarning) as streamed:
-        keys = sorted(key for batch in loader for key in batch.keys); line = sys._getframe().f_lineno  # noqa: E702
+        line = sys._getframe().f_lineno + 1  # the next line iterates the loader
+        keys = sorted(key for batch in loader for key in batch.keys)
     assert keys == ["a", "c", "d"]
     messages = [str(w.message) for w in streamed]
     assert any("skipping bad sample" in m for m in messages) and len(messages) == 2, messages
@@ -52,7 +56,8 @@ def test_a_worker_process_warning_names_the_users_line_too(bad_shards, tmp_path)
     # A forked worker's stack still holds the parent's frames down to the user's loop; the warning
     # printed by the worker shows that line, and no line of the library (nor of torch).
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import warnings
         import mixer
 
@@ -63,7 +68,8 @@ def test_a_worker_process_warning_names_the_users_line_too(bad_shards, tmp_path)
         loader = mixer.make_loader(mix, num_workers=1, multiprocessing_context="fork")
         for batch in loader:
             pass
-    """).lstrip())
+    """).lstrip()
+    )
     line = script.read_text().splitlines().index("for batch in loader:") + 1
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)

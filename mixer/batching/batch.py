@@ -25,7 +25,6 @@ from typing import Any
 import numpy as np
 import torch
 
-
 from mixer.spec.dtypes import _DTYPES, FIELD_DTYPES  # noqa: F401 (imported from here too)
 
 _ALIGN = 8  # bytes: every region starts here, so any field dtype can view it
@@ -85,7 +84,9 @@ class Batch:
 
     __slots__ = ("buffer", "batch_size", "seq_len", "keys", "meta", "tokens", "lengths", "source", "slot")
 
-    def __init__(self, buffer: torch.Tensor, batch_size: int, seq_len: int, keys: list[str], *, meta: BatchMeta | None = None) -> None:
+    def __init__(
+        self, buffer: torch.Tensor, batch_size: int, seq_len: int, keys: list[str], *, meta: BatchMeta | None = None
+    ) -> None:
         self.buffer = buffer
         # (pool id, worker, slot, stamp, view) while the buffer lives in a worker's shared slot.
         self.slot: tuple[Any, ...] | None = None
@@ -180,14 +181,12 @@ def _extents(spec: Spec, itemsize: int) -> tuple[list[tuple[int, int, int]], int
     return out, pos // itemsize
 
 
-
 def _torch_views(buffer: torch.Tensor, spec: Spec) -> dict[str, torch.Tensor]:
     extents, _ = _extents(spec, buffer.element_size())
     return {
         name: buffer[a:b].view(FIELD_DTYPES[dtype][1])[:count].view(shape)
         for (name, dtype, shape), (a, b, count) in zip(spec, extents)
     }
-
 
 
 class LayoutBatch(Batch):
@@ -197,7 +196,15 @@ class LayoutBatch(Batch):
 
     __slots__ = ("spec", "views", "extra")
 
-    def __init__(self, buffer: torch.Tensor, spec: Spec, keys: list[str], extra: tuple[Any, ...] = (), *, meta: BatchMeta | None = None) -> None:
+    def __init__(
+        self,
+        buffer: torch.Tensor,
+        spec: Spec,
+        keys: list[str],
+        extra: tuple[Any, ...] = (),
+        *,
+        meta: BatchMeta | None = None,
+    ) -> None:
         self.buffer = buffer
         self.slot: tuple[Any, ...] | None = None
         self.spec = spec

@@ -20,11 +20,11 @@ from collections.abc import Callable, Iterator, Sequence
 from itertools import chain
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
+from mixer import _native
+from mixer.batching.packer import PackedGroup, Packer  # noqa: F401 (level 2 for Packed; imported from here too)
 from mixer.errors import StateError
 from mixer.spec.budget import Packed
 from mixer.state.checkpoint import Location, expect_keys, locate_sample
-from mixer.batching.packer import PackedGroup, Packer  # noqa: F401 (level 2 for Packed; imported from here too)
-from mixer import _native
 
 if TYPE_CHECKING:
     from mixer.spec.budget import TokenBudget
@@ -67,7 +67,9 @@ class Batcher(Protocol[T]):
     def attach(self, lookup: Callable[[Location], T]) -> None: ...
 
 
-def make_batcher(edges: Sequence[int], batching: TokenBudget | Packed, *, locate: Callable[[Any], Location] = locate_sample) -> Batcher[Any]:
+def make_batcher(
+    edges: Sequence[int], batching: TokenBudget | Packed, *, locate: Callable[[Any], Location] = locate_sample
+) -> Batcher[Any]:
     """A :class:`Packer` for :class:`~mixer.Packed`, else a :class:`Bucketer` over ``edges``;
     ``locate(item)`` is where an item lives (its state lists items so)."""
     return Packer(batching, locate=locate) if isinstance(batching, Packed) else Bucketer(edges, batching, locate=locate)
@@ -94,7 +96,9 @@ class Bucketer(_Core, Generic[T]):  # type: ignore[valid-type,misc]
     upper bound on its length); :meth:`release` caps it, so that a source read rarely does not hold
     (and read ahead) a whole set of nearly full buckets to hand out one batch now and then."""
 
-    def __init__(self, edges: Sequence[int], budget: TokenBudget, *, locate: Callable[[T], Location] = locate_sample) -> None:
+    def __init__(
+        self, edges: Sequence[int], budget: TokenBudget, *, locate: Callable[[T], Location] = locate_sample
+    ) -> None:
         self.locate = locate
         self.edges = [int(e) for e in edges]
         self.capacity = [budget.capacity(e) for e in self.edges]
@@ -147,7 +151,7 @@ class Bucketer(_Core, Generic[T]):  # type: ignore[valid-type,misc]
         if (self.held <= hold and self.count <= items) or self.ready:
             return bool(self.ready)
         floor = RELEASE_EFFICIENCY if self.held <= hold else 0.0
-        best, best_b, best_plan = -1.0, 0, []
+        best, best_plan = -1.0, []
         for b in range(len(self.buffers)):
             if not self.buffers[b]:
                 continue
@@ -155,7 +159,7 @@ class Bucketer(_Core, Generic[T]):  # type: ignore[valid-type,misc]
             value = sum(t * self.edges[k] for k, t in plan)
             score = value * value / (self.capacity[b] * self.edges[b])  # real tokens x padding efficiency
             if score > best:
-                best, best_b, best_plan = score, b, plan
+                best, best_plan = score, plan
         batch: list[T] = []
         for k, t in best_plan:
             buf = self.buffers[k]
@@ -231,13 +235,23 @@ class Bucketer(_Core, Generic[T]):  # type: ignore[valid-type,misc]
             buckets = [[b, self._opened[b], len(self.buffers[b])] for b in full]
             items = list(chain.from_iterable([self.buffers[b] for b in full]))
         # ``waiting`` as pairs (tuples): packed the same as lists, without a list per entry.
-        return {"buckets": buckets, "items": items, "ready": list(self.ready), "emitted": self.emitted, "waiting": list(self._waiting)}
+        return {
+            "buckets": buckets,
+            "items": items,
+            "ready": list(self.ready),
+            "emitted": self.emitted,
+            "waiting": list(self._waiting),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         expect_keys("bucketer", state, tuple(self.STATE_DEPTHS))
         buckets = [(int(b), int(o), int(n)) for b, o, n in state["buckets"]]
-        if any(not 0 <= b < len(self.edges) for b, _, _ in buckets) or sum(n for _, _, n in buckets) != len(state["items"]):
-            raise StateError(f"bucketer state: 'buckets' {buckets[:3]}... do not fit {len(self.edges)} buckets and {len(state['items'])} items")
+        if any(not 0 <= b < len(self.edges) for b, _, _ in buckets) or sum(n for _, _, n in buckets) != len(
+            state["items"]
+        ):
+            raise StateError(
+                f"bucketer state: 'buckets' {buckets[:3]}... do not fit {len(self.edges)} buckets and {len(state['items'])} items"
+            )
         self.emitted = int(state["emitted"])
         self._opened = [0] * len(self.edges)
         for b, opened, _ in buckets:

@@ -25,16 +25,16 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import numpy as np
 import torch
 
+from mixer import _native
 from mixer.batching.batch import _DTYPES, FIELD_DTYPES, Batch, BatchMeta, FieldBatch, PackedBatch, Spec, _extents
 from mixer.batching.batchers import PackedGroup
-from mixer.read.decode import Sample
 from mixer.errors import ConfigError, SampleError
+from mixer.read.decode import Sample
 from mixer.spec.budget import Field, Packed, check_fields
-from mixer import _native
 
 if TYPE_CHECKING:
-    from mixer.spec.budget import TokenBudget
     from mixer.read.counters import Counters
+    from mixer.spec.budget import TokenBudget
 
 # the compiled row copies (mixer/_native/_rows.c); None without the compiled cores: numpy copies the rows
 _rows = _native.rows
@@ -68,7 +68,9 @@ class Layout(Protocol):
         counters count it)."""
         ...
 
-    def collate(self, group: Sequence[Sample], sources: np.ndarray, *, meta: BatchMeta, out: Out | None = None) -> Batch:
+    def collate(
+        self, group: Sequence[Sample], sources: np.ndarray, *, meta: BatchMeta, out: Out | None = None
+    ) -> Batch:
         """The batch in one flat buffer: from ``out`` when it gives one, else a new array."""
         ...
 
@@ -110,7 +112,9 @@ def collate(
     if b and _rows is not None and (NATIVE if native is None else native):
         if flat is None:
             flat = np.empty(n + 2 * b, dtype=np_dtype)  # every slot is written below
-        if not _native_rows(flat, token_arrays if type(token_arrays) is list else list(token_arrays), rows, seq_len, pad_id):
+        if not _native_rows(
+            flat, token_arrays if type(token_arrays) is list else list(token_arrays), rows, seq_len, pad_id
+        ):
             _numpy_rows(flat, token_arrays, rows, seq_len, pad_id)
     else:
         if flat is None:
@@ -125,7 +129,15 @@ def collate(
     return Batch(torch.from_numpy(flat), b, seq_len, keys, meta=meta)
 
 
-def _numpy_rows(flat: np.ndarray, token_arrays: Sequence[np.ndarray], rows: list[int], seq_len: int, pad_id: int, *, padded: bool = False) -> None:
+def _numpy_rows(
+    flat: np.ndarray,
+    token_arrays: Sequence[np.ndarray],
+    rows: list[int],
+    seq_len: int,
+    pad_id: int,
+    *,
+    padded: bool = False,
+) -> None:
     """The rows by numpy slice assignment, after ``flat[:B*L] = pad_id`` (unless ``padded``)."""
     if not padded:
         flat[: len(token_arrays) * seq_len] = pad_id
@@ -200,7 +212,9 @@ class PaddedLayout:
     def account(self, group: Sequence[Sample]) -> Delivered:
         return _per_sample(group)
 
-    def collate(self, group: Sequence[Sample], sources: np.ndarray, *, meta: BatchMeta, out: Out | None = None) -> Batch:
+    def collate(
+        self, group: Sequence[Sample], sources: np.ndarray, *, meta: BatchMeta, out: Out | None = None
+    ) -> Batch:
         if group and isinstance(group[0].tokens, dict):
             raise ConfigError(
                 f"source {self.names[int(sources[0])]!r}: decode returned fields {sorted(group[0].tokens)}; pass "
@@ -208,7 +222,16 @@ class PaddedLayout:
             )
         # C-level getters: no Python frame per sample.
         lengths = np.fromiter(map(_LENGTH, group), dtype=np.int64, count=len(group))
-        return collate(list(map(_TOKENS, group)), lengths, sources, list(map(_KEY, group)), pad_id=self.pad_id, dtype=self.dtype, meta=meta, out=out)
+        return collate(
+            list(map(_TOKENS, group)),
+            lengths,
+            sources,
+            list(map(_KEY, group)),
+            pad_id=self.pad_id,
+            dtype=self.dtype,
+            meta=meta,
+            out=out,
+        )
 
     def max_elements(self, edges: Sequence[Sequence[int]]) -> int:
         """``B * L <= max_tokens`` plus ``lengths`` and ``source`` (``2 * B``), ``B`` at most the
@@ -248,7 +271,13 @@ class PackedLayout:
         return Delivered(count, first.astype(np.int64), extent, (first & (count < whole)).astype(np.int64))
 
     def collate(
-        self, group: Sequence[Sample], sources: np.ndarray, *, meta: BatchMeta, out: Out | None = None, native: bool | None = None
+        self,
+        group: Sequence[Sample],
+        sources: np.ndarray,
+        *,
+        meta: BatchMeta,
+        out: Out | None = None,
+        native: bool | None = None,
     ) -> PackedBatch:
         """``native``: the compiled copies (default `NATIVE`) or numpy's."""
         assert isinstance(group, PackedGroup)
@@ -268,15 +297,29 @@ class PackedLayout:
         v["cu_seqlens"][n] = total
         # The compiled copies (see mixer/_native/_rows.c) write tokens and positions straight into place;
         # for any batch they decline, numpy's code below (their oracle) writes both whole.
-        if not (n and _rows is not None and (NATIVE if native is None else native) and _rows.pack(
-            v["tokens"], v["position_ids"], list(map(_TOKENS, group)), group.starts, group.counts, pos.tolist(),
-            extent.tolist(), self.pad_id, group.flat, np.ndarray,
-        )):  # fmt: skip
+        if not (
+            n
+            and _rows is not None
+            and (NATIVE if native is None else native)
+            and _rows.pack(
+                v["tokens"],
+                v["position_ids"],
+                list(map(_TOKENS, group)),
+                group.starts,
+                group.counts,
+                pos.tolist(),
+                extent.tolist(),
+                self.pad_id,
+                group.flat,
+                np.ndarray,
+            )
+        ):
             positions = v["position_ids"]
             positions[:] = np.arange(total) - np.repeat(pos, extent)
             real = np.concatenate(
                 [s.tokens[o : o + k] for s, o, k in zip(group, group.starts, group.counts)] or [np.zeros(0, np.int64)],
-                dtype=np.dtype(_DTYPES[dt][0]), casting="unsafe",
+                dtype=np.dtype(_DTYPES[dt][0]),
+                casting="unsafe",
             )
             if group.flat:
                 v["tokens"][:] = real
@@ -312,7 +355,9 @@ class FieldLayout:
     def account(self, group: Sequence[Sample]) -> Delivered:
         return _per_sample(group)
 
-    def collate(self, group: Sequence[Sample], sources: np.ndarray, *, meta: BatchMeta, out: Out | None = None) -> FieldBatch:
+    def collate(
+        self, group: Sequence[Sample], sources: np.ndarray, *, meta: BatchMeta, out: Out | None = None
+    ) -> FieldBatch:
         b, dt = len(group), self.dtype
         columns: dict[str, list[np.ndarray]] = {}
         for name in self.fields:
@@ -321,7 +366,9 @@ class FieldLayout:
             except (KeyError, TypeError, IndexError):
                 bad = next(s for s in group if not isinstance(s.tokens, Mapping) or name not in s.tokens)
                 got = sorted(bad.tokens) if isinstance(bad.tokens, Mapping) else f"a {type(bad.tokens).__name__}"
-                raise SampleError(f"sample {bad.key!r}: decode gave {got}, the mixture's fields need {name!r}") from None
+                raise SampleError(
+                    f"sample {bad.key!r}: decode gave {got}, the mixture's fields need {name!r}"
+                ) from None
         lens = {name: np.fromiter(map(len, col), dtype=np.int64, count=b) for name, col in columns.items()}
         spec_list: list[tuple[str, str, tuple[int, ...]]] = []
         for name, f in self.fields.items():
@@ -335,7 +382,9 @@ class FieldLayout:
             target = np.dtype(FIELD_DTYPES[f.dtype][0])
             for dtype in {x.dtype for x in column}:
                 if not np.can_cast(dtype, target, casting="same_kind"):
-                    raise SampleError(f"field {name!r}: cannot cast {dtype} to {target} with casting rule 'same_kind' (Field(dtype={f.dtype!r}))")
+                    raise SampleError(
+                        f"field {name!r}: cannot cast {dtype} to {target} with casting rule 'same_kind' (Field(dtype={f.dtype!r}))"
+                    )
             if grid.size > 64 * b:
                 # Long rows (audio): a slice copy per row; a concatenate plus a boolean-mask
                 # assignment costs ~30x more at a second of audio per row.
@@ -350,7 +399,9 @@ class FieldLayout:
         lengths = np.fromiter((s.length for s in group), dtype=np.int64, count=b)
         v["lengths"][:] = lengths
         v["source"][:] = sources
-        return FieldBatch(torch.from_numpy(flat), spec, [s.key for s in group], (int(lengths.max()) if b else 0,), meta=meta)
+        return FieldBatch(
+            torch.from_numpy(flat), spec, [s.key for s in group], (int(lengths.max()) if b else 0,), meta=meta
+        )
 
     def max_elements(self, edges: Sequence[Sequence[int]]) -> int:
         """Each field provisioned for ``max_tokens`` elements (true of the counted field; a field
@@ -370,7 +421,9 @@ def make_layout(
     padded tokens. ``names``: the sources', for errors."""
     if isinstance(batching, Packed):
         if fields is not None:
-            raise ConfigError("fields: multi-field samples are batched with TokenBudget (padded per field); Packed packs token documents")
+            raise ConfigError(
+                "fields: multi-field samples are batched with TokenBudget (padded per field); Packed packs token documents"
+            )
         return PackedLayout(batching, dtype=dtype, pad_id=pad_id)
     if fields is not None:
         return FieldLayout(check_fields(fields), batching, dtype=dtype)

@@ -9,9 +9,9 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar, Generic, TypeVar
 
+from mixer.errors import SampleError, StateError
 from mixer.spec.budget import Packed
 from mixer.state.checkpoint import Location, expect_keys, locate_sample
-from mixer.errors import SampleError, StateError
 
 T = TypeVar("T")
 
@@ -23,7 +23,16 @@ class PackedGroup(list[T]):
 
     __slots__ = ("rows", "cols", "starts", "counts", "row_len", "flat")
 
-    def __init__(self, items: Sequence[T], rows: list[int], cols: list[int], starts: list[int], counts: list[int], row_len: int, flat: bool) -> None:
+    def __init__(
+        self,
+        items: Sequence[T],
+        rows: list[int],
+        cols: list[int],
+        starts: list[int],
+        counts: list[int],
+        row_len: int,
+        flat: bool,
+    ) -> None:
         super().__init__(items)
         self.rows, self.cols, self.starts, self.counts = rows, cols, starts, counts
         self.row_len, self.flat = row_len, flat
@@ -74,7 +83,9 @@ class Packer(Generic[T]):
             return self._flush()
         if not self.split or (n <= self.row_len and len(self.open) < self.max_open):
             if n > self.row_len:
-                raise SampleError(f"a document of {n} tokens does not fit in a row of {self.row_len} (Packed(split_documents=False))")
+                raise SampleError(
+                    f"a document of {n} tokens does not fit in a row of {self.row_len} (Packed(split_documents=False))"
+                )
             self._place(self._new(), 0, item, 0, n)
         else:
             done = self._fill(item, n)
@@ -140,8 +151,13 @@ class Packer(Generic[T]):
     def _group(self, pieces: list[tuple[T, int, int, int, int]]) -> PackedGroup[T]:
         pieces = sorted(pieces, key=lambda p: (p[1], p[2]))
         return PackedGroup(
-            [p[0] for p in pieces], [p[1] for p in pieces], [p[2] for p in pieces], [p[3] for p in pieces],
-            [p[4] for p in pieces], self.row_len, self.flat,
+            [p[0] for p in pieces],
+            [p[1] for p in pieces],
+            [p[2] for p in pieces],
+            [p[3] for p in pieces],
+            [p[4] for p in pieces],
+            self.row_len,
+            self.flat,
         )
 
     def drain(self) -> Iterator[PackedGroup[T]]:
@@ -176,7 +192,9 @@ class Packer(Generic[T]):
         for p in (p for g in (*state["ready"], *state["buffers"]) for p in g):
             r, c, s, k = (int(x) for x in p[-4:])
             if not (0 <= r < self.rows and 0 <= c and c + k <= self.row_len):
-                raise StateError(f"packer state places a piece at row {r}, column {c} ({k} tokens): not in {self.rows} rows of {self.row_len}")
+                raise StateError(
+                    f"packer state places a piece at row {r}, column {c} ({k} tokens): not in {self.rows} rows of {self.row_len}"
+                )
         self.emitted = int(state["emitted"])
         self._restoring = state
 

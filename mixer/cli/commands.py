@@ -32,16 +32,26 @@ import numpy as np
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from mixer.mixing.adaptive import Adaptive
 from mixer.batching.batch import Batch
-from mixer.spec.budget import TokenBudget
 from mixer.config.mixture_config import MixtureConfig, build_mixture, parse_config
 from mixer.errors import ConfigError, MixerError
-from mixer.runtime.loader import Loader, make_loader
+from mixer.mixing.adaptive import Adaptive
 from mixer.mixing.mixture import Mixture
 from mixer.mixing.schedule import Curriculum, Floored, Schedule, SourceInfo, Static, Temperature, check_schedule
+from mixer.observe.stats import (
+    DEFAULT_WINDOW,
+    History,
+    check_plotting,
+    format_table,
+    human,
+    log_every,
+    plot_run,
+    plot_schedule,
+    report,
+)
+from mixer.runtime.loader import Loader, make_loader
+from mixer.spec.budget import TokenBudget
 from mixer.spec.source import Source
-from mixer.observe.stats import DEFAULT_WINDOW, History, check_plotting, format_table, human, log_every, plot_run, plot_schedule, report
 
 DEMO_WEIGHTS = {"prose": 0.5, "code": 0.3, "books": 0.2}
 INTERRUPTED = 130  # the exit status of a command ended by Ctrl-C (128 + SIGINT), as shells report it
@@ -86,7 +96,11 @@ def _stream(loader: Loader, *, steps: int, every: int, history: History | None) 
     batches: Iterator[Batch] = iter(log_every(loader, every) if every else loader)
     tokens = 0
     interrupted = False
-    with _ctrl_c_noted() as ctrl_c, logging_redirect_tqdm(), tqdm(total=steps, unit="batch", dynamic_ncols=True, file=sys.stderr) as bar:
+    with (
+        _ctrl_c_noted() as ctrl_c,
+        logging_redirect_tqdm(),
+        tqdm(total=steps, unit="batch", dynamic_ncols=True, file=sys.stderr) as bar,
+    ):
         start = time.perf_counter()
         try:
             for k, batch in enumerate(batches, 1):
@@ -125,7 +139,14 @@ def _run_mixture(mixture: Mixture, args: argparse.Namespace, command: str) -> in
     elif stats["batches"] < args.steps:
         print(f"the mixture ended after {stats['batches']:,} of {args.steps:,} batches (stop={mixture.stop!r})")
     if args.report:
-        out = {"command": command, "steps": args.steps, "workers": args.workers, "interrupted": interrupted, **rep, "stats": stats}
+        out = {
+            "command": command,
+            "steps": args.steps,
+            "workers": args.workers,
+            "interrupted": interrupted,
+            **rep,
+            "stats": stats,
+        }
         with open(args.report, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=2, allow_nan=False)
         print(f"report written to {args.report}")
@@ -141,7 +162,9 @@ def _demo(args: argparse.Namespace) -> int:
 
     patterns = ensure_demo_shards(args.cache_dir)
     sources = [Source(name, patterns[name], weight=DEMO_WEIGHTS[name]) for name in DEMO_WEIGHTS]
-    mixture = Mixture(sources, batching=TokenBudget(max_tokens=args.max_tokens, max_length=args.max_tokens), seed=args.seed)
+    mixture = Mixture(
+        sources, batching=TokenBudget(max_tokens=args.max_tokens, max_length=args.max_tokens), seed=args.seed
+    )
     print(f"demo sources: {', '.join(f'{s.name} ({len(s.shards)} shards)' for s in mixture.listed)}")
     print("source sizes (tokens, estimated up front): " + ", ".join(f"{k}={v:,.0f}" for k, v in mixture.sizes.items()))
     return _run_mixture(mixture, args, "demo")
@@ -173,9 +196,13 @@ def _describe(schedule: Schedule | None) -> str:
         return "static (the sources' weights)"
     if isinstance(schedule, Floored):
         return f"{_describe(schedule.schedule)}, min_prob {schedule.min_prob:g}"
-    if isinstance(schedule, Adaptive):  # the targets move only with loss from a training loop, which `mixer run` has not
-        return (f"adaptive ({schedule.policy}, an update every {schedule.update_every} steps) over {_describe(schedule.schedule)}; "
-                "no training loop reports loss here, so its targets stay the prior's")  # fmt: skip
+    if isinstance(
+        schedule, Adaptive
+    ):  # the targets move only with loss from a training loop, which `mixer run` has not
+        return (
+            f"adaptive ({schedule.policy}, an update every {schedule.update_every} steps) over {_describe(schedule.schedule)}; "
+            "no training loop reports loss here, so its targets stay the prior's"
+        )
     if isinstance(schedule, Curriculum):
         t = f" with temperature {schedule.temperature.start:g}" if schedule.temperature is not None else ""
         return f"curriculum of {len(schedule.phases)} phases over {schedule.unit}{t}"
@@ -219,24 +246,35 @@ def _evaluate(schedule: Schedule, info: SourceInfo, steps: np.ndarray, tokens_pe
     return np.array([schedule.probs(info, int(s), float(s) * tokens_per_step) for s in steps], dtype=np.float64)
 
 
-def _plan_info(spec: MixtureConfig, schedule: Schedule, steps: np.ndarray, tokens_per_step: float) -> tuple[SourceInfo, list[str]]:
+def _plan_info(
+    spec: MixtureConfig, schedule: Schedule, steps: np.ndarray, tokens_per_step: float
+) -> tuple[SourceInfo, list[str]]:
     """The schedule's view of the sources, from the config alone. A source without ``size`` gets a
     stand-in size; if the plan depends on the stand-in (the schedule uses sizes), that is an error."""
     names = tuple(s.name for s in spec.sources)
     missing = [s.name for s in spec.sources if s.size is None]
 
     def info(fill: np.ndarray) -> SourceInfo:
-        sizes = np.array([s.size if s.size is not None else fill[i] for i, s in enumerate(spec.sources)], dtype=np.float64)
+        sizes = np.array(
+            [s.size if s.size is not None else fill[i] for i, s in enumerate(spec.sources)], dtype=np.float64
+        )
         return SourceInfo(
-            names=names, weights=np.array([s.weight for s in spec.sources], dtype=np.float64), sizes=sizes,
+            names=names,
+            weights=np.array([s.weight for s in spec.sources], dtype=np.float64),
+            sizes=sizes,
             groups=tuple(s.group for s in spec.sources),
-        )  # fmt: skip
+        )
 
     one = info(np.ones(len(names)))
     if missing:
         other = info(np.geomspace(3.0, 3.0 ** len(names), len(names)))
         check_schedule(schedule, other)
-        if not np.allclose(_evaluate(schedule, one, steps, tokens_per_step), _evaluate(schedule, other, steps, tokens_per_step), rtol=0, atol=1e-12):
+        if not np.allclose(
+            _evaluate(schedule, one, steps, tokens_per_step),
+            _evaluate(schedule, other, steps, tokens_per_step),
+            rtol=0,
+            atol=1e-12,
+        ):
             raise ConfigError(
                 f"this schedule depends on source sizes (temperature or hierarchical weights on sizes), and "
                 f"mixer plan reads no shard: give 'size' (tokens) in the config for {', '.join(map(repr, missing))}, "
@@ -270,17 +308,24 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         table_steps = np.array(sorted({0, *[x for x in landmarks if x <= horizon], horizon}))
     marks = [0.0, *[float(x) for x in landmarks if x < horizon], float(horizon)]
-    grid = np.unique(np.concatenate(
-        [np.linspace(0, horizon, PLAN_POINTS), *[np.linspace(a, b, 60) for a, b in zip(marks[:-1], marks[1:])], table_steps]
-    ).round())  # fmt: skip
+    grid = np.unique(
+        np.concatenate(
+            [
+                np.linspace(0, horizon, PLAN_POINTS),
+                *[np.linspace(a, b, 60) for a, b in zip(marks[:-1], marks[1:])],
+                table_steps,
+            ]
+        ).round()
+    )
     info, missing = _plan_info(spec, schedule, np.unique(np.concatenate([grid, table_steps])), tps)
     names = list(info.names)
 
     print(f"{args.config}: {len(names)} sources, schedule {_describe(spec.schedule)}")
     source = (
-        "from --tokens-per-step" if args.tokens_per_step
+        "from --tokens-per-step"
+        if args.tokens_per_step
         else "batching.max_tokens: an upper bound for one rank; pass --tokens-per-step with the real tokens per step over all ranks"
-    )  # fmt: skip
+    )
     print(f"tokens seen = step x {tps:,.0f} tokens per step ({source})")
     if missing:
         print(f"no size given for {', '.join(missing)} (not needed: this schedule does not use sizes)")
@@ -296,9 +341,14 @@ def _plan(args: argparse.Namespace) -> int:
     print("\n".join(lines))
     if args.plot:
         plot_schedule(
-            names, grid, _evaluate(schedule, info, grid, tps), args.plot, tokens_per_step=tps,
-            boundaries=[x for x in landmarks if x < horizon], title=f"{os.path.basename(args.config)}: target share per source",
-        )  # fmt: skip
+            names,
+            grid,
+            _evaluate(schedule, info, grid, tps),
+            args.plot,
+            tokens_per_step=tps,
+            boundaries=[x for x in landmarks if x < horizon],
+            title=f"{os.path.basename(args.config)}: target share per source",
+        )
         print(f"plot written to {args.plot}")
     return 0
 
@@ -319,8 +369,10 @@ def _index(args: argparse.Namespace) -> int:
         name = src.name if isinstance(src, Source) else src
         idx = build_index(src, location=args.location, workers=args.workers, progress=not args.quiet)
         where = ", ".join(idx.locations)
-        print(f"{name}: {len(idx.shards):,} shards, {int(idx.counts.sum()):,} samples, {int(idx.tokens.sum()):,} tokens; "
-              f"{len(idx.reindexed):,} shard(s) read, {len(idx.shards) - len(idx.reindexed):,} up to date -> {where}")  # fmt: skip
+        print(
+            f"{name}: {len(idx.shards):,} shards, {int(idx.counts.sum()):,} samples, {int(idx.tokens.sum()):,} tokens; "
+            f"{len(idx.reindexed):,} shard(s) read, {len(idx.shards) - len(idx.reindexed):,} up to date -> {where}"
+        )
     return 0
 
 
@@ -348,25 +400,52 @@ _non_negative = _int_at_least(0)
 
 def _stream_options(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--steps", type=_positive, default=steps, metavar="N", help=f"batches to stream (default {steps})")
-    p.add_argument("--workers", type=_non_negative, default=2, metavar="N", help="DataLoader workers (default 2; 0 reads in this process)")
-    p.add_argument("--window", type=_positive, default=DEFAULT_WINDOW, metavar="N",
-                   help=f"batches in the stats window (default {DEFAULT_WINDOW})")  # fmt: skip
-    p.add_argument("--log-every", type=_non_negative, default=0, metavar="N",
-                   help="log a line of window stats every N batches, and warn about starved sources (default: off)")  # fmt: skip
+    p.add_argument(
+        "--workers",
+        type=_non_negative,
+        default=2,
+        metavar="N",
+        help="DataLoader workers (default 2; 0 reads in this process)",
+    )
+    p.add_argument(
+        "--window",
+        type=_positive,
+        default=DEFAULT_WINDOW,
+        metavar="N",
+        help=f"batches in the stats window (default {DEFAULT_WINDOW})",
+    )
+    p.add_argument(
+        "--log-every",
+        type=_non_negative,
+        default=0,
+        metavar="N",
+        help="log a line of window stats every N batches, and warn about starved sources (default: off)",
+    )
     p.add_argument("--report", default=None, metavar="FILE.json", help="write the final report as JSON to this file")
-    p.add_argument("--plot", default=None, metavar="FILE.png", help="draw target and realized share per source over steps (needs matplotlib)")
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help="draw target and realized share per source over steps (needs matplotlib)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mixer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="mixer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="stream the built-in demo mixture (prose/code/books) and report the mix")
     _stream_options(demo, 300)
-    demo.add_argument("--max-tokens", type=_positive, default=32768, metavar="N", help="token budget per batch (default 32768)")
+    demo.add_argument(
+        "--max-tokens", type=_positive, default=32768, metavar="N", help="token budget per batch (default 32768)"
+    )
     demo.add_argument("--seed", type=int, default=0, metavar="N", help="the mixture's seed (default 0)")
-    demo.add_argument("--cache-dir", default=None, metavar="DIR", help="where demo shards are generated (default ~/.cache/mixer/demo)")
+    demo.add_argument(
+        "--cache-dir", default=None, metavar="DIR", help="where demo shards are generated (default ~/.cache/mixer/demo)"
+    )
     demo.set_defaults(func=_demo)
 
     run = sub.add_parser("run", help="stream a config's mixture and report target vs realized shares")
@@ -374,27 +453,55 @@ def build_parser() -> argparse.ArgumentParser:
     _stream_options(run, 1000)
     run.set_defaults(func=_run)
 
-    plan = sub.add_parser("plan", help="print (and plot) the target share of every source over training, reading no shard")
+    plan = sub.add_parser(
+        "plan", help="print (and plot) the target share of every source over training, reading no shard"
+    )
     plan.add_argument("config", help="a YAML config (see examples/)")
-    plan.add_argument("--steps", type=_step_list, default=None, metavar="S0,S1,...",
-                      help="global steps for the table (default: 0, every phase boundary and ramp end, and the horizon)")  # fmt: skip
-    plan.add_argument("--until", type=_positive, default=None, metavar="STEP",
-                      help="last step of the plot (default: 1.25 x the last boundary, or 1000)")  # fmt: skip
-    plan.add_argument("--tokens-per-step", type=float, default=None, metavar="T",
-                      help="tokens seen per global step, over all ranks (default: batching.max_tokens)")  # fmt: skip
-    plan.add_argument("--plot", default=None, metavar="FILE.png", help="draw the schedule over training (needs matplotlib)")
+    plan.add_argument(
+        "--steps",
+        type=_step_list,
+        default=None,
+        metavar="S0,S1,...",
+        help="global steps for the table (default: 0, every phase boundary and ramp end, and the horizon)",
+    )
+    plan.add_argument(
+        "--until",
+        type=_positive,
+        default=None,
+        metavar="STEP",
+        help="last step of the plot (default: 1.25 x the last boundary, or 1000)",
+    )
+    plan.add_argument(
+        "--tokens-per-step",
+        type=float,
+        default=None,
+        metavar="T",
+        help="tokens seen per global step, over all ranks (default: batching.max_tokens)",
+    )
+    plan.add_argument(
+        "--plot", default=None, metavar="FILE.png", help="draw the schedule over training (needs matplotlib)"
+    )
     plan.set_defaults(func=_plan)
 
     index = sub.add_parser(
-        "index", help="build or refresh shard indexes (sample offsets and token lengths), reading only new or changed shards",
+        "index",
+        help="build or refresh shard indexes (sample offsets and token lengths), reading only new or changed shards",
         description="Index shards: per shard its size, validator, sample count, and each sample's byte range and token "
         "length. Written next to the shards (<dir>/mixer-index.json.gz) or to --location. Use it with Source(index=True) "
         "(config: 'index: true'): nothing is read up front, and readers split shards by sample ranges.",
-    )  # fmt: skip
-    index.add_argument("sources", nargs="+", metavar="SOURCE",
-                       help="a shard pattern (brace pattern, folder, glob or remote prefix; default decode) or a config file (its sources)")  # fmt: skip
-    index.add_argument("--location", default=None, metavar="PATH_OR_URL",
-                       help="the index file (local or fsspec URL; sources decoded alike may share one; default: mixer-index.json.gz in each shard directory)")  # fmt: skip
+    )
+    index.add_argument(
+        "sources",
+        nargs="+",
+        metavar="SOURCE",
+        help="a shard pattern (brace pattern, folder, glob or remote prefix; default decode) or a config file (its sources)",
+    )
+    index.add_argument(
+        "--location",
+        default=None,
+        metavar="PATH_OR_URL",
+        help="the index file (local or fsspec URL; sources decoded alike may share one; default: mixer-index.json.gz in each shard directory)",
+    )
     index.add_argument("--workers", type=_positive, default=8, metavar="N", help="shards read at once (default 8)")
     index.add_argument("--quiet", action="store_true", help="no progress bar")
     index.set_defaults(func=_index)
@@ -403,9 +510,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "tokens_per_step", None) is not None and not (math.isfinite(args.tokens_per_step) and args.tokens_per_step > 0):
+    if getattr(args, "tokens_per_step", None) is not None and not (
+        math.isfinite(args.tokens_per_step) and args.tokens_per_step > 0
+    ):
         build_parser().error(f"--tokens-per-step: expected a number > 0 (got {args.tokens_per_step!r})")
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     if getattr(args, "log_every", 0):
         logging.getLogger("mixer.observe.stats").setLevel(logging.INFO)
     try:

@@ -109,7 +109,11 @@ def _generate(root: Path, final: Path) -> None:
         for name, entry in manifest["sources"].items():
             logger.info(
                 "  %-6s %2d shards %5d samples %9d tokens, median length %d",
-                name, len(entry["files"]), entry["samples"], entry["tokens"], entry["median_length"],
+                name,
+                len(entry["files"]),
+                entry["samples"],
+                entry["tokens"],
+                entry["median_length"],
             )
 
 
@@ -172,9 +176,7 @@ def _write_source(folder: Path, name: str, texts: list[str], shards: int) -> dic
         raise RuntimeError(f"demo source {name!r}: found {len(texts)} texts, need at least {shards}")
     (folder / name).mkdir()
     lengths = []
-    writer = wds.ShardWriter(
-        str(folder / name / f"{name}-%04d.tar"), maxcount=len(texts) + 1, verbose=0, mtime=MTIME
-    )
+    writer = wds.ShardWriter(str(folder / name / f"{name}-%04d.tar"), maxcount=len(texts) + 1, verbose=0, mtime=MTIME)
     with writer:
         # Explicit shard boundaries (next_stream) rather than maxcount: sizes differ by at most one.
         for shard, part in enumerate(np.array_split(np.arange(len(texts)), shards)):
@@ -298,7 +300,8 @@ def _docstrings(tree: ast.Module) -> Iterator[str]:
         if doc:
             yield doc
         nodes.extend(
-            child for child in reversed(node.body)
+            child
+            for child in reversed(node.body)
             if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
         )
 

@@ -44,15 +44,15 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from mixer import _check
-from mixer.spec.budget import Field, Packed, TokenBudget, check_fields
-from mixer.errors import ConfigError
-from mixer.storage import IOOptions
 from mixer.config.nemo import NEMO_KEYS, apply_nemo, nemo_options, nemo_values
-from mixer.mixing.options import DEFAULT_BUFFER_BUDGET, check_options
-from mixer.plan.profiling import check_profile_cache, check_profile_share
-from mixer.mixing.schedule import Schedule
 from mixer.config.schedule_config import parse_schedule, schedule_to_dict
+from mixer.errors import ConfigError
+from mixer.mixing.options import DEFAULT_BUFFER_BUDGET, check_options
+from mixer.mixing.schedule import Schedule
+from mixer.plan.profiling import check_profile_cache, check_profile_share
+from mixer.spec.budget import Field, Packed, TokenBudget, check_fields
 from mixer.spec.source import Source
+from mixer.storage import IOOptions
 
 if TYPE_CHECKING:
     from mixer.mixing.mixture import Mixture
@@ -87,7 +87,7 @@ class ImportPath:
         return _resolve_cached(self.path)(*args, **kwargs)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _resolve_cached(path: str) -> Callable[..., Any]:
     return resolve_import(path, path)
 
@@ -128,8 +128,13 @@ class MixtureConfig:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "sources"}
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"seed": self.seed, "sources": [_source_to_dict(s, i) for i, s in enumerate(self.sources)]}
-        batching = {k: (list(v) if isinstance(v, tuple) else v) for k, v in _values(self.batching).items() if v is not None}
+        out: dict[str, Any] = {
+            "seed": self.seed,
+            "sources": [_source_to_dict(s, i) for i, s in enumerate(self.sources)],
+        }
+        batching = {
+            k: (list(v) if isinstance(v, tuple) else v) for k, v in _values(self.batching).items() if v is not None
+        }
         out["batching"] = {"packed": True, **batching} if isinstance(self.batching, Packed) else batching
         if self.schedule is not None:
             out["schedule"] = schedule_to_dict(self.schedule)
@@ -144,7 +149,18 @@ class MixtureConfig:
         return out
 
 
-_OPTIONS = ("selector", "unit", "mix", "stop", "seed", "shuffle_buffer", "pad_id", "dtype", "state_every", "buffer_budget")
+_OPTIONS = (
+    "selector",
+    "unit",
+    "mix",
+    "stop",
+    "seed",
+    "shuffle_buffer",
+    "pad_id",
+    "dtype",
+    "state_every",
+    "buffer_budget",
+)
 _PROFILE_OPTIONS = ("profile_cache", "profile_share")  # checked by mixer.plan.profiling
 NATIVE_KEYS = tuple(f.name for f in dataclasses.fields(MixtureConfig))
 ROOT_KEYS = tuple(dict.fromkeys(NATIVE_KEYS + tuple(NEMO_KEYS) + tuple(NEMO_KEYS.values())))
@@ -166,7 +182,9 @@ def _source_to_dict(s: Source, i: int) -> dict[str, Any]:
     urls = tuple(s.urls)
     out: dict[str, Any] = {"name": s.name, "urls": urls[0] if len(urls) == 1 else list(urls), "weight": s.weight}
     for key in ("size", "decode", "length", "group"):
-        value = getattr(s, key) if key in ("size", "group") else _function_to_dict(getattr(s, key), f"sources[{i}].{key}")
+        value = (
+            getattr(s, key) if key in ("size", "group") else _function_to_dict(getattr(s, key), f"sources[{i}].{key}")
+        )
         if value is not None:
             out[key] = value
     if s.storage_options:
@@ -184,8 +202,16 @@ def _source_to_dict(s: Source, i: int) -> dict[str, Any]:
 # ------------------------------------------------------------------------ mapping → dataclass
 
 
-def _build(cls: Any, m: Mapping[str, Any], path: str, *, owners: Sequence[str], allowed: Sequence[str] | None = None,
-           convert: Mapping[str, Callable[[Any, str], Any]] | None = None, **code: Any) -> Any:  # fmt: skip
+def _build(
+    cls: Any,
+    m: Mapping[str, Any],
+    path: str,
+    *,
+    owners: Sequence[str],
+    allowed: Sequence[str] | None = None,
+    convert: Mapping[str, Callable[[Any, str], Any]] | None = None,
+    **code: Any,
+) -> Any:
     """``cls(**m)``: the keys checked against the dataclass's fields (``allowed``, default: all but
     ``code``, the keywords only code passes), values the file gives as text turned into objects by
     ``convert``, and the class's own errors relabelled from ``<owner>.<field>`` to the key path."""
@@ -215,7 +241,9 @@ def _length(value: Any, path: str) -> ImportPath | str:
     if isinstance(value, str) and value.isidentifier():
         return value
     if not isinstance(value, str) or not _IMPORT_PATH.match(value):
-        _check.fail(path, f"must be an import path 'package.module:function' or the name of a field, got {_check.show(value)}")
+        _check.fail(
+            path, f"must be an import path 'package.module:function' or the name of a field, got {_check.show(value)}"
+        )
     return ImportPath(value)
 
 
@@ -254,7 +282,9 @@ def _batching(value: Any) -> TokenBudget | Packed:
         if packed and key not in PACKED_KEYS and key in BATCHING_KEYS:
             _check.fail(_check.at(path, key), "a TokenBudget option, not used with packed: true")
         if not packed and key not in BATCHING_KEYS and key in PACKED_KEYS:
-            _check.fail(_check.at(path, key), f"a Packed option; set {_check.at(path, 'packed')}: true to pack documents")
+            _check.fail(
+                _check.at(path, key), f"a Packed option; set {_check.at(path, 'packed')}: true to pack documents"
+            )
     cls = Packed if packed else TokenBudget
     rest = {k: v for k, v in m.items() if k != "packed"}
     _check.keys(m, path, PACKED_KEYS if packed else BATCHING_KEYS)
@@ -266,14 +296,20 @@ def _fields(value: Any, path: str) -> dict[str, Field]:
     if not m:
         _check.fail(path, "must name at least one field, got {}")
     check_fields({name: Field() for name in m}, path)  # the names, before the entries
-    return {name: _build(Field, _check.mapping(entry, _check.at(path, name)), _check.at(path, name), owners=("Field",))
-            for name, entry in m.items()}  # fmt: skip
+    return {
+        name: _build(Field, _check.mapping(entry, _check.at(path, name)), _check.at(path, name), owners=("Field",))
+        for name, entry in m.items()
+    }
 
 
-def _check_fields(fields: Mapping[str, Field] | None, batching: TokenBudget | Packed, sources: Sequence[Source]) -> None:
+def _check_fields(
+    fields: Mapping[str, Field] | None, batching: TokenBudget | Packed, sources: Sequence[Source]
+) -> None:
     """What the Mixture would refuse later: fields with packing, a source length naming no field."""
     if fields is not None and isinstance(batching, Packed):
-        raise ConfigError("fields: multi-field samples are batched by a token budget (padded per field), not with batching.packed: true")
+        raise ConfigError(
+            "fields: multi-field samples are batched by a token budget (padded per field), not with batching.packed: true"
+        )
     for i, s in enumerate(sources):
         if not isinstance(s.length, str):
             continue
@@ -379,8 +415,14 @@ def resolve_import(path: str, where: str) -> Callable[..., Any]:
     return obj
 
 
-def build_mixture(config: MixtureConfig, *, rank: int | None = None, world_size: int | None = None, dp_group: Any = None,
-                  allow_pipe: bool = False) -> Mixture:  # fmt: skip
+def build_mixture(
+    config: MixtureConfig,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    dp_group: Any = None,
+    allow_pipe: bool = False,
+) -> Mixture:
     """The :class:`~mixer.Mixture` of ``config``: imports the ``decode``/``length`` functions it names,
     then the mixture lists every source's shards. ``rank``/``world_size``/``dp_group`` are deployment,
     not configuration; see ``Mixture``. ``allow_pipe=True`` lets every source use ``pipe:`` URLs
@@ -402,8 +444,14 @@ def build_mixture(config: MixtureConfig, *, rank: int | None = None, world_size:
     return Mixture(sources, **config.mixture_options(), rank=rank, world_size=world_size, dp_group=dp_group)
 
 
-def load_config(config: Mapping[str, Any] | str | os.PathLike[str], *, rank: int | None = None,
-                world_size: int | None = None, dp_group: Any = None, allow_pipe: bool = False) -> Mixture:  # fmt: skip
+def load_config(
+    config: Mapping[str, Any] | str | os.PathLike[str],
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    dp_group: Any = None,
+    allow_pipe: bool = False,
+) -> Mixture:
     """``build_mixture(parse_config(config))``: a YAML file's path or a dict → a ready Mixture."""
     config_ = parse_config(config, allow_pipe=allow_pipe)
     return build_mixture(config_, rank=rank, world_size=world_size, dp_group=dp_group, allow_pipe=allow_pipe)

@@ -37,8 +37,9 @@ def nemo_values(m: Mapping[str, Any]) -> dict[str, tuple[str, Any]]:
     return out
 
 
-def apply_nemo(m: Mapping[str, Any], nemo: dict[str, tuple[str, Any]], sources: list[Source],
-                explicit_weight: list[bool]) -> dict[str, Any]:  # fmt: skip
+def apply_nemo(
+    m: Mapping[str, Any], nemo: dict[str, tuple[str, Any]], sources: list[Source], explicit_weight: list[bool]
+) -> dict[str, Any]:
     """Translate NeMo's sampling keys; returns the native settings they imply."""
     out: dict[str, Any] = {}
     if "sampling_scale" in nemo:
@@ -49,7 +50,11 @@ def apply_nemo(m: Mapping[str, Any], nemo: dict[str, tuple[str, Any]], sources: 
                 "streams without an epoch length; bound the run in the training loop (or `mixer run --steps N`), "
                 "or use stop: all_exhausted for exactly one pass over every source"
             )
-    sampling = [k for k in ("sampling_technique", "sampling_temperature", "sampling_probabilities", "sampling_scale") if k in nemo]
+    sampling = [
+        k
+        for k in ("sampling_technique", "sampling_temperature", "sampling_probabilities", "sampling_scale")
+        if k in nemo
+    ]
     if not sampling:
         return out
     if "sampling_technique" in nemo:
@@ -62,10 +67,14 @@ def apply_nemo(m: Mapping[str, Any], nemo: dict[str, tuple[str, Any]], sources: 
         raise ConfigError(f"schedule: conflicts with {given}; NeMo's keys set the target shares, use one or the other")
     if technique != "temperature" and "sampling_temperature" in nemo:
         key = nemo["sampling_temperature"][0]
-        raise ConfigError(f"{key}: only used with sampling_technique 'temperature' (NeMo ignores it with {technique!r}); remove it")
+        raise ConfigError(
+            f"{key}: only used with sampling_technique 'temperature' (NeMo ignores it with {technique!r}); remove it"
+        )
     if technique != "random" and "sampling_probabilities" in nemo:
         key = nemo["sampling_probabilities"][0]
-        raise ConfigError(f"{key}: only used with sampling_technique 'random' (NeMo ignores it with {technique!r}); remove it")
+        raise ConfigError(
+            f"{key}: only used with sampling_technique 'random' (NeMo ignores it with {technique!r}); remove it"
+        )
     if technique == "temperature":
         t = NEMO_DEFAULT_TEMPERATURE
         if "sampling_temperature" in nemo:
@@ -80,7 +89,9 @@ def apply_nemo(m: Mapping[str, Any], nemo: dict[str, tuple[str, Any]], sources: 
     if "sampling_probabilities" in nemo:
         key, value = nemo["sampling_probabilities"]
         if not isinstance(value, list) or len(value) != len(sources):
-            raise ConfigError(f"{key}: must be a list of {len(sources)} probabilities (one per source, in order), got {_check.show(value)}")
+            raise ConfigError(
+                f"{key}: must be a list of {len(sources)} probabilities (one per source, in order), got {_check.show(value)}"
+            )
         probs = [float(_check.number(v, _check.at(key, i), minimum=0)) for i, v in enumerate(value)]
         if abs(sum(probs) - 1.0) > 1e-6:
             raise ConfigError(f"{key}: must sum to 1 (as NeMo requires), got {value!r} (sum {sum(probs):g})")
@@ -91,7 +102,9 @@ def apply_nemo(m: Mapping[str, Any], nemo: dict[str, tuple[str, Any]], sources: 
     return out
 
 
-def nemo_options(m: Mapping[str, Any], nemo: dict[str, tuple[str, Any]], *, default_shuffle_buffer: int) -> dict[str, Any]:
+def nemo_options(
+    m: Mapping[str, Any], nemo: dict[str, tuple[str, Any]], *, default_shuffle_buffer: int
+) -> dict[str, Any]:
     """The Mixture options NeMo's ``seed`` and ``shuffle`` imply (checked against ``shuffle_buffer``)."""
     options: dict[str, Any] = {}
     if "seed" in nemo:
@@ -99,7 +112,9 @@ def nemo_options(m: Mapping[str, Any], nemo: dict[str, tuple[str, Any]], *, defa
         options["seed"] = int(_check.number(value, key, minimum=0, integer=True))
     if "shuffle" in nemo:
         key, value = nemo["shuffle"]
-        shuffle_buffer = _check.entry(m, "shuffle_buffer", default_shuffle_buffer, lambda v, p: _check.number(v, p, minimum=0, integer=True), "")
+        shuffle_buffer = _check.entry(
+            m, "shuffle_buffer", default_shuffle_buffer, lambda v, p: _check.number(v, p, minimum=0, integer=True), ""
+        )
         if not _check.boolean(value, key):
             if "shuffle_buffer" not in m:
                 options["shuffle_buffer"] = 0

@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mixer import _check
-from mixer.mixing.adaptive import Adaptive, make_policy
 from mixer.errors import ConfigError
+from mixer.mixing.adaptive import Adaptive, make_policy
 from mixer.mixing.hierarchical import Hierarchical
 from mixer.mixing.schedule import BASES, SHAPES, Curriculum, Floored, Phase, Schedule, Static, Temperature, Weights
 
@@ -31,7 +31,12 @@ def _temperature_to_dict(t: Temperature) -> dict[str, Any]:
 
 def schedule_to_dict(schedule: Schedule) -> dict[str, Any]:
     if isinstance(schedule, Adaptive):
-        a: dict[str, Any] = {"policy": schedule.policy, "lr": schedule.lr, "update_every": schedule.update_every, "smoothing": schedule.smoothing}
+        a: dict[str, Any] = {
+            "policy": schedule.policy,
+            "lr": schedule.lr,
+            "update_every": schedule.update_every,
+            "smoothing": schedule.smoothing,
+        }
         if schedule.lag is not None:
             a["lag"] = schedule.lag
         if schedule.reference is not None:
@@ -65,7 +70,9 @@ def schedule_to_dict(schedule: Schedule) -> dict[str, Any]:
         if schedule.temperature is not None:
             out["temperature"] = _temperature_to_dict(schedule.temperature)
         return out
-    raise ConfigError(f"schedule: {schedule!r} has no config form (only Weights, Temperature, Curriculum, Hierarchical, Floored, Static, Adaptive)")
+    raise ConfigError(
+        f"schedule: {schedule!r} has no config form (only Weights, Temperature, Curriculum, Hierarchical, Floored, Static, Adaptive)"
+    )
 
 
 def _parse_temperature(value: Any, path: str) -> tuple[Temperature, str | None]:
@@ -82,7 +89,9 @@ def _parse_temperature(value: Any, path: str) -> tuple[Temperature, str | None]:
     if shape == "constant":
         for key in ("end", "steps", "tokens"):
             if key in m:
-                raise ConfigError(f"{_check.at(path, key)}: only used with a non-constant shape (linear, cosine, step); shape is 'constant'")
+                raise ConfigError(
+                    f"{_check.at(path, key)}: only used with a non-constant shape (linear, cosine, step); shape is 'constant'"
+                )
         return Temperature(start, base=base), None
     if "end" not in m:
         raise ConfigError(f"{_check.at(path, 'end')}: required with shape {shape!r}")
@@ -125,7 +134,9 @@ def _parse_phases(value: Any, path: str, names: Sequence[str], top: Temperature 
                 if unit is None:
                     unit, unit_from = u, f"{path}[{k}].{key}"
                 elif u != unit:
-                    raise ConfigError(f"{_check.at(_check.at(path, k), key)}: phases count {unit} ({unit_from}); don't mix steps and tokens")
+                    raise ConfigError(
+                        f"{_check.at(_check.at(path, k), key)}: phases count {unit} ({unit_from}); don't mix steps and tokens"
+                    )
     unit = unit or "tokens"
     integer = unit == "steps"
     until_key, ramp_key = f"until_{unit}", f"ramp_{unit}"
@@ -142,12 +153,18 @@ def _parse_phases(value: Any, path: str, names: Sequence[str], top: Temperature 
         if not last:
             until = _check.number(m[until_key], _check.at(p, until_key), minimum=0, strict=True, integer=integer)
             if until <= previous:
-                raise ConfigError(f"{_check.at(p, until_key)}: must be greater than {path}[{k - 1}].{until_key} ({previous!r}), got {until!r}")
+                raise ConfigError(
+                    f"{_check.at(p, until_key)}: must be greater than {path}[{k - 1}].{until_key} ({previous!r}), got {until!r}"
+                )
         ramp = _check.number(m.get(ramp_key, 0), _check.at(p, ramp_key), minimum=0, integer=integer)
         if ramp and k == 0:
-            raise ConfigError(f"{_check.at(p, ramp_key)}: the first phase has nothing to ramp from; must be 0, got {ramp!r}")
+            raise ConfigError(
+                f"{_check.at(p, ramp_key)}: the first phase has nothing to ramp from; must be 0, got {ramp!r}"
+            )
         if ramp and until is not None and ramp > until - previous:
-            raise ConfigError(f"{_check.at(p, ramp_key)}: must be <= the phase's length ({until - previous!r}), got {ramp!r}")
+            raise ConfigError(
+                f"{_check.at(p, ramp_key)}: must be <= the phase's length ({until - previous!r}), got {ramp!r}"
+            )
         weights = _check.entry(m, "weights", None, lambda v, q: _parse_weights(v, q, names), p)
         temperature = None
         if "temperature" in m:
@@ -159,9 +176,13 @@ def _parse_phases(value: Any, path: str, names: Sequence[str], top: Temperature 
                     f"count {unit}; give its length as '{unit}'"
                 )
             if temperature.base == "sizes" and weights is not None:
-                raise ConfigError(f"{_check.at(tp, 'base')}: 'sizes' would ignore this phase's weights; use 'weights' or omit it")
+                raise ConfigError(
+                    f"{_check.at(tp, 'base')}: 'sizes' would ignore this phase's weights; use 'weights' or omit it"
+                )
         if top is not None and top.base == "sizes" and weights is not None:
-            raise ConfigError(f"{path[: -len('phases')]}temperature.base: 'sizes' would ignore the weights of {p}; use 'weights' or omit it")
+            raise ConfigError(
+                f"{path[: -len('phases')]}temperature.base: 'sizes' would ignore the weights of {p}; use 'weights' or omit it"
+            )
         phases.append(Phase(weights, until, ramp, temperature))
         if until is not None:
             previous = until
@@ -179,8 +200,11 @@ def parse_schedule(value: Any, names: Sequence[str]) -> Schedule | None:
         temperature, _ = _parse_temperature(m["temperature"], _check.at(path, "temperature"))
     schedule: Schedule | None
     if "weights" in m:  # mixer.Weights: fixed weights by name, instead of the sources' own
-        for other, why in (("phases", "each phase has its own weights"), ("hierarchical", "it sets the weights from sizes"),
-                           ("temperature", "for a temperature over these weights, give one phase with both")):  # fmt: skip
+        for other, why in (
+            ("phases", "each phase has its own weights"),
+            ("hierarchical", "it sets the weights from sizes"),
+            ("temperature", "for a temperature over these weights, give one phase with both"),
+        ):
             if other in m:
                 raise ConfigError(f"{path}.weights: cannot be combined with '{other}' ({why})")
         schedule = Weights(_parse_weights(m["weights"], _check.at(path, "weights"), names))

@@ -31,9 +31,9 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import numpy as np
 
 from mixer import _check
-from mixer.state.checkpoint import expect_keys
 from mixer.errors import ConfigError, StateError
 from mixer.mixing.schedule import Floored, Schedule, SourceInfo, Static, apply_floor
+from mixer.state.checkpoint import expect_keys
 
 __all__ = ["Adaptive", "Exp3", "ExpGradient", "Policy", "adapt", "make_policy", "POLICIES"]
 
@@ -126,8 +126,10 @@ def _means(sums: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray
 
 def _floats(state: dict[str, Any], key: str, n: int, part: str, *, nullable: bool = False) -> list[Any]:
     value = state[key]
-    if not isinstance(value, list) or len(value) != n or not all(
-        (nullable and v is None) or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in value
+    if (
+        not isinstance(value, list)
+        or len(value) != n
+        or not all((nullable and v is None) or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in value)
     ):
         raise StateError(f"{part} state: {key!r} must be a list of {n} numbers (got {value!r})")
     return [None if v is None else float(v) for v in value]
@@ -205,8 +207,16 @@ class Exp3:
         self.scores = np.array(_floats(state, "scores", self.n, "Exp3"))
 
 
-def adapt(policy: Policy, sums: np.ndarray, counts: np.ndarray, prior: np.ndarray, current: np.ndarray,
-          *, eligible: np.ndarray, min_prob: float) -> np.ndarray:  # fmt: skip
+def adapt(
+    policy: Policy,
+    sums: np.ndarray,
+    counts: np.ndarray,
+    prior: np.ndarray,
+    current: np.ndarray,
+    *,
+    eligible: np.ndarray,
+    min_prob: float,
+) -> np.ndarray:
     """The policy's new shares with the ``min_prob`` floor applied last (:func:`~mixer.mixing.schedule.apply_floor`)."""
     p = policy.update(sums, counts, prior, current)
     return apply_floor(p, eligible, min_prob) if min_prob > 0 else p

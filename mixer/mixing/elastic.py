@@ -51,14 +51,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mixer.state import checkpoint
-from mixer.spec.budget import Packed
-from mixer.state.columns import pack, pack_parts
 from mixer.errors import StateError
 from mixer.mixing.selector import Selector, make_selector
-from mixer.stream.source_stream import SourceStream
 from mixer.plan.shards import ShardSlice, plan_all, slice_of, slice_row
 from mixer.plan.world import World
+from mixer.spec.budget import Packed
+from mixer.state import checkpoint
+from mixer.state.columns import pack, pack_parts
+from mixer.stream.source_stream import SourceStream
 
 if TYPE_CHECKING:
     from mixer.mixing.mixture import Mixture, Reader
@@ -84,14 +84,28 @@ def resume_state(mixture: Mixture, states: Sequence[Any], *, num_workers: int) -
     if (old_world, old_readers) == (mixture.world_size, readers):
         return by_rank[mixture.rank]  # the same shape: the rank's own state, exactly
     if isinstance(mixture.batching, Packed) and mixture.batching.split_documents:
-        raise StateError("elastic resume: not supported with Packed(split_documents=True) (a buffered row may hold the rest of a "
-                         "document whose head was delivered); resume with the saved world_size and num_workers")
+        raise StateError(
+            "elastic resume: not supported with Packed(split_documents=True) (a buffered row may hold the rest of a "
+            "document whose head was delivered); resume with the saved world_size and num_workers"
+        )
     if any(s["adaptive"] is not None for s in states):
-        raise StateError("elastic resume: not supported with an Adaptive schedule; resume with the saved world_size and num_workers")
-    template = mixture.reader(World(rank=mixture.rank, world_size=mixture.world_size))  # unpacks the snapshots saved as they are
+        raise StateError(
+            "elastic resume: not supported with an Adaptive schedule; resume with the saved world_size and num_workers"
+        )
+    template = mixture.reader(
+        World(rank=mixture.rank, world_size=mixture.world_size)
+    )  # unpacks the snapshots saved as they are
     try:
-        settled = [settle(mixture, World(rank=r, world_size=old_world, worker=w, num_workers=old_readers), by_rank[r]["readers"][w], template)
-                   for r in range(old_world) for w in range(old_readers)]  # fmt: skip
+        settled = [
+            settle(
+                mixture,
+                World(rank=r, world_size=old_world, worker=w, num_workers=old_readers),
+                by_rank[r]["readers"][w],
+                template,
+            )
+            for r in range(old_world)
+            for w in range(old_readers)
+        ]
     finally:
         _close(template)
     step = max(int(s["delivered"]) for s in states)
@@ -107,8 +121,13 @@ def resume_state(mixture: Mixture, states: Sequence[Any], *, num_workers: int) -
         world = World(rank=mixture.rank, world_size=mixture.world_size, worker=j, num_workers=readers)
         out.append(checkpoint.reader_state(_snapshot(mixture, world, g, settled, streams[j], step, new)))
     return checkpoint.loader_state(
-        fingerprint=mixture.fingerprint, rank=mixture.rank, world_size=mixture.world_size, num_workers=readers,
-        delivered=step, readers=out, adaptive=None,
+        fingerprint=mixture.fingerprint,
+        rank=mixture.rank,
+        world_size=mixture.world_size,
+        num_workers=readers,
+        delivered=step,
+        readers=out,
+        adaptive=None,
     )
 
 
@@ -116,17 +135,23 @@ def _check_states(mixture: Mixture, states: Sequence[Any]) -> tuple[int, int, di
     """The saved world size, readers per rank and states by rank; a StateError unless ``states`` are
     one state of this mixture per saved rank, all of the same shape."""
     if not isinstance(states, (list, tuple)) or not states:
-        raise StateError(f"elastic resume: expected a non-empty list of loader states, one per saved rank (got {type(states).__name__})")
+        raise StateError(
+            f"elastic resume: expected a non-empty list of loader states, one per saved rank (got {type(states).__name__})"
+        )
     for s in states:
         checkpoint.check_saved(s, mixture)
     shapes = {(int(s["world_size"]), int(s["num_workers"])) for s in states}
     if len(shapes) != 1:
-        raise StateError(f"elastic resume: the states were saved by runs of different shapes (world_size, readers): {sorted(shapes)}")
-    (world, readers), = shapes
+        raise StateError(
+            f"elastic resume: the states were saved by runs of different shapes (world_size, readers): {sorted(shapes)}"
+        )
+    ((world, readers),) = shapes
     by_rank = {int(s["rank"]): s for s in states}
     missing = sorted(set(range(world)) - set(by_rank))
     if missing or len(states) != world:
-        raise StateError(f"elastic resume: need the state of every one of the {world} saved ranks, once each (missing ranks {missing}, got {len(states)} states)")
+        raise StateError(
+            f"elastic resume: need the state of every one of the {world} saved ranks, once each (missing ranks {missing}, got {len(states)} states)"
+        )
     for r, s in by_rank.items():
         if not isinstance(s["readers"], list) or len(s["readers"]) != readers:
             raise StateError(f"elastic resume: the state of rank {r} must list {readers} reader state(s)")
@@ -150,9 +175,19 @@ def settle(mixture: Mixture, world: World, state: dict[str, Any], template: Read
         template = reader
     batchers = template.batchers[:1] if mixture.mix == "sample" else template.batchers
     parts = checkpoint.unpack_snapshot(snapshot, streams=template.streams, batchers=batchers)
-    selector = make_selector(mixture.selector, len(mixture.listed), seed=mixture.seed, stream=(world.rank, world.worker))
+    selector = make_selector(
+        mixture.selector, len(mixture.listed), seed=mixture.seed, stream=(world.rank, world.worker)
+    )
     selector.load_state_dict(snapshot["selector"])
-    return Settled(world, int(snapshot["batches"]), int(snapshot["tokens"]), parts.counters, selector, parts.streams, parts.batchers)
+    return Settled(
+        world,
+        int(snapshot["batches"]),
+        int(snapshot["tokens"]),
+        parts.counters,
+        selector,
+        parts.streams,
+        parts.batchers,
+    )
 
 
 def _close(reader: Reader) -> None:
@@ -170,12 +205,21 @@ class Plans:
     def of(self, i: int, epoch: int, reader: int) -> list[ShardSlice]:
         if (i, epoch) not in self._done:
             listed = self.mixture.listed[i]
-            self._done[i, epoch] = plan_all(len(listed.shards), self.readers, seed=self.mixture.seed, source=listed.name, epoch=epoch,
-                                            sizes=listed.shard_bytes, index=listed.index)  # fmt: skip
+            self._done[i, epoch] = plan_all(
+                len(listed.shards),
+                self.readers,
+                seed=self.mixture.seed,
+                source=listed.name,
+                epoch=epoch,
+                sizes=listed.shard_bytes,
+                index=listed.index,
+            )
         return self._done[i, epoch][reader]
 
 
-def split_source(mixture: Mixture, i: int, settled: Sequence[Settled], new: int, mine: range, plans: Plans) -> list[dict[str, Any]]:
+def split_source(
+    mixture: Mixture, i: int, settled: Sequence[Settled], new: int, mine: range, plans: Plans
+) -> list[dict[str, Any]]:
     """Stream states of source ``i`` for the new readers ``mine`` (of ``new``): what the old
     readers left of its source-epochs, re-split (see the module docstring)."""
     listed = mixture.listed[i]
@@ -203,7 +247,11 @@ def split_source(mixture: Mixture, i: int, settled: Sequence[Settled], new: int,
     out = []
     for g in mine:
         inherit = [slice_row(sl) for (_, sl), o in zip(units, owner) if o == g]
-        out.append(SourceStream.inheriting_state(epoch=last, buffer_size=mixture.shuffle_buffer, buffer=buffered[g::new], inherit=inherit))
+        out.append(
+            SourceStream.inheriting_state(
+                epoch=last, buffer_size=mixture.shuffle_buffer, buffer=buffered[g::new], inherit=inherit
+            )
+        )
     return out
 
 
@@ -266,7 +314,15 @@ def merge_selector(selectors: Sequence[Selector], template: Selector, new: int, 
     return template
 
 
-def _snapshot(mixture: Mixture, world: World, g: int, settled: Sequence[Settled], streams: list[dict[str, Any]], step: int, new: int) -> dict[str, Any]:
+def _snapshot(
+    mixture: Mixture,
+    world: World,
+    g: int,
+    settled: Sequence[Settled],
+    streams: list[dict[str, Any]],
+    step: int,
+    new: int,
+) -> dict[str, Any]:
     """New reader ``g``'s snapshot (at ``world``): fresh batchers, the re-split streams, the step
     where the old run stopped, the old totals (see the module docstring)."""
     reader = mixture.reader(world)
@@ -292,4 +348,3 @@ def _snapshot(mixture: Mixture, world: World, g: int, settled: Sequence[Settled]
         )
     finally:
         _close(reader)
-

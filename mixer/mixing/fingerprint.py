@@ -24,7 +24,21 @@ def fingerprint(mixture: Mixture, fields: Mapping[str, Field] | None) -> str:
         "batching": mixture.batching.describe(),
         "fields": None if fields is None else {name: f.describe() for name, f in fields.items()},
         "schedule": describe_schedule(mixture.schedule),
-        **{k: getattr(mixture, k) for k in ("selector", "unit", "mix", "stop", "seed", "shuffle_buffer", "pad_id", "dtype", "state_every", "buffer_budget")},
+        **{
+            k: getattr(mixture, k)
+            for k in (
+                "selector",
+                "unit",
+                "mix",
+                "stop",
+                "seed",
+                "shuffle_buffer",
+                "pad_id",
+                "dtype",
+                "state_every",
+                "buffer_budget",
+            )
+        },
     }
     text = json.dumps(described, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32]

@@ -49,6 +49,8 @@ class Hierarchical:
         w = np.zeros(len(sizes))
         for key, idx in members.items():
             if key in gw:
-                within = np.array([(sizes[i] / group_size[key]) ** self.beta_source if sizes[i] > 0 else 0.0 for i in idx])
+                within = np.array(
+                    [(sizes[i] / group_size[key]) ** self.beta_source if sizes[i] > 0 else 0.0 for i in idx]
+                )
                 w[idx] = gw[key] / gsum * within / within.sum()
         return w

@@ -21,7 +21,13 @@ BUDGET_FLOOR = 32  # the least of the buffer budget a source gets, in samples (w
 
 
 def allot(
-    probs: np.ndarray, *, shuffle_buffer: int, buckets: Sequence[int], max_tokens: int, buffer_budget: int | None, shared: bool
+    probs: np.ndarray,
+    *,
+    shuffle_buffer: int,
+    buckets: Sequence[int],
+    max_tokens: int,
+    buffer_budget: int | None,
+    shared: bool,
 ) -> tuple[list[int], list[int], list[int] | None]:
     """(shuffle-buffer limits, bucket holds in padded tokens, batcher caps in samples or None when
     there is no budget), one per source, for the shares ``probs``.
@@ -40,7 +46,9 @@ def allot(
     top = float(probs.max())
     r = probs / top if top > 0 else np.ones_like(probs)
     limits = np.maximum(np.ceil(r * shuffle_buffer), min(shuffle_buffer, MIN_SHUFFLE)).astype(np.int64)
-    holds = (np.maximum(r * np.asarray(buckets, dtype=np.float64), HOLD_MIN_BATCHES) * max_tokens).astype(np.int64).tolist()
+    holds = (
+        (np.maximum(r * np.asarray(buckets, dtype=np.float64), HOLD_MIN_BATCHES) * max_tokens).astype(np.int64).tolist()
+    )
     if buffer_budget is None:
         return limits.tolist(), holds, None
     n = len(probs)

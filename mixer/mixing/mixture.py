@@ -17,31 +17,41 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from mixer.batching.batch import Batch, BatchMeta
 from mixer.batching.batchers import Batcher, make_batcher
-from mixer.spec.budget import Field, Packed, TokenBudget
 from mixer.batching.collate import Layout, count_delivered, make_layout
-from mixer.plan.edges import bucket_edges
-from mixer.state.checkpoint import (READER_KEYS, reader_state, Rereads, Resume, expect_keys, group_locations, locate_pair, pack_snapshot,
-                         pair_lookup, unpack_snapshot, with_skips)
 from mixer.errors import ConfigError
 from mixer.mixing.fingerprint import fingerprint
-from mixer.mixing.options import DEFAULT_BUFFER_BUDGET, MixMode, Stop, Unit, check_options
-from mixer.mixing.loops import Cut, mix_batches, mix_samples
-from mixer.mixing.schedule import Schedule, SourceInfo, Static, check_schedule
 from mixer.mixing.holding import allot
+from mixer.mixing.loops import Cut, mix_batches, mix_samples
+from mixer.mixing.options import DEFAULT_BUFFER_BUDGET, MixMode, Stop, Unit, check_options
+from mixer.mixing.schedule import Schedule, SourceInfo, Static, check_schedule
 from mixer.mixing.selector import Deficit, make_selector
+from mixer.plan.edges import bucket_edges
 from mixer.plan.profiling import Profile, check_profile_cache, check_profile_share, list_source, profile_sources
-from mixer.spec.source import ListedSource, Source
-from mixer.stream.reread import reread
-from mixer.storage import IOOptions, OpenShards
-from mixer.read.counters import Counters
-from mixer.stream.source_stream import SourceStream
-from mixer.plan.world import World, resolve_rank, worker_place
 from mixer.plan.shards import warn_shared_shards
+from mixer.plan.world import World, resolve_rank, worker_place
+from mixer.read.counters import Counters
+from mixer.spec.budget import Field, Packed, TokenBudget
+from mixer.spec.source import ListedSource, Source
+from mixer.state.checkpoint import (
+    READER_KEYS,
+    Rereads,
+    Resume,
+    expect_keys,
+    group_locations,
+    locate_pair,
+    pack_snapshot,
+    pair_lookup,
+    reader_state,
+    unpack_snapshot,
+    with_skips,
+)
+from mixer.storage import IOOptions, OpenShards
+from mixer.stream.reread import reread
+from mixer.stream.source_stream import SourceStream
 
 log = logging.getLogger(__name__)
 
 UNCAPPED = 1 << 62
-
 
 
 class SlotWriter(Protocol):
@@ -140,9 +150,21 @@ class Mixture(IterableDataset[Batch]):
             raise ConfigError(f"sources: duplicate source names {dupes}; every source needs its own name")
         if not isinstance(batching, (TokenBudget, Packed)):
             raise ConfigError(f"batching: expected a mixer.TokenBudget or mixer.Packed (got {type(batching).__name__})")
-        checked = check_options(selector=selector, unit=unit, mix=mix, stop=stop, seed=seed, shuffle_buffer=shuffle_buffer,
-                                pad_id=pad_id, dtype=dtype, state_every=state_every, buffer_budget=buffer_budget)  # fmt: skip
-        seed, pad_id, shuffle_buffer, state_every = (checked[k] for k in ("seed", "pad_id", "shuffle_buffer", "state_every"))
+        checked = check_options(
+            selector=selector,
+            unit=unit,
+            mix=mix,
+            stop=stop,
+            seed=seed,
+            shuffle_buffer=shuffle_buffer,
+            pad_id=pad_id,
+            dtype=dtype,
+            state_every=state_every,
+            buffer_budget=buffer_budget,
+        )
+        seed, pad_id, shuffle_buffer, state_every = (
+            checked[k] for k in ("seed", "pad_id", "shuffle_buffer", "state_every")
+        )
         self.buffer_budget: int | None = checked["buffer_budget"]
         if self.buffer_budget is not None and self.buffer_budget < 2 * len(sources):
             raise ConfigError(
@@ -166,7 +188,9 @@ class Mixture(IterableDataset[Batch]):
         self.layout: Layout = make_layout(batching, fields, dtype=dtype, pad_id=self.pad_id, names=names)
         for s in sources:
             if isinstance(s.length, str) and (fields is None or s.length not in fields):
-                raise ConfigError(f"source {s.name!r}: length={s.length!r} names a field, but the mixture's fields= {sorted(fields or ())} lack it")
+                raise ConfigError(
+                    f"source {s.name!r}: length={s.length!r} names a field, but the mixture's fields= {sorted(fields or ())} lack it"
+                )
 
         # Judges every sample it reads as the readers do: too long for the budget is a SampleError
         # naming shard and key, raised or skipped by the source's on_error, as mid-stream.
@@ -211,7 +235,9 @@ class Mixture(IterableDataset[Batch]):
         """The schedule's target share per source at a global step."""
         p = np.asarray(self.schedule.probs(self.info, step, tokens), dtype=np.float64)
         if p.shape != (len(self.sources),) or not np.all(np.isfinite(p)) or np.any(p < 0) or not p.sum() > 0:
-            raise ConfigError(f"schedule {self.schedule!r} returned an invalid probability vector {p.tolist()} at step {step}")
+            raise ConfigError(
+                f"schedule {self.schedule!r} returned an invalid probability vector {p.tolist()} at step {step}"
+            )
         return p / p.sum()
 
     @property
@@ -222,8 +248,9 @@ class Mixture(IterableDataset[Batch]):
     def reader(self, world: World, *, pool: Slots | None = None, table: Shares | None = None) -> Reader:
         return Reader(self, world, pool=pool, table=table)
 
-    def batches(self, *, pool: Slots | None = None, resume: Resume | None = None,
-                table: Shares | None = None) -> Iterator[Batch]:  # fmt: skip
+    def batches(
+        self, *, pool: Slots | None = None, resume: Resume | None = None, table: Shares | None = None
+    ) -> Iterator[Batch]:
         """This process's batches: as a DataLoader worker, or the main process when there are none.
         ``pool``: shared slots the loader mapped before forking its workers (see mixer.runtime.transport).
         ``resume``: where the loader's readers continue; this worker continues the saved reader
@@ -255,7 +282,9 @@ class Reader:
     bookkeeping around it: the target shares and hold sizes as progress moves, the counters, each
     batch's :class:`~mixer.BatchMeta` and, every ``state_every`` batches, a snapshot of its state."""
 
-    def __init__(self, mixture: Mixture, world: World, *, pool: Slots | None = None, table: Shares | None = None) -> None:
+    def __init__(
+        self, mixture: Mixture, world: World, *, pool: Slots | None = None, table: Shares | None = None
+    ) -> None:
         self.mixture = mixture
         self.world = world
         self.pool = pool
@@ -269,8 +298,14 @@ class Reader:
         self.open_shards = OpenShards(min(IOOptions.of(s.io_options).max_open_shards for s in mixture.sources))
         self.streams = [
             SourceStream(
-                s, world, seed=mixture.seed, budget=budget, shuffle_buffer=mixture.shuffle_buffer,
-                finite=finite, counters=self.counters[i], open_shards=self.open_shards,
+                s,
+                world,
+                seed=mixture.seed,
+                budget=budget,
+                shuffle_buffer=mixture.shuffle_buffer,
+                finite=finite,
+                counters=self.counters[i],
+                open_shards=self.open_shards,
             )
             for i, s in enumerate(mixture.listed)
         ]
@@ -325,9 +360,13 @@ class Reader:
         self._allotted_for = key
         m = self.mixture
         limits, self._holds[:], caps = allot(
-            probs, shuffle_buffer=m.shuffle_buffer, buckets=[len(e) for e in m.edges], max_tokens=m.batching.max_tokens,
-            buffer_budget=m.buffer_budget, shared=m.mix == "sample",
-        )  # fmt: skip
+            probs,
+            shuffle_buffer=m.shuffle_buffer,
+            buckets=[len(e) for e in m.edges],
+            max_tokens=m.batching.max_tokens,
+            buffer_budget=m.buffer_budget,
+            shared=m.mix == "sample",
+        )
         if caps is not None:
             self._caps[:] = caps
         for st, limit in zip(self.streams, limits):
@@ -342,7 +381,10 @@ class Reader:
                 return shares
         key = (step, self.tokens)
         if key != self._target_key:
-            self._target_key, self._target_memo = key, self.mixture.target_at(step, float(self.tokens * self.world.readers))
+            self._target_key, self._target_memo = (
+                key,
+                self.mixture.target_at(step, float(self.tokens * self.world.readers)),
+            )
         return self._target_memo
 
     def _target(self) -> np.ndarray:
@@ -361,13 +403,29 @@ class Reader:
         cuts: Iterator[Cut]
         if m.mix == "sample":
             cuts = mix_samples(
-                self.streams, self.batchers[0], self.selector, m.layout, probs=self._probs, caps=self._caps, active=self.active,
-                retire=self._retire, count_tokens=count_tokens, drain=m.stop == "all_exhausted",
+                self.streams,
+                self.batchers[0],
+                self.selector,
+                m.layout,
+                probs=self._probs,
+                caps=self._caps,
+                active=self.active,
+                retire=self._retire,
+                count_tokens=count_tokens,
+                drain=m.stop == "all_exhausted",
             )
         else:
             cuts = mix_batches(
-                self.streams, self.batchers, self.selector, m.layout, probs=self._probs, holds=self._holds, caps=self._caps,
-                active=self.active, retire=self._retire, count_tokens=count_tokens,
+                self.streams,
+                self.batchers,
+                self.selector,
+                m.layout,
+                probs=self._probs,
+                holds=self._holds,
+                caps=self._caps,
+                active=self.active,
+                retire=self._retire,
+                count_tokens=count_tokens,
             )
         if self._replay is not None:
             for _, cut in zip(range(self._replay), cuts):
@@ -391,8 +449,13 @@ class Reader:
     def _snapshot(self) -> dict[str, Any]:
         batchers = self.batchers[:1] if self.mixture.mix == "sample" else self.batchers
         return pack_snapshot(
-            batches=self.batches, tokens=self.tokens, active=self.active, counters=[c.as_list() for c in self.counters],
-            selector=self.selector, streams=self.streams, batchers=batchers,
+            batches=self.batches,
+            tokens=self.tokens,
+            active=self.active,
+            counters=[c.as_list() for c in self.counters],
+            selector=self.selector,
+            streams=self.streams,
+            batchers=batchers,
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -437,7 +500,11 @@ class Reader:
         self.active[i] = False
         self._retired += 1
         if self.mixture.stop == "never":
-            log.warning("source %r has no data for reader %d; mixing the other sources only", self.mixture.names[i], self.world.reader)
+            log.warning(
+                "source %r has no data for reader %d; mixing the other sources only",
+                self.mixture.names[i],
+                self.world.reader,
+            )
         return self.mixture.stop != "first_exhausted" and bool(self.active.any())
 
     def _meta(self, cut: Cut) -> BatchMeta:
@@ -457,9 +524,14 @@ class Reader:
                 st.new_skips.clear()
         resumed, self._resumed_counters = self._resumed_counters, None
         return BatchMeta(
-            step=step, worker=self.world.worker, tokens=n_tokens, counters=[c.as_list() for c in self.counters],
-            target=target, snapshot=self._snapshot() if self.batches % self.mixture.state_every == 0 else None,
-            skips=skips or (), resumed_counters=resumed,
+            step=step,
+            worker=self.world.worker,
+            tokens=n_tokens,
+            counters=[c.as_list() for c in self.counters],
+            target=target,
+            snapshot=self._snapshot() if self.batches % self.mixture.state_every == 0 else None,
+            skips=skips or (),
+            resumed_counters=resumed,
         )
 
     def _collate(self, cut: Cut, meta: BatchMeta) -> Batch:

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from mixer import _check
-from mixer.spec.dtypes import _DTYPES
 from mixer.mixing.selector import SELECTORS
+from mixer.spec.dtypes import _DTYPES
 
 Unit = Literal["tokens", "samples"]
 MixMode = Literal["batch", "sample"]
@@ -20,8 +20,19 @@ STOPS = ("never", "first_exhausted", "all_exhausted")
 DEFAULT_BUFFER_BUDGET = 65536
 
 
-def check_options(*, selector: str, unit: str, mix: str, stop: str, seed: Any, shuffle_buffer: Any, pad_id: Any, dtype: str,
-                  state_every: Any, buffer_budget: Any = DEFAULT_BUFFER_BUDGET) -> dict[str, Any]:  # fmt: skip
+def check_options(
+    *,
+    selector: str,
+    unit: str,
+    mix: str,
+    stop: str,
+    seed: Any,
+    shuffle_buffer: Any,
+    pad_id: Any,
+    dtype: str,
+    state_every: Any,
+    buffer_budget: Any = DEFAULT_BUFFER_BUDGET,
+) -> dict[str, Any]:
     """The Mixture's options checked (``Mixture.<name>: ...``, as :mod:`mixer._check` words it) and
     normalised (integral floats to ints): the one check for code and for a config file."""
     w = "Mixture"

@@ -13,9 +13,8 @@ late phase fails at construction and not mid-run.
 
 from __future__ import annotations
 
-import re
-
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
 from functools import lru_cache
@@ -252,7 +251,9 @@ class Phase:
         if self.temperature is not None and not isinstance(self.temperature, Temperature):
             raise ConfigError(f"Phase.temperature: must be a Temperature or None, got {self.temperature!r}")
         if self.temperature is not None and self.temperature.base == "sizes" and self.weights is not None:
-            raise ConfigError("Phase.temperature.base: 'sizes' would ignore this phase's weights; use 'weights' or None")
+            raise ConfigError(
+                "Phase.temperature.base: 'sizes' would ignore this phase's weights; use 'weights' or None"
+            )
 
 
 @dataclass(frozen=True)
@@ -291,13 +292,19 @@ class Curriculum:
                 raise ConfigError(f"{where}: must be a Phase, got {phase!r}")
             last = k == len(phases) - 1
             if last and phase.until is not None:
-                raise ConfigError(f"{where}.until: the last phase runs to the end of training; must be None, got {phase.until!r}")
+                raise ConfigError(
+                    f"{where}.until: the last phase runs to the end of training; must be None, got {phase.until!r}"
+                )
             if not last and phase.until is None:
                 raise ConfigError(f"{where}.until: required (only the last phase has until=None)")
             if not last and phase.until <= previous:  # type: ignore[operator]
-                raise ConfigError(f"{where}.until: must be greater than the previous boundary {previous:g}, got {phase.until!r}")
+                raise ConfigError(
+                    f"{where}.until: must be greater than the previous boundary {previous:g}, got {phase.until!r}"
+                )
             if k == 0 and phase.ramp > 0:
-                raise ConfigError(f"{where}.ramp: the first phase has nothing to ramp from; must be 0, got {phase.ramp!r}")
+                raise ConfigError(
+                    f"{where}.ramp: the first phase has nothing to ramp from; must be 0, got {phase.ramp!r}"
+                )
             if not last and phase.ramp > phase.until - previous:  # type: ignore[operator]
                 raise ConfigError(
                     f"{where}.ramp: longer than the phase ({phase.until - previous:g} {self.unit}), got {phase.ramp!r}"  # type: ignore[operator]
@@ -406,9 +413,7 @@ class Floored:
         eligible = np.asarray(info.sizes) > 0
         n = int(eligible.sum())
         if self.min_prob * n > 1 + 1e-12:
-            raise ConfigError(
-                f"Floored.min_prob: {self.min_prob!r} * {n} sources = {self.min_prob * n:g} exceeds 1"
-            )
+            raise ConfigError(f"Floored.min_prob: {self.min_prob!r} * {n} sources = {self.min_prob * n:g} exceeds 1")
         return apply_floor(self.schedule.probs(info, step, tokens), eligible, float(self.min_prob))
 
 
@@ -424,7 +429,9 @@ def describe_schedule(schedule: Schedule) -> str:
     describe = getattr(schedule, "describe", None)
     text = describe() if callable(describe) else repr(schedule)
     if not isinstance(text, str):
-        raise ConfigError(f"schedule {type(schedule).__qualname__}: describe() must return a str (got {type(text).__name__})")
+        raise ConfigError(
+            f"schedule {type(schedule).__qualname__}: describe() must return a str (got {type(text).__name__})"
+        )
     if _ADDRESS.search(text):
         raise ConfigError(
             f"schedule {type(schedule).__qualname__}: its description {text!r} holds an object address, which differs in "

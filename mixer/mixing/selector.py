@@ -19,16 +19,14 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-from mixer.state.checkpoint import expect_keys
-from mixer.state.columns import pack_floats, unpack_floats
+from mixer._native import loops as _loops  # None without the compiled cores: numpy does the arithmetic
 from mixer.errors import ConfigError
 from mixer.plan.world import rng_for
-
-from mixer._native import loops as _loops  # None without the compiled cores: numpy does the arithmetic
+from mixer.state.checkpoint import expect_keys
+from mixer.state.columns import pack_floats, unpack_floats
 
 NATIVE: bool = _loops is not None
 """Whether the deficit selector's per-pick loops run in C (`mixer/_native/_loops.c`); False: numpy."""
-
 
 
 class Selector(Protocol):
@@ -150,7 +148,11 @@ class RandomPick:
         self.picks = sum((s.picks for s in olds), np.zeros_like(self.picks)) / readers
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rng": self.rng.bit_generator.state, "amount": pack_floats(self.amount), "picks": pack_floats(self.picks)}
+        return {
+            "rng": self.rng.bit_generator.state,
+            "amount": pack_floats(self.amount),
+            "picks": pack_floats(self.picks),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         expect_keys("random selector", state, ("rng", "amount", "picks"))

@@ -60,8 +60,15 @@ class Stats:
     come from batch granularity at the start of a run or of a window.
     """
 
-    def __init__(self, names: Sequence[str], *, window: int = DEFAULT_WINDOW, num_workers: int = 0, max_tokens: int = 0,
-                 unit: str = "tokens") -> None:  # fmt: skip
+    def __init__(
+        self,
+        names: Sequence[str],
+        *,
+        window: int = DEFAULT_WINDOW,
+        num_workers: int = 0,
+        max_tokens: int = 0,
+        unit: str = "tokens",
+    ) -> None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ConfigError(f"stats_window must be an int >= 1 (got {window!r})")
         if unit not in ("tokens", "samples"):
@@ -105,7 +112,9 @@ class Stats:
             base = self._base[worker]
             if base is None:
                 resumed = meta.resumed_counters
-                base = self._base[worker] = np.asarray(resumed, dtype=np.int64) if resumed is not None else np.zeros_like(rows)
+                base = self._base[worker] = (
+                    np.asarray(resumed, dtype=np.int64) if resumed is not None else np.zeros_like(rows)
+                )
             rows = rows - base
         # A reader's counters are cumulative and already include this batch: the difference is it.
         delta = rows - self._last[worker]
@@ -238,7 +247,9 @@ def format_line(stats: dict[str, Any]) -> str:
     """One compact line: step, throughput, padding, and per source realized/target share (in the
     mixture's unit) over the window; with adaptive mixing, the last window's mean loss per source."""
     w = stats["window"]
-    shares = " ".join(f"{name} {s['window']['realized']:.3f}/{s['window']['target']:.3f}" for name, s in stats["sources"].items())
+    shares = " ".join(
+        f"{name} {s['window']['realized']:.3f}/{s['window']['target']:.3f}" for name, s in stats["sources"].items()
+    )
     return (
         f"step {stats['step']} | {w['tokens_per_second']:,.0f} tok/s | pad eff {w['padding_efficiency']:.3f} | "
         f"realized/target {_unit_word(stats)} share over {w['batches']} batches: {shares}{format_adaptive(stats.get('adaptive'))}"
@@ -265,9 +276,15 @@ def log_every(loader: Iterable[Batch], n: int, *, logger: logging.Logger | None 
             out.info("%s", format_line(stats))
             for name in stats["starved"]:
                 s = stats["sources"][name]["window"]
-                out.warning("source %r is starved: realized %s share %.4f over the last %d batches, below half its target %.4f "
-                            "(exhausted, too few samples for its share, or too few shards for the readers?)",
-                            name, _unit_word(stats), s["realized"], stats["window"]["batches"], s["target"])  # fmt: skip
+                out.warning(
+                    "source %r is starved: realized %s share %.4f over the last %d batches, below half its target %.4f "
+                    "(exhausted, too few samples for its share, or too few shards for the readers?)",
+                    name,
+                    _unit_word(stats),
+                    s["realized"],
+                    stats["window"]["batches"],
+                    s["target"],
+                )
         yield batch
 
 
@@ -277,12 +294,21 @@ def log_every(loader: Iterable[Batch], n: int, *, logger: logging.Logger | None 
 #: (key, title, format) of the end-of-run table; ``target``, ``realized`` and ``error`` are in the
 #: mixture's unit, and the table adds the share in the other unit (``token_share`` / ``sample_share``).
 TABLE_COLUMNS = (
-    ("target", "target", ".4f"), ("realized", "realized", ".4f"), ("error", "error", "+.4f"),
-    ("token_share", "token share", ".4f"), ("sample_share", "sample share", ".4f"), ("tokens", "tokens", ","),
-    ("samples", "samples", ","), ("read", "read", ","), ("padding_efficiency", "pad eff", ".3f"), ("epochs", "epochs", ","),
-    ("skipped_samples", "skipped", ","), ("skipped_shards", "bad shards", ","),
-    ("skipped_unknown", "rest unknown", ","), ("skipped_bytes", "bytes lost", ","),
-)  # fmt: skip
+    ("target", "target", ".4f"),
+    ("realized", "realized", ".4f"),
+    ("error", "error", "+.4f"),
+    ("token_share", "token share", ".4f"),
+    ("sample_share", "sample share", ".4f"),
+    ("tokens", "tokens", ","),
+    ("samples", "samples", ","),
+    ("read", "read", ","),
+    ("padding_efficiency", "pad eff", ".3f"),
+    ("epochs", "epochs", ","),
+    ("skipped_samples", "skipped", ","),
+    ("skipped_shards", "bad shards", ","),
+    ("skipped_unknown", "rest unknown", ","),
+    ("skipped_bytes", "bytes lost", ","),
+)
 
 
 def report(stats: dict[str, Any]) -> dict[str, Any]:
@@ -315,7 +341,10 @@ def format_table(rep: dict[str, Any]) -> str:
     for name, s in rep["sources"].items():
         rows.append((name,) + tuple(format(s[key], spec) for key, _, spec in columns))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(r, widths))) for r in rows]
+    lines = [
+        "  ".join(cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(r, widths)))
+        for r in rows
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.append("")
     lines.append(f"target, realized and error are {word} shares (unit: {rep['unit']})")
@@ -410,9 +439,15 @@ def plot_run(history: History, path: str | None = None, *, width: int | None = N
 
 
 def plot_schedule(
-    names: Sequence[str], steps: np.ndarray, probs: np.ndarray, path: str | None = None, *,
-    tokens_per_step: float | None = None, boundaries: Sequence[float] = (), title: str = "",
-) -> Figure:  # fmt: skip
+    names: Sequence[str],
+    steps: np.ndarray,
+    probs: np.ndarray,
+    path: str | None = None,
+    *,
+    tokens_per_step: float | None = None,
+    boundaries: Sequence[float] = (),
+    title: str = "",
+) -> Figure:
     """The target share of every source (one series each) over global steps; with ``tokens_per_step``
     a second x axis on top gives the tokens seen. ``boundaries`` (steps) are marked with thin vertical
     lines (unlabelled)."""

@@ -8,7 +8,9 @@ from collections.abc import Sequence
 import numpy as np
 
 
-def bucket_edges(lengths: Sequence[int] | np.ndarray, *, longest: int, num_buckets: int = 16, max_ratio: float = 1.05) -> list[int]:
+def bucket_edges(
+    lengths: Sequence[int] | np.ndarray, *, longest: int, num_buckets: int = 16, max_ratio: float = 1.05
+) -> list[int]:
     """Bucket upper edges for a length distribution, as a pure function of the sample.
 
     First ``num_buckets`` ranges of equal token mass (as lhotse does: each bucket then fills at the
@@ -40,7 +42,9 @@ def _merge_light(fine: list[int], lens: np.ndarray, *, min_mass: float) -> list[
     holds its samples back for a long time, since it rarely fills a batch. Empty ranges past the
     observed lengths join the last range, whose batches then hold one or two samples each.
     """
-    masses = np.diff(np.concatenate([[0.0], np.cumsum(lens, dtype=np.float64)[np.searchsorted(lens, fine, side="right") - 1]]))
+    masses = np.diff(
+        np.concatenate([[0.0], np.cumsum(lens, dtype=np.float64)[np.searchsorted(lens, fine, side="right") - 1]])
+    )
     edges: list[int] = []
     acc = 0.0
     for edge, m in zip(fine, masses):

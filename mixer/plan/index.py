@@ -29,15 +29,15 @@ from typing import Any, Literal
 import numpy as np
 
 from mixer import storage
-from mixer.state.checkpoint import qualname
 from mixer.errors import ConfigError, MixerError, SampleError, ShardError
 from mixer.plan.shard_index import DEFAULT_NAME, Entry, ShardIndex, decode_file, encode_file
-from mixer.spec.source import Source
-from mixer.storage.filesystems import filesystem
-from mixer.storage.urls import is_local, local_path, scheme_of
 from mixer.read.counters import Counters
 from mixer.read.sample import _decoded
 from mixer.read.tario import read_samples
+from mixer.spec.source import Source
+from mixer.state.checkpoint import qualname
+from mixer.storage.filesystems import filesystem
+from mixer.storage.urls import is_local, local_path, scheme_of
 
 __all__ = ["build_index", "load_index"]
 
@@ -102,8 +102,17 @@ def index_for(source: Source, listed: Sequence[tuple[str, int | None]]) -> Shard
     return _index(source, location, "auto", True, WORKERS, False, build=False, listed=listed)
 
 
-def _index(source: Source, location: str | None, stale: Stale, verify: bool, workers: int, progress: bool, *, build: bool,
-           listed: Sequence[tuple[str, int | None]] | None = None) -> ShardIndex:  # fmt: skip
+def _index(
+    source: Source,
+    location: str | None,
+    stale: Stale,
+    verify: bool,
+    workers: int,
+    progress: bool,
+    *,
+    build: bool,
+    listed: Sequence[tuple[str, int | None]] | None = None,
+) -> ShardIndex:
     if workers < 1:
         raise ConfigError(f"index: workers must be >= 1, got {workers}")
     if listed is None:
@@ -150,9 +159,16 @@ def _index(source: Source, location: str | None, stale: Stale, verify: bool, wor
     for i, e in enumerate(entries):
         assert e is not None
         if e.damage is not None:
-            log.warning("source %r: index: shard %s is damaged (%s): its %d sample(s) before the damage are read, not the rest",
-                        source.name, storage.redact(urls[i]), e.damage, e.samples)  # fmt: skip
-    return ShardIndex(tuple(urls), tuple(e for e in entries if e is not None), want, tuple(by_loc), tuple(urls[i] for i in todo))
+            log.warning(
+                "source %r: index: shard %s is damaged (%s): its %d sample(s) before the damage are read, not the rest",
+                source.name,
+                storage.redact(urls[i]),
+                e.damage,
+                e.samples,
+            )
+    return ShardIndex(
+        tuple(urls), tuple(e for e in entries if e is not None), want, tuple(by_loc), tuple(urls[i] for i in todo)
+    )
 
 
 def _same(indexed: str, now: str | None) -> bool:
@@ -171,12 +187,18 @@ def _judge(source: Source, stale: Stale, locs: list[str], reasons: list[str]) ->
     where = ", ".join(storage.redact(x) for x in locs)
     locked = [x for x in locs if not _writable(x)]
     if stale == "refuse" or (stale == "auto" and locked):
-        why = "stale='refuse'" if stale == "refuse" else f"{', '.join(storage.redact(x) for x in locked)} cannot be written"
+        why = (
+            "stale='refuse'"
+            if stale == "refuse"
+            else f"{', '.join(storage.redact(x) for x in locked)} cannot be written"
+        )
         raise ShardError(
             f"source {source.name!r}: index {where} is stale for {len(reasons)} shard(s): {shown}. Not re-indexed ({why}): "
             f"rebuild it with `mixer index` (or mixer.build_index), or pass stale='reindex'"
         )
-    log.warning("source %r: index %s is stale for %d shard(s), re-indexing them: %s", source.name, where, len(reasons), shown)
+    log.warning(
+        "source %r: index %s is stale for %d shard(s), re-indexing them: %s", source.name, where, len(reasons), shown
+    )
 
 
 # ---- where, and what the storage says now ----------------------------------------------------
@@ -213,8 +235,13 @@ def _read(loc: str, source: Source, want: str) -> dict[str, Entry]:
         raise ShardError(f"source {source.name!r}: cannot read index {storage.redact(loc)}: {exc}") from exc
     by, entries = decode_file(data, storage.redact(loc))
     if by != want:
-        log.warning("source %r: index %s measured token lengths with %s, the source uses %s: every entry is stale",
-                    source.name, storage.redact(loc), by, want)  # fmt: skip
+        log.warning(
+            "source %r: index %s measured token lengths with %s, the source uses %s: every entry is stale",
+            source.name,
+            storage.redact(loc),
+            by,
+            want,
+        )
         return {}
     return entries
 
@@ -248,11 +275,19 @@ def _write(loc: str, source: Source, entries: dict[str, Entry], want: str, *, re
     except (OSError, NotImplementedError) as exc:
         if required:
             raise ShardError(f"source {source.name!r}: cannot write index {storage.redact(loc)}: {exc}") from exc
-        log.warning("source %r: cannot rewrite index %s (%s); re-indexed in memory only", source.name, storage.redact(loc), exc)
+        log.warning(
+            "source %r: cannot rewrite index %s (%s); re-indexed in memory only", source.name, storage.redact(loc), exc
+        )
 
 
-def _current(source: Source, listed: list[tuple[str, int | None]], files: dict[str, dict[str, Entry]],
-             by_loc: dict[str, list[int]], verify: bool, workers: int) -> list[tuple[int, str | None]]:  # fmt: skip
+def _current(
+    source: Source,
+    listed: list[tuple[str, int | None]],
+    files: dict[str, dict[str, Entry]],
+    by_loc: dict[str, list[int]],
+    verify: bool,
+    workers: int,
+) -> list[tuple[int, str | None]]:
     """Every shard's (size, validator) now: local shards by ``stat``, remote ones by ``info()`` (in
     parallel), except, with ``verify=False``, remote shards with an entry: the listing's size
     (or the entry's when the listing gave none) and no validator check."""
@@ -292,11 +327,17 @@ def _stat(url: str, source: Source) -> tuple[int, str]:
 # ---- reading shards ---------------------------------------------------------------------------
 
 
-def _read_shards(source: Source, urls: list[str], current: list[tuple[int, str | None]], workers: int, progress: bool) -> list[Entry]:
+def _read_shards(
+    source: Source, urls: list[str], current: list[tuple[int, str | None]], workers: int, progress: bool
+) -> list[Entry]:
     from tqdm import tqdm  # only when shards are read
 
-    with ThreadPoolExecutor(max_workers=min(workers, len(urls)), thread_name_prefix="mixer-index") as pool, \
-            tqdm(total=len(urls), unit="shard", desc=f"indexing {source.name}", disable=not progress, file=sys.stderr) as bar:  # fmt: skip
+    with (
+        ThreadPoolExecutor(max_workers=min(workers, len(urls)), thread_name_prefix="mixer-index") as pool,
+        tqdm(
+            total=len(urls), unit="shard", desc=f"indexing {source.name}", disable=not progress, file=sys.stderr
+        ) as bar,
+    ):
         futures = [pool.submit(_index_shard, source, u, c) for u, c in zip(urls, current)]
         out = []
         try:
@@ -319,8 +360,11 @@ def _index_shard(source: Source, url: str, current: tuple[int, str | None]) -> E
     scratch = Counters()
     end = 0
     damage = None
-    kwargs = {"storage_options": dict(source.storage_options or {}), "allow_pipe": source.allow_pipe,
-              **storage.IOOptions.of(source.io_options).open_kwargs()}  # fmt: skip
+    kwargs = {
+        "storage_options": dict(source.storage_options or {}),
+        "allow_pipe": source.allow_pipe,
+        **storage.IOOptions.of(source.io_options).open_kwargs(),
+    }
     try:
         with storage.open_shard(url, **kwargs) as stream:
             for raw in read_samples(stream, url=storage.redact(url)):
@@ -335,4 +379,10 @@ def _index_shard(source: Source, url: str, current: tuple[int, str | None]) -> E
         if source.on_error == "raise":
             raise ShardError(f"source {source.name!r}: indexing shard {storage.redact(url)}: {exc}") from exc
         damage = str(exc)
-    return Entry.make(size=size, validator=validator, offsets=np.asarray([*offsets, end], dtype=np.int64), lengths=np.asarray(lengths, dtype=np.int64), damage=damage)
+    return Entry.make(
+        size=size,
+        validator=validator,
+        offsets=np.asarray([*offsets, end], dtype=np.int64),
+        lengths=np.asarray(lengths, dtype=np.int64),
+        damage=damage,
+    )

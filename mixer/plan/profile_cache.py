@@ -62,7 +62,9 @@ def function_key(fn: Any) -> str | None:
     return f"{fn.__module__}:{fn.__qualname__}:{digest}"
 
 
-def cache_key(listed: ListedSource, budget: TokenBudget | Packed, picks: Sequence[int], *, max_samples: int, max_shards: int) -> str | None:
+def cache_key(
+    listed: ListedSource, budget: TokenBudget | Packed, picks: Sequence[int], *, max_samples: int, max_shards: int
+) -> str | None:
     """The digest naming ``listed``'s profile (see the module docstring), or None when the source's
     ``decode`` or ``length`` has no stable name."""
     source = listed.source

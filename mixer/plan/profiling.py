@@ -31,16 +31,16 @@ from typing import Any, BinaryIO, Literal, cast
 import numpy as np
 
 from mixer import _warn, storage
-from mixer.spec.budget import Packed, TokenBudget
 from mixer.errors import ConfigError, MixerError, SampleError, ShardError
 from mixer.plan.profile_cache import ProfileCache, cache_key, lengths_of
-from mixer.spec.source import ListedSource, Source
-from mixer.storage.compressed import codec_of
-from mixer.storage.windows import MIN_WINDOW, WindowedStream  # noqa: F401 (MIN_WINDOW: the least a window asks for)
-from mixer.storage.urls import is_local, scheme_of
 from mixer.read.counters import Counters
 from mixer.read.sample import _decoded, _fit, _skip_or_raise
 from mixer.read.tario import read_samples
+from mixer.spec.budget import Packed, TokenBudget
+from mixer.spec.source import ListedSource, Source
+from mixer.storage.compressed import codec_of
+from mixer.storage.urls import is_local, scheme_of
+from mixer.storage.windows import MIN_WINDOW, WindowedStream  # noqa: F401 (MIN_WINDOW: the least a window asks for)
 
 log = logging.getLogger(__name__)
 
@@ -92,11 +92,15 @@ def _picks(n: int, max_shards: int) -> list[int]:
 
 
 def _open(url: str, source: Source, want: int, size: int | None) -> BinaryIO:
-    kwargs = {"storage_options": dict(source.storage_options or {}), "allow_pipe": source.allow_pipe,
-              **storage.IOOptions.of(source.io_options).open_kwargs()}  # fmt: skip
+    kwargs = {
+        "storage_options": dict(source.storage_options or {}),
+        "allow_pipe": source.allow_pipe,
+        **storage.IOOptions.of(source.io_options).open_kwargs(),
+    }
     scheme = scheme_of(url)
     if is_local(scheme) or scheme == "pipe" or codec_of(url) is not None:
         return storage.open_shard(url, **kwargs)  # local: no over-read to bound; compressed: from the start
+
     def open_range(start: int, end: int) -> BinaryIO:
         return storage.open_shard(url, start_offset=start, end_offset=end, **kwargs)
 
@@ -107,7 +111,13 @@ def _given(p: Profile, source: Source) -> Profile:
     if source.size is not None:
         return replace(p, size=source.size, estimated=False)
     if p.origin == "read":
-        log.info("source %r: estimated size %.3g tokens (%.4f tokens/byte over %d samples)", source.name, p.size, p.tokens_per_byte, p.lengths.size)
+        log.info(
+            "source %r: estimated size %.3g tokens (%.4f tokens/byte over %d samples)",
+            source.name,
+            p.size,
+            p.tokens_per_byte,
+            p.lengths.size,
+        )
     return p
 
 
@@ -156,7 +166,9 @@ def _look(
         got: list[int] = []
         stream = None
         bps = seen_bytes / seen_samples if seen_samples else 0.0
-        want = math.ceil((per_shard + 1) * bps * SLACK) if bps else min(FIRST_WINDOW, per_shard * FIRST_BYTES_PER_SAMPLE)
+        want = (
+            math.ceil((per_shard + 1) * bps * SLACK) if bps else min(FIRST_WINDOW, per_shard * FIRST_BYTES_PER_SAMPLE)
+        )
         try:
             with _open(url, source, want, listed.shard_bytes[shard]) as stream:
                 for raw in read_samples(stream, url=storage.redact(url)):
@@ -195,9 +207,16 @@ def _look(
     skipped = scratch.skipped_samples
     if not lengths:
         also = f" ({skipped} skipped as bad)" if skipped else ""
-        raise ShardError(f"source {source.name!r}: no samples found in shards {[storage.redact(shards[p]) for p in picks]}{also}")
+        raise ShardError(
+            f"source {source.name!r}: no samples found in shards {[storage.redact(shards[p]) for p in picks]}{also}"
+        )
     if skipped:
-        log.warning("source %r: profiling skipped %d bad sample(s) of %d read (on_error='skip')", source.name, skipped, len(lengths) + skipped)
+        log.warning(
+            "source %r: profiling skipped %d bad sample(s) of %d read (on_error='skip')",
+            source.name,
+            skipped,
+            len(lengths) + skipped,
+        )
     arr = np.asarray(lengths, dtype=np.int64)
     tpb = float(arr.sum()) / max(nbytes, 1)
     known = [b for b in listed.shard_bytes if b is not None]
@@ -254,42 +273,70 @@ def profile_sources(
     of the group must build the mixture."""
     todo = [i for i, ls in enumerate(listed) if needs_profile(ls.source, budget) and ls.index is None]
     out: list[Profile] = [
-        _given(_from_index(ls), ls.source) if ls.index is not None and needs_profile(ls.source, budget)
+        _given(_from_index(ls), ls.source)
+        if ls.index is not None and needs_profile(ls.source, budget)
         else Profile(np.zeros(0, dtype=np.int64), math.nan, float(ls.source.size or 0.0), False, origin="given")
         for ls in listed
-    ]  # fmt: skip
+    ]
     if not todo:
         return out
     shared = _share_group(share, group)
     max_samples = min(max_samples, max(MIN_SAMPLES, max_total // len(todo)))
 
     def look() -> list[Profile]:
-        return _look_all([listed[i] for i in todo], budget, cache, max_samples, max_shards, concurrency or MAX_CONCURRENT)
+        return _look_all(
+            [listed[i] for i in todo], budget, cache, max_samples, max_shards, concurrency or MAX_CONCURRENT
+        )
 
-    looked = look() if shared is None else _broadcast(look, [(listed[i].name, len(listed[i].shards)) for i in todo], shared[0])
+    looked = (
+        look()
+        if shared is None
+        else _broadcast(look, [(listed[i].name, len(listed[i].shards)) for i in todo], shared[0])
+    )
     for i, p in zip(todo, looked):
         out[i] = _given(p, listed[i].source)
     return out
 
 
-def _look_all(todo: list[ListedSource], budget: TokenBudget | Packed, cache: str | os.PathLike[str] | None,
-              max_samples: int, max_shards: int, concurrency: int) -> list[Profile]:  # fmt: skip
+def _look_all(
+    todo: list[ListedSource],
+    budget: TokenBudget | Packed,
+    cache: str | os.PathLike[str] | None,
+    max_samples: int,
+    max_shards: int,
+    concurrency: int,
+) -> list[Profile]:
     store = ProfileCache(cache) if cache is not None else None
     keys: list[str | None] = [None] * len(todo)
     results: list[Profile | None] = [None] * len(todo)
     if store is not None:
         for j, ls in enumerate(todo):
-            keys[j] = key = cache_key(ls, budget, _picks(len(ls.shards), max_shards), max_samples=max_samples, max_shards=max_shards)
+            keys[j] = key = cache_key(
+                ls, budget, _picks(len(ls.shards), max_shards), max_samples=max_samples, max_shards=max_shards
+            )
             entry = store.load(key) if key is not None else None
             if entry is not None:
-                results[j] = Profile(lengths_of(entry), float(entry["tokens_per_byte"]), float(entry["size"]), True, int(entry["skipped"]), 0, "cache")
+                results[j] = Profile(
+                    lengths_of(entry),
+                    float(entry["tokens_per_byte"]),
+                    float(entry["size"]),
+                    True,
+                    int(entry["skipped"]),
+                    0,
+                    "cache",
+                )
     misses = [j for j, r in enumerate(results) if r is None]
     if not misses:
         return [r for r in results if r is not None]
     warned: list[list[str]] = [[] for _ in todo]
     pool = ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(misses))), thread_name_prefix="mixer-profile")
     try:
-        futures = {j: pool.submit(_look, todo[j], budget, max_samples=max_samples, max_shards=max_shards, warn=warned[j].append) for j in misses}
+        futures = {
+            j: pool.submit(
+                _look, todo[j], budget, max_samples=max_samples, max_shards=max_shards, warn=warned[j].append
+            )
+            for j in misses
+        }
         for j in misses:  # in source order: the warnings, and the error a sequential look would raise first
             try:
                 results[j] = p = futures[j].result()
@@ -298,7 +345,15 @@ def _look_all(todo: list[ListedSource], budget: TokenBudget | Packed, cache: str
                     _warn.warn(message)
             key = keys[j]
             if store is not None and key is not None:
-                store.store(key, {"lengths": p.lengths.tolist(), "tokens_per_byte": p.tokens_per_byte, "size": p.size, "skipped": p.skipped})
+                store.store(
+                    key,
+                    {
+                        "lengths": p.lengths.tolist(),
+                        "tokens_per_byte": p.tokens_per_byte,
+                        "size": p.size,
+                        "skipped": p.skipped,
+                    },
+                )
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
     return [r for r in results if r is not None]
@@ -345,7 +400,9 @@ def _broadcast(look: Callable[[], list[Profile]], what: list[tuple[str, int]], g
         raise value
     for (name, n), (_, m) in zip(what, theirs):
         if n != m:
-            raise ConfigError(f"source {name!r}: this rank lists {n} shard(s), rank 0 of the group {m}; every rank must see the same shards")
+            raise ConfigError(
+                f"source {name!r}: this rank lists {n} shard(s), rank 0 of the group {m}; every rank must see the same shards"
+            )
     return list(value)
 
 

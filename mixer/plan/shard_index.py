@@ -16,18 +16,18 @@ import base64
 import gzip
 import json
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
-from collections.abc import Iterable
 from typing import Any, BinaryIO, cast
 
 import numpy as np
 
 from mixer.errors import ConfigError
 from mixer.plan.shards import ShardSlice
+from mixer.read.tarheader import BLOCK, ZERO_BLOCK
 from mixer.storage import ReadAhead, codec_of
 from mixer.storage.streams import ForwardStream
-from mixer.read.tarheader import BLOCK, ZERO_BLOCK
 
 FORMAT = "mixer-index"
 VERSION = 1
@@ -61,19 +61,29 @@ class Entry:
         return np.frombuffer(zlib.decompress(base64.b64decode(self.blob["lengths"])), dtype="<u4").astype(np.int64)
 
     @classmethod
-    def make(cls, *, size: int, validator: str, offsets: np.ndarray, lengths: np.ndarray, damage: str | None = None) -> Entry:
+    def make(
+        cls, *, size: int, validator: str, offsets: np.ndarray, lengths: np.ndarray, damage: str | None = None
+    ) -> Entry:
         offsets = np.asarray(offsets, dtype=np.int64)
         lengths = np.asarray(lengths, dtype=np.int64)
         if len(offsets) != len(lengths) + 1 or (offsets % BLOCK).any() or (np.diff(offsets) < 0).any():
-            raise ConfigError(f"index entry: {len(offsets)} offsets for {len(lengths)} samples (need one more, multiples of {BLOCK}, increasing)")
+            raise ConfigError(
+                f"index entry: {len(offsets)} offsets for {len(lengths)} samples (need one more, multiples of {BLOCK}, increasing)"
+            )
         deltas = np.diff(offsets, prepend=0) // BLOCK
         blob = {"offsets": _pack(deltas.astype("<u4")), "lengths": _pack(lengths.astype("<u4"))}
         weight = int(np.maximum(lengths, 1).sum())
         return cls(int(size), str(validator), len(lengths), int(lengths.sum()), weight, blob, damage)
 
     def to_json(self) -> dict[str, Any]:
-        out = {"size": self.size, "validator": self.validator, "samples": self.samples, "tokens": self.tokens,
-               "weight": self.weight, **self.blob}  # fmt: skip
+        out = {
+            "size": self.size,
+            "validator": self.validator,
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "weight": self.weight,
+            **self.blob,
+        }
         if self.damage is not None:
             out["damage"] = self.damage
         return out
@@ -81,8 +91,15 @@ class Entry:
     @classmethod
     def from_json(cls, d: dict[str, Any], where: str) -> Entry:
         try:
-            return cls(int(d["size"]), str(d["validator"]), int(d["samples"]), int(d["tokens"]), int(d["weight"]),
-                       {"offsets": str(d["offsets"]), "lengths": str(d["lengths"])}, d.get("damage"))  # fmt: skip
+            return cls(
+                int(d["size"]),
+                str(d["validator"]),
+                int(d["samples"]),
+                int(d["tokens"]),
+                int(d["weight"]),
+                {"offsets": str(d["offsets"]), "lengths": str(d["lengths"])},
+                d.get("damage"),
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{where}: not a valid index entry ({type(exc).__name__}: {exc})") from None
 
@@ -93,8 +110,12 @@ def _pack(a: np.ndarray) -> str:
 
 def encode_file(entries: dict[str, Entry], tokens_by: str, *, gz: bool) -> bytes:
     """The bytes of an index file holding ``entries`` (keyed by shard name; see :mod:`mixer.plan.index`)."""
-    doc = {"format": FORMAT, "version": VERSION, "tokens_by": tokens_by,
-           "shards": {k: e.to_json() for k, e in sorted(entries.items())}}  # fmt: skip
+    doc = {
+        "format": FORMAT,
+        "version": VERSION,
+        "tokens_by": tokens_by,
+        "shards": {k: e.to_json() for k, e in sorted(entries.items())},
+    }
     data = json.dumps(doc, separators=(",", ":")).encode()
     return gzip.compress(data, 6, mtime=0) if gz else data
 
@@ -110,8 +131,12 @@ def decode_file(data: bytes, where: str) -> tuple[str, dict[str, Entry]]:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("shards"), dict):
         raise ConfigError(f"index {where}: not a {FORMAT} file")
     if doc.get("version") != VERSION:
-        raise ConfigError(f"index {where}: version {doc.get('version')!r}, this mixer reads version {VERSION}: rebuild it with `mixer index`")
-    return str(doc.get("tokens_by")), {k: Entry.from_json(v, f"index {where}, shard {k!r}") for k, v in doc["shards"].items()}
+        raise ConfigError(
+            f"index {where}: version {doc.get('version')!r}, this mixer reads version {VERSION}: rebuild it with `mixer index`"
+        )
+    return str(doc.get("tokens_by")), {
+        k: Entry.from_json(v, f"index {where}, shard {k!r}") for k, v in doc["shards"].items()
+    }
 
 
 @dataclass(frozen=True)
@@ -158,7 +183,11 @@ class ShardIndex:
         else those of shards spread evenly over the list until ``limit`` are taken."""
         n = len(self.entries)
         total = int(self.counts.sum())
-        picks = range(n) if total <= limit else np.unique(np.linspace(0, n - 1, -(-n * limit // total)).round().astype(np.int64)).tolist()
+        picks = (
+            range(n)
+            if total <= limit
+            else np.unique(np.linspace(0, n - 1, -(-n * limit // total)).round().astype(np.int64)).tolist()
+        )
         parts = [self.lengths(i) for i in picks]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
@@ -205,7 +234,9 @@ class RangeStream(ForwardStream):
         self.inner.close()
 
 
-def open_slice(ahead: ReadAhead, url: str, sl: ShardSlice, offset: int, upcoming: Iterable[str], window: int | None = None) -> BinaryIO:
+def open_slice(
+    ahead: ReadAhead, url: str, sl: ShardSlice, offset: int, upcoming: Iterable[str], window: int | None = None
+) -> BinaryIO:
     """A reader's stream of slice ``sl`` from byte ``offset``: the whole shard as before, or a
     sample range that ends at ``sl.end`` (a ranged request with an end byte; a compressed shard is
     decompressed from its start and cut there). ``window``: see `mixer.storage.ReadAhead.open`."""
@@ -215,10 +246,17 @@ def open_slice(ahead: ReadAhead, url: str, sl: ShardSlice, offset: int, upcoming
     return cast(BinaryIO, RangeStream(stream, offset, sl.end))
 
 
-def range_loss(sl: ShardSlice, next_index: int, next_offset: int, index: ShardIndex) -> tuple[tuple[int, int, int, int], str]:
+def range_loss(
+    sl: ShardSlice, next_index: int, next_offset: int, index: ShardIndex
+) -> tuple[tuple[int, int, int, int], str]:
     """What giving up an indexed slice at sample ``next_index`` (byte ``next_offset``) loses, as
     :meth:`SourceStream._loss` counts it: its samples not delivered, exactly, and the bytes left."""
     left = sl.stop - next_index if sl.stop is not None else 0
     end = sl.end if sl.end is not None else int(index.offsets(sl.shard)[-1])
     rest = max(end - next_offset, 0)
-    return (left, 1, 0, rest), f"{left} indexed sample(s) of the range lost; {rest} bytes from offset {next_offset} skipped"
+    return (
+        left,
+        1,
+        0,
+        rest,
+    ), f"{left} indexed sample(s) of the range lost; {rest} bytes from offset {next_offset} skipped"

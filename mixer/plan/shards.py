@@ -46,7 +46,9 @@ def slice_row(sl: ShardSlice) -> list[int]:
 def slice_of(row: Sequence[int], where: str) -> ShardSlice:
     """The slice of :func:`slice_row` (a StateError naming ``where`` when it is not one)."""
     if len(row) != len(ShardSlice._fields) or min(row[:4], default=0) < 0:
-        raise StateError(f"{where} state: a slice is {len(ShardSlice._fields)} ints {list(ShardSlice._fields)} (got {list(row)})")
+        raise StateError(
+            f"{where} state: a slice is {len(ShardSlice._fields)} ints {list(ShardSlice._fields)} (got {list(row)})"
+        )
     shard, part, parts, start, stop, begin, end = map(int, row)
     return ShardSlice(shard, part, parts, start, None if stop < 0 else stop, begin, None if end < 0 else end)
 
@@ -109,8 +111,16 @@ def plan(
     return [ShardSlice(s) for s in mine.tolist()]
 
 
-def plan_all(num_shards: int, readers: int, *, seed: int, source: str, epoch: int, sizes: Sequence[int | None] | None = None,
-             index: Ranges | None = None) -> list[list[ShardSlice]]:  # fmt: skip
+def plan_all(
+    num_shards: int,
+    readers: int,
+    *,
+    seed: int,
+    source: str,
+    epoch: int,
+    sizes: Sequence[int | None] | None = None,
+    index: Ranges | None = None,
+) -> list[list[ShardSlice]]:
     """Every reader's :func:`plan` of one source-epoch at once (reader ``k``'s is ``plan`` with
     ``world.reader == k``): one order and one assignment instead of one per reader, for whoever needs
     the whole world's plans (an elastic resume settles every old reader)."""
@@ -121,7 +131,10 @@ def plan_all(num_shards: int, readers: int, *, seed: int, source: str, epoch: in
         bounds = range_bounds(order, index, readers, list(range(readers + 1)))
         return [_range_slices(order, index, bounds[k], bounds[k + 1]) for k in range(readers)]
     if num_shards < readers:
-        return [[ShardSlice(int(order[k % num_shards]), k // num_shards, len(range(k % num_shards, readers, num_shards)))] for k in range(readers)]
+        return [
+            [ShardSlice(int(order[k % num_shards]), k // num_shards, len(range(k % num_shards, readers, num_shards)))]
+            for k in range(readers)
+        ]
     out: list[list[ShardSlice]] = [[] for _ in range(readers)]
     if sizes is None or any(s is None for s in sizes):
         owners = np.arange(num_shards) % readers
@@ -176,14 +189,18 @@ def _owners_by_size(order: np.ndarray, sizes: Sequence[int | None], readers: int
         load[:first] = size[by_size[:first]]
         keys: np.ndarray | list[int] = np.sort(load * readers + np.arange(readers))
     else:
-        keys = sorted([*(s * readers + r for r, s in enumerate(size[by_size[:first]].tolist())), *range(first, readers)])
+        keys = sorted(
+            [*(s * readers + r for r, s in enumerate(size[by_size[:first]].tolist())), *range(first, readers)]
+        )
     keys = _greedy(keys, size[by_size[first:positive]], by_size[first:positive], owner, readers)
     # empty shards all go to the least-loaded reader: giving it nothing keeps it the least loaded
     owner[by_size[positive:]] = int(keys[0]) % readers
     return owner
 
 
-def _greedy(keys: np.ndarray | list[int], size: np.ndarray, shards: np.ndarray, owner: np.ndarray, readers: int) -> np.ndarray | list[int]:
+def _greedy(
+    keys: np.ndarray | list[int], size: np.ndarray, shards: np.ndarray, owner: np.ndarray, readers: int
+) -> np.ndarray | list[int]:
     """Assigns ``shards`` (by decreasing ``size``) to readers, writing ``owner``; ``keys`` are every
     reader's ``load * readers + reader``, sorted (a numpy array: vectorised rounds; a list: the
     heap only). Returns the keys after the last shard, sorted at least as a heap."""
@@ -284,5 +301,9 @@ def warn_shared_shards(listed: Sequence[Any], world: World, log: logging.Logger)
             log.warning(
                 "source %r has %d shard(s) for %d readers: readers share shards and each reads every byte of "
                 "its shard but keeps only its part of the samples (I/O amplified up to %dx); more, smaller "
-                "shards avoid it", s.name, len(s.shards), world.readers, -(-world.readers // len(s.shards)),
+                "shards avoid it",
+                s.name,
+                len(s.shards),
+                world.readers,
+                -(-world.readers // len(s.shards)),
             )

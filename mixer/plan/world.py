@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from mixer.state.checkpoint import expect_keys
-from mixer.errors import ConfigError, StateError
 from mixer import _native
+from mixer.errors import ConfigError, StateError
+from mixer.state.checkpoint import expect_keys
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,7 +30,9 @@ class World:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank must be in [0, world_size): got rank={self.rank}, world_size={self.world_size}")
         if self.num_workers < 1 or not 0 <= self.worker < self.num_workers:
-            raise ConfigError(f"worker must be in [0, num_workers): got worker={self.worker}, num_workers={self.num_workers}")
+            raise ConfigError(
+                f"worker must be in [0, num_workers): got worker={self.worker}, num_workers={self.num_workers}"
+            )
 
     @property
     def readers(self) -> int:

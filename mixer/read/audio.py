@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from mixer.read.decode import decode_npy
 from mixer.errors import ConfigError, SampleError
+from mixer.read.decode import decode_npy
 
 _AUDIO_DTYPES = ("float32", "float64", "int16", "int32")
 _soundfile: Any = None
@@ -81,8 +81,14 @@ class SpeechDecode:
                 raise ConfigError(f"SpeechDecode: {name} must be callable or None (got {v!r})")
         if self.dtype not in _AUDIO_DTYPES:
             raise ConfigError(f"SpeechDecode: dtype must be one of {_AUDIO_DTYPES} (got {self.dtype!r})")
-        if isinstance(self.audio_members, str) or not self.audio_members or not all(isinstance(m, str) and m for m in self.audio_members):
-            raise ConfigError(f"SpeechDecode: audio_members must be a non-empty tuple of member extensions (got {self.audio_members!r})")
+        if (
+            isinstance(self.audio_members, str)
+            or not self.audio_members
+            or not all(isinstance(m, str) and m for m in self.audio_members)
+        ):
+            raise ConfigError(
+                f"SpeechDecode: audio_members must be a non-empty tuple of member extensions (got {self.audio_members!r})"
+            )
 
     def __repr__(self) -> str:
         # Deterministic across processes (callables by name, not address): it is part of the
@@ -99,13 +105,17 @@ class SpeechDecode:
         member = next((m for m in self.audio_members if m in sample), None)
         if member is None:
             members = sorted(k for k in sample if not k.startswith("__"))
-            raise SampleError(f"{where}: no audio member: expected one of {list(self.audio_members)} (members: {members})")
+            raise SampleError(
+                f"{where}: no audio member: expected one of {list(self.audio_members)} (members: {members})"
+            )
         sf = soundfile()
         try:
             with sf.SoundFile(io.BytesIO(sample[member])) as f:
                 rate, frames = f.samplerate, f.frames
                 seconds = frames / rate
-                if (self.min_seconds is not None and seconds < self.min_seconds) or (self.max_seconds is not None and seconds > self.max_seconds):
+                if (self.min_seconds is not None and seconds < self.min_seconds) or (
+                    self.max_seconds is not None and seconds > self.max_seconds
+                ):
                     return None
                 audio = f.read(dtype=self.dtype, always_2d=True)
         except (RuntimeError, TypeError, ValueError) as exc:  # LibsndfileError is a RuntimeError
@@ -127,7 +137,9 @@ class SpeechDecode:
         if data is not None:
             tokens = decode_npy(data, where=f"{where}, member 'tokens.npy'")
             if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
-                raise SampleError(f"{where}: 'tokens.npy' must be a 1-D integer array (got dtype {tokens.dtype}, shape {tokens.shape})")
+                raise SampleError(
+                    f"{where}: 'tokens.npy' must be a 1-D integer array (got dtype {tokens.dtype}, shape {tokens.shape})"
+                )
             return tokens
         text = sample.get("txt")
         if text is None:
@@ -142,5 +154,7 @@ class SpeechDecode:
                 raise SampleError(f"{where}: 'txt' is not UTF-8: {exc}") from exc
         ids = np.asarray(self.tokenizer(text))
         if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
-            raise SampleError(f"{where}: tokenizer must return a sequence of ints (got dtype {ids.dtype}, shape {ids.shape})")
+            raise SampleError(
+                f"{where}: tokenizer must return a sequence of ints (got dtype {ids.dtype}, shape {ids.shape})"
+            )
         return ids.astype(np.int64, copy=False)

@@ -45,9 +45,24 @@ class Counters:
     reopened: int = 0  # shards closed by the open-shards cap and reopened at their byte (mixer.storage.open_shards)
 
     FIELDS: ClassVar[tuple[str, ...]] = (
-        "samples", "tokens", "padded", "batches", "read", "bytes", "shards_opened", "shards_finished",
-        "epochs", "truncated", "dropped", "skipped_samples", "skipped_shards", "retries", "split",
-        "skipped_bytes", "skipped_unknown", "reopened",
+        "samples",
+        "tokens",
+        "padded",
+        "batches",
+        "read",
+        "bytes",
+        "shards_opened",
+        "shards_finished",
+        "epochs",
+        "truncated",
+        "dropped",
+        "skipped_samples",
+        "skipped_shards",
+        "retries",
+        "split",
+        "skipped_bytes",
+        "skipped_unknown",
+        "reopened",
     )
 
     def as_list(self) -> list[int]:

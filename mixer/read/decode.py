@@ -16,8 +16,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from mixer.errors import SampleError
 from mixer import _native
+from mixer.errors import SampleError
 
 __all__ = ["Sample", "decode_npy", "decoded_fields", "default_tokens", "field_length"]
 
@@ -231,7 +231,9 @@ def decoded_fields(raw: Mapping[str, Any], out: Mapping[str, Any]) -> dict[str, 
     for name, value in out.items():
         a = np.asarray(value)
         if a.ndim != 1 or a.dtype.kind not in "iuf":
-            raise SampleError(f"{where}: decode field {name!r} must be a 1-D numeric array (got dtype {a.dtype}, shape {a.shape})")
+            raise SampleError(
+                f"{where}: decode field {name!r} must be a 1-D numeric array (got dtype {a.dtype}, shape {a.shape})"
+            )
         if not a.dtype.isnative:
             a = a.astype(a.dtype.newbyteorder("="))
         fields[name] = a

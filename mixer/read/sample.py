@@ -11,16 +11,24 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mixer import storage
-from mixer.spec.budget import Packed, TokenBudget
-from mixer.read.decode import Sample, decoded_fields, default_tokens, field_length
 from mixer.errors import SampleError
+from mixer.read.decode import Sample, decoded_fields, default_tokens, field_length
+from mixer.spec.budget import Packed, TokenBudget
 from mixer.spec.source import Source
 
 if TYPE_CHECKING:
     from mixer.read.counters import Counters
 
 
-def make_sample(source: Source, budget: TokenBudget | Packed, counters: Counters, raw: dict[str, Any], shard: int, *, warn_once: Callable[[int, str], None] | None = None) -> Sample | None:
+def make_sample(
+    source: Source,
+    budget: TokenBudget | Packed,
+    counters: Counters,
+    raw: dict[str, Any],
+    shard: int,
+    *,
+    warn_once: Callable[[int, str], None] | None = None,
+) -> Sample | None:
     """Decode one tar sample into a :class:`Sample`, applying the length policy (truncate/drop,
     counted) and the source's ``on_error`` policy; None when it is dropped or skipped."""
     try:
@@ -52,7 +60,9 @@ def _decoded(source: Source, raw: dict[str, Any], counters: Counters) -> tuple[A
     return tokens, _length_of(source, raw, tokens)
 
 
-def _fit(source: Source, budget: TokenBudget | Packed, counters: Counters, raw: dict[str, Any], tokens: Any, n: int) -> tuple[Any, int] | None:
+def _fit(
+    source: Source, budget: TokenBudget | Packed, counters: Counters, raw: dict[str, Any], tokens: Any, n: int
+) -> tuple[Any, int] | None:
     """The length policy, the one place that judges a sample's length, up front and mid-stream:
     ``(tokens, n)`` when it fits or is cut to ``budget.longest`` (counted as truncated), None when
     dropped (counted); a :class:`SampleError` naming shard and key when it is too long and the
@@ -62,8 +72,14 @@ def _fit(source: Source, budget: TokenBudget | Packed, counters: Counters, raw: 
     if budget.max_length is None:
         seq_len = getattr(budget, "seq_len", None)  # mixer.Packed rows
         limit = f"seq_len={seq_len}" if seq_len else f"max_tokens={budget.max_tokens}"
-        how = "split_documents=True to split them, or max_length=... to truncate or drop them" if isinstance(budget, Packed) else "max_length=... to truncate or drop such samples"
-        raise SampleError(f"shard {storage.redact(raw['__url__'])}, key {raw['__key__']!r}: length {n} exceeds {limit}; set {type(budget).__name__}({how})")
+        how = (
+            "split_documents=True to split them, or max_length=... to truncate or drop them"
+            if isinstance(budget, Packed)
+            else "max_length=... to truncate or drop such samples"
+        )
+        raise SampleError(
+            f"shard {storage.redact(raw['__url__'])}, key {raw['__key__']!r}: length {n} exceeds {limit}; set {type(budget).__name__}({how})"
+        )
     if budget.overlong == "drop" or source.length is not None or isinstance(tokens, dict):
         counters.dropped += 1
         return None
@@ -71,13 +87,23 @@ def _fit(source: Source, budget: TokenBudget | Packed, counters: Counters, raw: 
     return tokens[: budget.longest], budget.longest
 
 
-def _skip_or_raise(source: Source, counters: Counters, raw: dict[str, Any], shard: int, exc: SampleError, warn_once: Callable[[int, str], None] | None) -> None:
+def _skip_or_raise(
+    source: Source,
+    counters: Counters,
+    raw: dict[str, Any],
+    shard: int,
+    exc: SampleError,
+    warn_once: Callable[[int, str], None] | None,
+) -> None:
     """The ``on_error`` policy for a bad sample: raise naming the source, or count and warn."""
     if source.on_error == "raise":
         raise SampleError(f"source {source.name!r}: {exc}") from exc
     counters.skipped_samples += 1
     if warn_once is not None:
-        warn_once(shard, f"source {source.name!r}: skipping bad sample(s) in shard {storage.redact(raw.get('__url__', '?'))}: {exc}")
+        warn_once(
+            shard,
+            f"source {source.name!r}: skipping bad sample(s) in shard {storage.redact(raw.get('__url__', '?'))}: {exc}",
+        )
 
 
 def _decode(source: Source, raw: dict[str, Any]) -> Any:

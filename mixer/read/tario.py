@@ -18,10 +18,23 @@ from itertools import chain
 from typing import Any, BinaryIO, cast
 from zlib import adler32
 
-from mixer.errors import ConfigError, SampleError, ShardError
 from mixer import _native
+from mixer.errors import ConfigError, SampleError, ShardError
 from mixer.read.tarheader import (
-    TarDamage, BLOCK, EXTENSIONS, NO_DATA, REGULAR, SPARSE, ZERO_BLOCK, apply_extensions, checksum_ok, corrupt, extension, header_number, nts, signed_mismatch,
+    BLOCK,
+    EXTENSIONS,
+    NO_DATA,
+    REGULAR,
+    SPARSE,
+    ZERO_BLOCK,
+    TarDamage,
+    apply_extensions,
+    checksum_ok,
+    corrupt,
+    extension,
+    header_number,
+    nts,
+    signed_mismatch,
 )
 
 __all__ = ["NATIVE", "TarDamage", "group_samples", "iter_members", "read_samples"]
@@ -80,7 +93,9 @@ def _walk(stream: BinaryIO, buf: bytes | None, base: int, url: str, chunk_size: 
     global_pax: dict[str, str] = {}
     while True:
         if pos + BLOCK > blen:
-            buf, base = _refill(stream, buf, pos, base, BLOCK, chunk_size, url, "a tar header or end block", first if exts else -1)
+            buf, base = _refill(
+                stream, buf, pos, base, BLOCK, chunk_size, url, "a tar header or end block", first if exts else -1
+            )
             pos, blen = 0, len(buf)
         typeflag = buf[pos + 156]
         field = buf[pos + 148 : pos + 156]
@@ -120,7 +135,9 @@ def _walk(stream: BinaryIO, buf: bytes | None, base: int, url: str, chunk_size: 
                     name, size = apply_extensions(name, size, exts, global_pax, url, first)
                 need = BLOCK + ((size + 511) & -512)
                 if pos + need > blen:
-                    buf, base = _refill(stream, buf, pos, base, need, chunk_size, url, f"member {name!r}", first if exts else -1, name)
+                    buf, base = _refill(
+                        stream, buf, pos, base, need, chunk_size, url, f"member {name!r}", first if exts else -1, name
+                    )
                     pos, blen = 0, len(buf)
                 offset = first if exts else base + pos
                 data = buf[pos + BLOCK : pos + BLOCK + size]
@@ -133,7 +150,9 @@ def _walk(stream: BinaryIO, buf: bytes | None, base: int, url: str, chunk_size: 
         elif typeflag in EXTENSIONS:
             need = BLOCK + ((size + 511) & -512)
             if pos + need > blen:
-                buf, base = _refill(stream, buf, pos, base, need, chunk_size, url, "an extension header", first if exts else -1)
+                buf, base = _refill(
+                    stream, buf, pos, base, need, chunk_size, url, "an extension header", first if exts else -1
+                )
                 pos, blen = 0, len(buf)
             if not exts:
                 first = base + pos
@@ -152,7 +171,9 @@ def _walk(stream: BinaryIO, buf: bytes | None, base: int, url: str, chunk_size: 
             exts.clear()
         skip = BLOCK + ((size + 511) & -512) if has_data else BLOCK
         if pos + skip > blen:
-            buf, base = _refill(stream, buf, pos, base, skip, chunk_size, url, "a non-regular member", first if exts else -1)
+            buf, base = _refill(
+                stream, buf, pos, base, skip, chunk_size, url, "a non-regular member", first if exts else -1
+            )
             pos, blen = 0, len(buf)
         pos += skip
 
@@ -225,7 +246,10 @@ def _first_block(stream: BinaryIO, chunk_size: int, url: str) -> bytes:
         hint = "; xz-compressed data: name the shard .tar.xz"
     elif block[:4] == b"\x28\xb5\x2f\xfd":
         hint = "; zstd-compressed data, which is not supported"
-    raise TarDamage(f"{url}: not a tar file (starts with {block[:16]!r}, {len(buf)}{'+' if len(buf) >= chunk_size else ''} bytes){hint}", offset=0)
+    raise TarDamage(
+        f"{url}: not a tar file (starts with {block[:16]!r}, {len(buf)}{'+' if len(buf) >= chunk_size else ''} bytes){hint}",
+        offset=0,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,19 +360,30 @@ def _is_meta(name: str) -> bool:
     return _SKIP_META.match(name) is not None
 
 
-def read_samples(stream: BinaryIO, *, url: str, start_offset: int = 0, chunk_size: int = 1 << 20, native: bool | None = None) -> Iterator[dict[str, Any]]:
+def read_samples(
+    stream: BinaryIO, *, url: str, start_offset: int = 0, chunk_size: int = 1 << 20, native: bool | None = None
+) -> Iterator[dict[str, Any]]:
     """`iter_members` then `group_samples`: the samples of one shard stream (see both, and `read_chunks`)."""
-    return chain.from_iterable(read_chunks(stream, url=url, start_offset=start_offset, chunk_size=chunk_size, native=native))
+    return chain.from_iterable(
+        read_chunks(stream, url=url, start_offset=start_offset, chunk_size=chunk_size, native=native)
+    )
 
 
-def read_chunks(stream: BinaryIO, *, url: str, start_offset: int = 0, chunk_size: int = 1 << 20, native: bool | None = None) -> Iterator[list[dict[str, Any]]]:
+def read_chunks(
+    stream: BinaryIO, *, url: str, start_offset: int = 0, chunk_size: int = 1 << 20, native: bool | None = None
+) -> Iterator[list[dict[str, Any]]]:
     """`read_samples` in lists of consecutive samples, for a caller that takes many at once (`mixer.stream.source_stream`).
     With the compiled core (`NATIVE`; ``native=False`` or ``mixer.read.tario.NATIVE = False`` turns it off) the
     common members are walked and grouped in C (up to 64 samples a list) and the rest, from the first member
     it declines on, by the code above (one a list): the samples, errors and damage fields are the same."""
     if _tarwalk is not None and (NATIVE if native is None else native):
         return _read_native(stream, url, start_offset, chunk_size)
-    return ([raw] for raw in group_samples(iter_members(stream, url=url, start_offset=start_offset, chunk_size=chunk_size), url=url))
+    return (
+        [raw]
+        for raw in group_samples(
+            iter_members(stream, url=url, start_offset=start_offset, chunk_size=chunk_size), url=url
+        )
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -430,7 +465,12 @@ def _read_native(stream: BinaryIO, url: str, start_offset: int, chunk_size: int)
         if failure is not None or eof:
             break
     rest = _Replay(stream, failure, eof) if failure is not None or eof else stream
-    yield from ([raw] for raw in _group(_walk(cast(BinaryIO, rest), bytes(buf[pos:end]), base + pos, url, chunk_size), url, sample or {}, key))
+    yield from (
+        [raw]
+        for raw in _group(
+            _walk(cast(BinaryIO, rest), bytes(buf[pos:end]), base + pos, url, chunk_size), url, sample or {}, key
+        )
+    )
 
 
 class _Replay:

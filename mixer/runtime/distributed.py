@@ -102,7 +102,11 @@ def stop_sync(
         raise ConfigError(f"sync_stop must be True, False or None (got {sync_stop!r})")
     if sync_end not in SYNC_ENDS:
         raise ConfigError(f"sync_end must be one of {SYNC_ENDS} (got {sync_end!r})")
-    if isinstance(sync_timeout, bool) or not isinstance(sync_timeout, (int, float)) or not (0 < sync_timeout < math.inf):
+    if (
+        isinstance(sync_timeout, bool)
+        or not isinstance(sync_timeout, (int, float))
+        or not (0 < sync_timeout < math.inf)
+    ):
         raise ConfigError(f"sync_timeout must be a number of seconds > 0 and finite (got {sync_timeout!r})")
     if sync_stop is False or mixture.stop == "never" or mixture.world_size == 1:
         return None
@@ -136,7 +140,9 @@ class StopSync(Bounded):
     """Hands out batches so that every rank of ``group`` hands out the same number (see the module
     docstring); :meth:`report` counts the fillers handed out or the batches dropped."""
 
-    def __init__(self, group: Any, names: tuple[str, ...], *, end: SyncEnd = "pad", timeout: float = DEFAULT_SYNC_TIMEOUT) -> None:
+    def __init__(
+        self, group: Any, names: tuple[str, ...], *, end: SyncEnd = "pad", timeout: float = DEFAULT_SYNC_TIMEOUT
+    ) -> None:
         super().__init__(group, timeout=timeout, label="rank sync")
         self.names = names
         self.end: SyncEnd = end
@@ -156,7 +162,9 @@ class StopSync(Bounded):
             "fillers": self.fillers,
             "dropped": {
                 "batches": self.dropped_batches,
-                "sources": {n: {"samples": int(s), "tokens": int(t)} for n, (s, t) in zip(self.names, self._dropped.tolist())},
+                "sources": {
+                    n: {"samples": int(s), "tokens": int(t)} for n, (s, t) in zip(self.names, self._dropped.tolist())
+                },
             },
         }
 
@@ -243,7 +251,8 @@ class StopSync(Bounded):
         if self.fillers:
             log.info(
                 "equal step counts across ranks: this rank's stream ended first, so it handed out %d filler batch(es) "
-                "(batch.filler is True: weigh their loss by 0) while the other ranks finished theirs", self.fillers,
+                "(batch.filler is True: weigh their loss by 0) while the other ranks finished theirs",
+                self.fillers,
             )
 
     def _finish(self, c: _Collective, error: Exception) -> None:
@@ -276,10 +285,14 @@ class StopSync(Bounded):
             log.warning(
                 "equal batch counts across ranks (sync_end='drop'): another rank's stream ended first, so this rank "
                 "dropped its last %d batch(es) (%d samples, %d tokens; per source: %s)",
-                self.dropped_batches, int(d[:, 0].sum()), int(d[:, 1].sum()),
+                self.dropped_batches,
+                int(d[:, 0].sum()),
+                int(d[:, 1].sum()),
                 ", ".join(f"{name} {int(s)}" for name, s in zip(self.names, d[:, 0]) if s),
             )
 
 
 def _other_failed() -> MixerError:
-    return MixerError("another data-parallel rank failed while reading its data; stopping this rank too (see that rank's error)")
+    return MixerError(
+        "another data-parallel rank failed while reading its data; stopping this rank too (see that rank's error)"
+    )

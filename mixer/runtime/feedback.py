@@ -38,10 +38,10 @@ import numpy as np
 import torch
 
 from mixer._warn import warn
-from mixer.mixing.adaptive import Adaptive, adapt, make_policy
-from mixer.state.checkpoint import expect_keys
 from mixer.collective import Bounded
 from mixer.errors import ConfigError, MixerError, StateError
+from mixer.mixing.adaptive import Adaptive, adapt, make_policy
+from mixer.state.checkpoint import expect_keys
 
 if TYPE_CHECKING:
     from mixer.batching.batch import Batch, BatchMeta
@@ -95,23 +95,31 @@ class SharesTable:
             pass
         row = self._rows[(need - 1) % self.capacity].copy()
         if self.published - need >= self.capacity:
-            raise MixerError(f"adaptive shares for step {step} were overwritten before a reader read them (update {need - 1}, "
-                             f"{self.published} published, ring of {self.capacity})")
+            raise MixerError(
+                f"adaptive shares for step {step} were overwritten before a reader read them (update {need - 1}, "
+                f"{self.published} published, ring of {self.capacity})"
+            )
         return row
 
     def _wait(self, step: int, need: int, wait: bool) -> None:
         if not wait:
-            raise MixerError(f"adaptive shares for step {step} (update {need - 1}) are not published yet: the loader "
-                             f"reads further ahead than lag={self.lag} allows")
+            raise MixerError(
+                f"adaptive shares for step {step} (update {need - 1}) are not published yet: the loader "
+                f"reads further ahead than lag={self.lag} allows"
+            )
         start, warned, pause = time.monotonic(), False, 0.0005
         while self.published < need:
             waited = time.monotonic() - start
             if waited > WAIT_LIMIT_S:
-                raise MixerError(f"a reader waited {waited:.0f} s for the adaptive shares of step {step} (update {need - 1}); "
-                                 "is the training loop still running and handing out batches?")
+                raise MixerError(
+                    f"a reader waited {waited:.0f} s for the adaptive shares of step {step} (update {need - 1}); "
+                    "is the training loop still running and handing out batches?"
+                )
             if waited > WAIT_WARN_S and not warned:
-                warn(f"a reader has waited {waited:.0f} s for the adaptive shares of step {step} (update {need - 1}): the "
-                     "training loop has not handed out the step that closes that window yet")
+                warn(
+                    f"a reader has waited {waited:.0f} s for the adaptive shares of step {step} (update {need - 1}): the "
+                    "training loop has not handed out the step that closes that window yet"
+                )
                 warned = True
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
@@ -126,8 +134,15 @@ def min_lag(*, num_workers: int, prefetch_factor: int | None, device_prefetch: i
 class Feedback:
     """The main process's side: accumulators, the policy, the updates so far. See the module docstring."""
 
-    def __init__(self, mixture: Mixture, adaptive: Adaptive, *, lag: int, readers: int,
-                 reduce: Callable[[np.ndarray], np.ndarray] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        mixture: Mixture,
+        adaptive: Adaptive,
+        *,
+        lag: int,
+        readers: int,
+        reduce: Callable[[np.ndarray], np.ndarray] | None = None,
+    ) -> None:
         self.mixture, self.adaptive, self.lag, self.reduce = mixture, adaptive, lag, reduce
         self.n = len(mixture.names)
         # Rows a resumed reader may still need: back to its snapshot (state_every batches per
@@ -161,7 +176,9 @@ class Feedback:
             raise ConfigError(f"feedback: loss must be a torch.Tensor of per-sample losses, got {type(loss).__name__}")
         source = batch.source
         if loss.shape != (len(source),):
-            raise ConfigError(f"feedback: loss must have one value per sample of the batch, shape ({len(source)},), got {tuple(loss.shape)}")
+            raise ConfigError(
+                f"feedback: loss must have one value per sample of the batch, shape ({len(source)},), got {tuple(loss.shape)}"
+            )
         if self._sums is None:
             # Start from what a restored state brought (zeros otherwise), so that a resumed window
             # adds its losses onto the same running sums as the uninterrupted run: (s + a) + b, not
@@ -224,18 +241,30 @@ class Feedback:
         if self._sums is not None:
             assert self._counts is not None
             window += np.stack([self._sums.cpu().numpy(), self._counts.cpu().numpy()])
-        return {"policy": self.policy.state_dict(), "updates": self.updates, "rows": [list(r) for r in self.rows],
-                "sums": window[0].tolist(), "counts": window[1].tolist(), "tokens": self.tokens, "loss": list(self.loss)}  # fmt: skip
+        return {
+            "policy": self.policy.state_dict(),
+            "updates": self.updates,
+            "rows": [list(r) for r in self.rows],
+            "sums": window[0].tolist(),
+            "counts": window[1].tolist(),
+            "tokens": self.tokens,
+            "loss": list(self.loss),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         state = expect_keys("adaptive", state, FEEDBACK_KEYS)
         self.reset()
         self.policy.load_state_dict(state["policy"])
         rows = state["rows"]
-        if not isinstance(rows, list) or len(rows) > self.capacity or len(rows) > state["updates"] or any(
-            not isinstance(r, list) or len(r) != self.n for r in rows
+        if (
+            not isinstance(rows, list)
+            or len(rows) > self.capacity
+            or len(rows) > state["updates"]
+            or any(not isinstance(r, list) or len(r) != self.n for r in rows)
         ):
-            raise StateError(f"adaptive state: 'rows' must list at most {self.capacity} rows of {self.n} shares (got {rows!r})")
+            raise StateError(
+                f"adaptive state: 'rows' must list at most {self.capacity} rows of {self.n} shares (got {rows!r})"
+            )
         if not all(isinstance(state[k], list) and len(state[k]) == self.n for k in ("sums", "counts", "loss")):
             raise StateError(f"adaptive state: 'sums', 'counts' and 'loss' must list {self.n} values")
         self.updates = int(state["updates"])
@@ -266,20 +295,36 @@ def _all_reduce(group: Any, timeout: float) -> Callable[[np.ndarray], np.ndarray
     return reduce
 
 
-def make_feedback(mixture: Mixture, *, num_workers: int, prefetch_factor: int | None, device_prefetch: int, synced: bool,
-                  forked: bool, persistent: bool, group: Any, timeout: float) -> Feedback | None:  # fmt: skip
+def make_feedback(
+    mixture: Mixture,
+    *,
+    num_workers: int,
+    prefetch_factor: int | None,
+    device_prefetch: int,
+    synced: bool,
+    forked: bool,
+    persistent: bool,
+    group: Any,
+    timeout: float,
+) -> Feedback | None:
     """The loader's :class:`Feedback` when the mixture's schedule is :class:`~mixer.Adaptive`, else None.
     ``timeout``: the loader's ``sync_timeout``, bounding each window's all-reduce over the ranks."""
     adaptive = mixture.schedule
     if not isinstance(adaptive, Adaptive):
         return None
     if num_workers > 0 and not forked:
-        raise ConfigError("schedule Adaptive: needs DataLoader workers started by fork (the shares reach them through a mapping made "
-                          "before the fork); use multiprocessing_context='fork' (Linux) or num_workers=0")
+        raise ConfigError(
+            "schedule Adaptive: needs DataLoader workers started by fork (the shares reach them through a mapping made "
+            "before the fork); use multiprocessing_context='fork' (Linux) or num_workers=0"
+        )
     if persistent:
-        raise ConfigError("schedule Adaptive: persistent_workers=True is not supported (each pass maps its shares table before its "
-                          "workers fork, and persistent workers would keep the first pass's); leave persistent_workers=False")
-    least = min_lag(num_workers=num_workers, prefetch_factor=prefetch_factor, device_prefetch=device_prefetch, synced=synced)
+        raise ConfigError(
+            "schedule Adaptive: persistent_workers=True is not supported (each pass maps its shares table before its "
+            "workers fork, and persistent workers would keep the first pass's); leave persistent_workers=False"
+        )
+    least = min_lag(
+        num_workers=num_workers, prefetch_factor=prefetch_factor, device_prefetch=device_prefetch, synced=synced
+    )
     if adaptive.lag is not None and adaptive.lag < least:
         raise ConfigError(
             f"Adaptive.lag: must be >= {least} with this loader (prefetch_factor x num_workers batches in flight, the device "
@@ -290,8 +335,10 @@ def make_feedback(mixture: Mixture, *, num_workers: int, prefetch_factor: int | 
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
-            raise ConfigError(f"schedule Adaptive: {mixture.world_size} ranks need torch.distributed initialized, so that every rank "
-                              "adapts to the same all-reduced losses")
+            raise ConfigError(
+                f"schedule Adaptive: {mixture.world_size} ranks need torch.distributed initialized, so that every rank "
+                "adapts to the same all-reduced losses"
+            )
         reduce = _all_reduce(group if group is not None else dist.group.WORLD, float(timeout))
     lag = least if adaptive.lag is None else int(adaptive.lag)
     return Feedback(mixture, adaptive, lag=lag, readers=max(num_workers, 1), reduce=reduce)

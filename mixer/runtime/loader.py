@@ -14,8 +14,8 @@ import os
 import random
 import threading
 import time
-from dataclasses import replace
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -24,20 +24,19 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from mixer.batching.batch import Batch
-from mixer.runtime.device import DeviceLike, to_device
-from mixer.mixing.mixture import Mixture
-from mixer.state import checkpoint
-from mixer.mixing import elastic
-from mixer.state.checkpoint import ReaderLog, Resume
 from mixer.errors import ConfigError, StateError
+from mixer.mixing import elastic
 from mixer.mixing.adaptive import Adaptive
-from mixer.runtime.feedback import SharesTable, make_feedback
-from mixer.read.counters import Counters
-from mixer.runtime.transport import SlotPool, group_size, grouped, ungrouped
+from mixer.mixing.mixture import Mixture
 from mixer.observe.stats import DEFAULT_WINDOW, Stats
 from mixer.plan.world import seed_for
+from mixer.read.counters import Counters
+from mixer.runtime.device import DeviceLike, to_device
 from mixer.runtime.distributed import DEFAULT_SYNC_TIMEOUT, StopSync, SyncEnd, stop_sync
-
+from mixer.runtime.feedback import SharesTable, make_feedback
+from mixer.runtime.transport import SlotPool, group_size, grouped, ungrouped
+from mixer.state import checkpoint
+from mixer.state.checkpoint import ReaderLog, Resume
 
 # numpy.random is imported here, before any worker forks, because DataLoader seeds it in every worker
 # (and the readers draw from its PCG64): numpy imports it lazily, and a worker that imports it for
@@ -122,7 +121,9 @@ class _LoaderDataset(IterableDataset[Any]):
 HELD = 4
 
 
-def _slot_pool(mixture: Mixture, num_workers: int, prefetch_factor: int | None, context: Any, group: int) -> SlotPool | None:
+def _slot_pool(
+    mixture: Mixture, num_workers: int, prefetch_factor: int | None, context: Any, group: int
+) -> SlotPool | None:
     """Shared slots for the workers' batches, when workers are forked (they inherit the mapping);
     other start methods fall back to pickling batches by value."""
     if num_workers <= 0:
@@ -138,7 +139,9 @@ def _slot_pool(mixture: Mixture, num_workers: int, prefetch_factor: int | None, 
     # spare on top (the one being made, the one being handed out), and HELD batches that the
     # training loop may still hold after they were handed out (a batch's slot is freed with it).
     slots = ((prefetch_factor if prefetch_factor is not None else 2) + 2) * group + HELD
-    return SlotPool(num_workers=num_workers, slots=slots, slot_elems=mixture.max_batch_elements, dtype=np.dtype(mixture.dtype))
+    return SlotPool(
+        num_workers=num_workers, slots=slots, slot_elems=mixture.max_batch_elements, dtype=np.dtype(mixture.dtype)
+    )
 
 
 class Loader:
@@ -203,15 +206,26 @@ class Loader:
         self._resume: Resume | None = None
         self._reset_bookkeeping(None)
         self._stats = Stats(
-            mixture.names, window=stats_window, num_workers=num_workers, max_tokens=mixture.batching.max_tokens, unit=mixture.unit
+            mixture.names,
+            window=stats_window,
+            num_workers=num_workers,
+            max_tokens=mixture.batching.max_tokens,
+            unit=mixture.unit,
         )
         # Equal batch counts over the data-parallel ranks in finite modes (see mixer.runtime.distributed).
         self.sync: StopSync | None = stop_sync(
             mixture, sync_stop=sync_stop, sync_end=sync_end, sync_group=sync_group, sync_timeout=sync_timeout
         )
         self._feedback = make_feedback(
-            mixture, num_workers=num_workers, prefetch_factor=prefetch_factor, device_prefetch=device_prefetch if self.device is not None else 0,
-            synced=self.sync is not None, forked=self.pool is not None, persistent=self.persistent_workers, group=sync_group, timeout=sync_timeout,
+            mixture,
+            num_workers=num_workers,
+            prefetch_factor=prefetch_factor,
+            device_prefetch=device_prefetch if self.device is not None else 0,
+            synced=self.sync is not None,
+            forked=self.pool is not None,
+            persistent=self.persistent_workers,
+            group=sync_group,
+            timeout=sync_timeout,
         )
 
     def __iter__(self) -> Iterator[Batch]:
@@ -298,7 +312,9 @@ class Loader:
             state = elastic.resume_state(self.mixture, state, num_workers=self.num_workers)
         checkpoint.check(state, self.mixture, num_workers=self.num_workers)
         if self.persistent_workers and self._started:
-            raise StateError("load_state_dict must come before the first iteration when persistent_workers=True (the workers already run)")
+            raise StateError(
+                "load_state_dict must come before the first iteration when persistent_workers=True (the workers already run)"
+            )
         if (state["adaptive"] is None) != (self._feedback is None):
             raise StateError("loader state: 'adaptive' must be given exactly when the mixture's schedule is Adaptive")
         if self._feedback is not None:
@@ -385,9 +401,19 @@ def make_loader(
     """
     loader = Loader.__new__(Loader)
     loader._setup(
-        mixture, num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=prefetch_factor,
-        persistent_workers=persistent_workers, timeout=timeout, multiprocessing_context=multiprocessing_context,
-        device=device, device_prefetch=device_prefetch, stats_window=stats_window, sync_stop=sync_stop,
-        sync_end=sync_end, sync_group=sync_group, sync_timeout=sync_timeout,
+        mixture,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        prefetch_factor=prefetch_factor,
+        persistent_workers=persistent_workers,
+        timeout=timeout,
+        multiprocessing_context=multiprocessing_context,
+        device=device,
+        device_prefetch=device_prefetch,
+        stats_window=stats_window,
+        sync_stop=sync_stop,
+        sync_end=sync_end,
+        sync_group=sync_group,
+        sync_timeout=sync_timeout,
     )
     return loader

@@ -122,7 +122,10 @@ class SlotPool:
         else:
             if not self._warned_full:
                 self._warned_full = True
-                log.debug("worker %d: every batch slot still waits to be read; sending batches by value until one is free", worker)
+                log.debug(
+                    "worker %d: every batch slot still waits to be read; sending batches by value until one is free",
+                    worker,
+                )
             return None
         self._next = (slot + 1) % self.slots
         self.written += 1
@@ -142,7 +145,9 @@ class SlotPool:
         """The batch in the slot, as a view of it; the slot is released to its worker when the view
         is freed (with every tensor made from it)."""
         if self._states[worker, slot] != stamp:
-            raise MixerError(f"batch slot {slot} of worker {worker} holds {int(self._states[worker, slot])}, expected stamp {stamp}: flow control broken")
+            raise MixerError(
+                f"batch slot {slot} of worker {worker} holds {int(self._states[worker, slot])}, expected stamp {stamp}: flow control broken"
+            )
         data = self._data(worker, slot, n)
         weakref.finalize(data, self._release, worker, slot).atexit = False
         return data

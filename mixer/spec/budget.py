@@ -12,8 +12,8 @@ from typing import Any, Literal
 import numpy as np
 
 from mixer import _check
-from mixer.spec.dtypes import FIELD_DTYPES as _FIELD_STORAGE
 from mixer.errors import ConfigError
+from mixer.spec.dtypes import FIELD_DTYPES as _FIELD_STORAGE
 
 OVERLONG = ("truncate", "drop")
 #: Field dtype names (see mixer.batching.batch.FIELD_DTYPES: what numpy and torch both have).
@@ -61,13 +61,21 @@ class TokenBudget(_Described):
     def __post_init__(self) -> None:
         w = "TokenBudget"
         _set(self, "max_tokens", _check.count(self.max_tokens, f"{w}.max_tokens"))
-        _set(self, "max_length", _check.optional(self.max_length, _check.count, f"{w}.max_length", maximum=self.max_tokens))
+        _set(
+            self,
+            "max_length",
+            _check.optional(self.max_length, _check.count, f"{w}.max_length", maximum=self.max_tokens),
+        )
         for name in ("max_batch_size", "max_wait"):
             _set(self, name, _check.optional(getattr(self, name), _check.count, f"{w}.{name}"))
         for name in ("multiple_of", "num_buckets"):
             _set(self, name, _check.count(getattr(self, name), f"{w}.{name}"))
         _check.choice(self.overlong, f"{w}.overlong", OVERLONG)
-        _set(self, "max_bucket_ratio", float(_check.number(self.max_bucket_ratio, f"{w}.max_bucket_ratio", minimum=1, strict=True)))
+        _set(
+            self,
+            "max_bucket_ratio",
+            float(_check.number(self.max_bucket_ratio, f"{w}.max_bucket_ratio", minimum=1, strict=True)),
+        )
         if self.buckets is not None:
             _set(self, "buckets", self._edges(self.buckets, f"{w}.buckets"))
 
@@ -77,7 +85,9 @@ class TokenBudget(_Described):
         edges = tuple(_check.count(e, _check.at(where, i)) for i, e in enumerate(value))
         for i in range(1, len(edges)):
             if edges[i] <= edges[i - 1]:
-                _check.fail(_check.at(where, i), f"must be greater than {where}[{i - 1}] ({edges[i - 1]}), got {edges[i]}")
+                _check.fail(
+                    _check.at(where, i), f"must be greater than {where}[{i - 1}] ({edges[i - 1]}), got {edges[i]}"
+                )
         if edges[-1] > self.longest:
             what = "max_length" if self.max_length is not None else "max_tokens"
             _check.fail(_check.at(where, len(edges) - 1), f"must be <= {what} ({self.longest}), got {edges[-1]}")
@@ -136,7 +146,10 @@ class Packed(_Described):
             if not self.split_documents and self.max_length > self.row_len:
                 # A document that is never split must fit in one row.
                 what = "seq_len" if self.seq_len is not None else "max_tokens"
-                _check.fail(f"{w}.max_length", f"must be <= {what} ({self.row_len}) unless split_documents is true, got {self.max_length}")
+                _check.fail(
+                    f"{w}.max_length",
+                    f"must be <= {what} ({self.row_len}) unless split_documents is true, got {self.max_length}",
+                )
 
     @property
     def rows(self) -> int:

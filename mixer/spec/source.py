@@ -13,8 +13,8 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Any, Literal
 
 from mixer import _check, storage
-from mixer.state.checkpoint import qualname
 from mixer.errors import ConfigError
+from mixer.state.checkpoint import qualname
 
 OnError = Literal["raise", "skip"]
 Decode = Callable[[dict[str, Any]], Any]  # a 1-D int array, a mapping of named 1-D arrays, or None
@@ -76,16 +76,39 @@ class Source:
             _check.fail(f"{w}.urls", f"must be a pattern or a non-empty list of patterns, got {_check.show(urls)}")
         _set(self, "urls", urls)
         _set(self, "weight", float(_check.number(self.weight, f"{w}.weight", minimum=0)))
-        _set(self, "size", _check.optional(self.size, lambda v, p: float(_check.number(v, p, minimum=0, strict=True)), f"{w}.size"))
+        _set(
+            self,
+            "size",
+            _check.optional(self.size, lambda v, p: float(_check.number(v, p, minimum=0, strict=True)), f"{w}.size"),
+        )
         _check.optional(self.decode, _check.callable_, f"{w}.decode")
-        if self.length is not None and not callable(self.length) and not (isinstance(self.length, str) and self.length.isidentifier()):
-            _check.fail(f"{w}.length", f"must be callable or the name of a decoded field, got {_check.show(self.length)}")
+        if (
+            self.length is not None
+            and not callable(self.length)
+            and not (isinstance(self.length, str) and self.length.isidentifier())
+        ):
+            _check.fail(
+                f"{w}.length", f"must be callable or the name of a decoded field, got {_check.show(self.length)}"
+            )
         _check.choice(self.on_error, f"{w}.on_error", ("raise", "skip"))
-        _set(self, "storage_options", dict(_check.mapping(self.storage_options, f"{w}.storage_options")) if self.storage_options is not None else {})
+        _set(
+            self,
+            "storage_options",
+            dict(_check.mapping(self.storage_options, f"{w}.storage_options"))
+            if self.storage_options is not None
+            else {},
+        )
         _check.optional(self.group, _check.string, f"{w}.group")
         _check.boolean(self.allow_pipe, f"{w}.allow_pipe")
-        if self.index is not None and not isinstance(self.index, bool) and not (isinstance(self.index, str) and self.index):
-            _check.fail(f"{w}.index", f"must be true, false, None or the path or URL of an index file, got {_check.show(self.index)}")
+        if (
+            self.index is not None
+            and not isinstance(self.index, bool)
+            and not (isinstance(self.index, str) and self.index)
+        ):
+            _check.fail(
+                f"{w}.index",
+                f"must be true, false, None or the path or URL of an index file, got {_check.show(self.index)}",
+            )
         try:
             _set(self, "io_options", storage.IOOptions.of(self.io_options))
         except ConfigError as exc:  # IOOptions says "io_options: <rule>" or "io_options.<key>: <rule>"
@@ -96,13 +119,19 @@ class Source:
             except ConfigError as exc:
                 raise ConfigError(f"{_check.at(f'{w}.urls', i)}: {exc}") from None
 
-
     def describe(self) -> dict[str, Any]:
         """What decides this source's samples (for the mixture's fingerprint); not how they are
         fetched (``storage_options``, ``io_options``, ``allow_pipe``)."""
         length = self.length if isinstance(self.length, str) else qualname(self.length)
-        out = {"name": self.name, "weight": self.weight, "size": self.size, "decode": qualname(self.decode),
-               "length": length, "on_error": self.on_error, "group": self.group}
+        out = {
+            "name": self.name,
+            "weight": self.weight,
+            "size": self.size,
+            "decode": qualname(self.decode),
+            "length": length,
+            "on_error": self.on_error,
+            "group": self.group,
+        }
         if self.index:  # an index changes which reader reads what (sample ranges)
             out["index"] = True
         return out

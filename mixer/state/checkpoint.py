@@ -39,16 +39,15 @@ from __future__ import annotations
 
 import json
 import operator
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, cast
 
 import numpy as np
 
+from mixer.errors import StateError
 from mixer.state.columns import expect_keys as expect_keys  # re-exported: every stateful part checks its keys with it
 from mixer.state.columns import pack, pack_items, pack_parts, unpack, unpack_parts
-from mixer.errors import StateError
-
 
 
 class Topology(Protocol):
@@ -65,6 +64,7 @@ class CarriesState(Protocol):
     snapshot: dict[str, Any] | None
     skips: Sequence[Sequence[int]]
 
+
 STATE_VERSION = 6  # 6: a stream's inherited slices (elastic resume); 5: columnar reader snapshots; 4: "adaptive" (feedback-driven mixing); 3: one checkpoint module
 KIND = "mixer.Loader"
 _HISTORY = {
@@ -76,7 +76,17 @@ _HISTORY = {
 }
 
 Location = tuple[int, ...]  # (shard, offset), or (source, shard, offset) in a shared batcher
-LOADER_KEYS = ("kind", "version", "fingerprint", "rank", "world_size", "num_workers", "delivered", "readers", "adaptive")
+LOADER_KEYS = (
+    "kind",
+    "version",
+    "fingerprint",
+    "rank",
+    "world_size",
+    "num_workers",
+    "delivered",
+    "readers",
+    "adaptive",
+)
 READER_KEYS = ("snapshot", "replay", "skips")
 SNAPSHOT_KEYS = ("batches", "tokens", "active", "counters", "selector", "streams", "batchers")
 
@@ -113,7 +123,11 @@ class Rereads(Stateful, Protocol):
 
 #: Modules of mixer's own callables as fingerprints and index files name them: the paths they had
 #: before the package was split into layers, so that states and index files written then stay valid.
-PERSISTED_MODULES = {"mixer.read.audio": "mixer.audio", "mixer.read.decode": "mixer.decode", "mixer.read.sample": "mixer.sample"}
+PERSISTED_MODULES = {
+    "mixer.read.audio": "mixer.audio",
+    "mixer.read.decode": "mixer.decode",
+    "mixer.read.sample": "mixer.sample",
+}
 
 
 def qualname(fn: Any) -> str | None:
@@ -150,10 +164,14 @@ def check_saved(state: Any, mixture: Topology) -> dict[str, Any]:
     """Validate a loader state's kind, version, keys and fingerprint (not its topology); returns it."""
     if not isinstance(state, dict) or state.get("kind") != KIND:
         got = f"a dict with keys {sorted(map(str, state))}" if isinstance(state, dict) else f"a {type(state).__name__}"
-        raise StateError(f"not a mixer loader state: got {got}; expected a dict with kind={KIND!r} (Loader.state_dict())")
+        raise StateError(
+            f"not a mixer loader state: got {got}; expected a dict with kind={KIND!r} (Loader.state_dict())"
+        )
     version = state.get("version")
     if version != STATE_VERSION:
-        what = _HISTORY.get(version, "not a version this mixer knows") if isinstance(version, int) else "no valid version"
+        what = (
+            _HISTORY.get(version, "not a version this mixer knows") if isinstance(version, int) else "no valid version"
+        )
         raise StateError(
             f"loader state version {version!r} ({what}) cannot be loaded: this mixer reads state version {STATE_VERSION} "
             "only; resume with the mixer that saved it, or start the data stream afresh"
@@ -194,7 +212,11 @@ class ReaderLog:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         expect_keys("loader reader", state, READER_KEYS)
-        self.snapshot, self.replay, self.skips = state["snapshot"], int(state["replay"]), [list(s) for s in state["skips"]]
+        self.snapshot, self.replay, self.skips = (
+            state["snapshot"],
+            int(state["replay"]),
+            [list(s) for s in state["skips"]],
+        )
 
 
 def handed_out(reader: Mapping[str, Any]) -> int:
@@ -237,35 +259,82 @@ class Resume:
 # ---- reader snapshots -------------------------------------------------------------------------
 
 
-def snapshot(*, batches: int, tokens: int, active: str, counters: str, selector: dict[str, Any], streams: dict[str, str],
-             batchers: dict[str, str]) -> dict[str, Any]:  # fmt: skip
+def snapshot(
+    *,
+    batches: int,
+    tokens: int,
+    active: str,
+    counters: str,
+    selector: dict[str, Any],
+    streams: dict[str, str],
+    batchers: dict[str, str],
+) -> dict[str, Any]:
     """The one builder of a reader snapshot (:data:`SNAPSHOT_KEYS`), from its parts already packed as
     columns: a reader's own snapshot (:func:`pack_snapshot`) and an elastic resume's new readers
     (:mod:`mixer.mixing.elastic`) both come through here."""
-    return {"batches": int(batches), "tokens": int(tokens), "active": active, "counters": counters, "selector": selector,
-            "streams": streams, "batchers": batchers}  # fmt: skip
+    return {
+        "batches": int(batches),
+        "tokens": int(tokens),
+        "active": active,
+        "counters": counters,
+        "selector": selector,
+        "streams": streams,
+        "batchers": batchers,
+    }
 
 
-def pack_snapshot(*, batches: int, tokens: int, active: Any, counters: Sequence[Sequence[int]], selector: Stateful,
-                  streams: Sequence[Columnar], batchers: Sequence[Columnar]) -> dict[str, Any]:  # fmt: skip
+def pack_snapshot(
+    *,
+    batches: int,
+    tokens: int,
+    active: Any,
+    counters: Sequence[Sequence[int]],
+    selector: Stateful,
+    streams: Sequence[Columnar],
+    batchers: Sequence[Columnar],
+) -> dict[str, Any]:
     """A reader snapshot (see the module docstring) of these parts: per-source parts as columns."""
     return snapshot(
-        batches=batches, tokens=tokens, active=pack(active, 0), counters=pack(counters, 1), selector=selector.state_dict(),
-        streams=pack_parts([st.state_dict() for st in streams], streams[0].STATE_DEPTHS), batchers=pack_located(batchers),
-    )  # fmt: skip
+        batches=batches,
+        tokens=tokens,
+        active=pack(active, 0),
+        counters=pack(counters, 1),
+        selector=selector.state_dict(),
+        streams=pack_parts([st.state_dict() for st in streams], streams[0].STATE_DEPTHS),
+        batchers=pack_located(batchers),
+    )
 
 
-def reader_state(snapshot: dict[str, Any] | None, *, replay: int = 0, skips: Iterable[Sequence[int]] = ()) -> dict[str, Any]:
+def reader_state(
+    snapshot: dict[str, Any] | None, *, replay: int = 0, skips: Iterable[Sequence[int]] = ()
+) -> dict[str, Any]:
     """The one builder of a loader's per-reader state (:data:`READER_KEYS`)."""
     return {"snapshot": snapshot, "replay": int(replay), "skips": [list(s) for s in skips]}
 
 
-def loader_state(*, fingerprint: str, rank: int, world_size: int, num_workers: int, delivered: int,
-                 readers: Sequence[dict[str, Any]], adaptive: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
+def loader_state(
+    *,
+    fingerprint: str,
+    rank: int,
+    world_size: int,
+    num_workers: int,
+    delivered: int,
+    readers: Sequence[dict[str, Any]],
+    adaptive: dict[str, Any] | None,
+) -> dict[str, Any]:
     """The one builder of a loader state (:data:`LOADER_KEYS`, this version): ``Loader.state_dict()``
     and an elastic resume's re-split both come through here."""
-    return {"kind": KIND, "version": STATE_VERSION, "fingerprint": fingerprint, "rank": int(rank), "world_size": int(world_size),
-            "num_workers": int(num_workers), "delivered": int(delivered), "readers": list(readers), "adaptive": adaptive}  # fmt: skip
+    return {
+        "kind": KIND,
+        "version": STATE_VERSION,
+        "fingerprint": fingerprint,
+        "rank": int(rank),
+        "world_size": int(world_size),
+        "num_workers": int(num_workers),
+        "delivered": int(delivered),
+        "readers": list(readers),
+        "adaptive": adaptive,
+    }
 
 
 @dataclass(frozen=True)
@@ -332,7 +401,9 @@ def with_skips(streams: list[dict[str, Any]], skips: Iterable[Sequence[int]]) ->
     return streams
 
 
-def group_locations(per_source: Sequence[Iterable[Location]], shared: Iterable[Location] = ()) -> list[list[tuple[int, int]]]:
+def group_locations(
+    per_source: Sequence[Iterable[Location]], shared: Iterable[Location] = ()
+) -> list[list[tuple[int, int]]]:
     """The (shard, offset) locations to read again per source, sorted: ``per_source[i]`` holds
     source ``i``'s, ``shared`` holds ``(source, shard, offset)``."""
     wanted: list[set[tuple[int, int]]] = [set() for _ in per_source]
@@ -348,7 +419,6 @@ def pair_lookup(found: Sequence[Mapping[Location, Any]]) -> Callable[[Location],
     return lambda loc: (loc[0], found[loc[0]][(loc[1], loc[2])])
 
 
-
 # Snapshots list every buffered sample (often 10k+): a C-level getter, no Python frame per sample.
 locate_sample: Callable[[Any], Location] = operator.attrgetter("shard", "offset")
 
@@ -358,7 +428,12 @@ def locate_pair(item: tuple[int, Any]) -> Location:
     return (item[0], item[1].shard, item[1].offset)
 
 
-_shard, _offset, _first, _second = operator.attrgetter("shard"), operator.attrgetter("offset"), operator.itemgetter(0), operator.itemgetter(1)
+_shard, _offset, _first, _second = (
+    operator.attrgetter("shard"),
+    operator.attrgetter("offset"),
+    operator.itemgetter(0),
+    operator.itemgetter(1),
+)
 
 
 def _columns(items: Sequence[Any], *coords: Callable[[Iterable[Any]], Iterable[int]]) -> list[np.ndarray]:
@@ -370,7 +445,10 @@ def _columns(items: Sequence[Any], *coords: Callable[[Iterable[Any]], Iterable[i
 LOCATION_COLUMNS: dict[Callable[[Any], Location], Callable[[Sequence[Any]], list[np.ndarray]]] = {
     locate_sample: lambda items: _columns(items, lambda it: map(_shard, it), lambda it: map(_offset, it)),
     locate_pair: lambda items: _columns(
-        items, lambda it: map(_first, it), lambda it: map(_shard, map(_second, it)), lambda it: map(_offset, map(_second, it))
+        items,
+        lambda it: map(_first, it),
+        lambda it: map(_shard, map(_second, it)),
+        lambda it: map(_offset, map(_second, it)),
     ),
 }
 

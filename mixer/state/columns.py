@@ -116,7 +116,9 @@ def pack_flat(counts: Sequence[np.ndarray], leaves: np.ndarray | Sequence[np.nda
     return _pack_arrays(len(lengths), 0, lengths, [leaves])
 
 
-def _pack_arrays(depth: int, width: int, lengths: Sequence[np.ndarray], leaves: Sequence[np.ndarray] | np.ndarray) -> str:
+def _pack_arrays(
+    depth: int, width: int, lengths: Sequence[np.ndarray], leaves: Sequence[np.ndarray] | np.ndarray
+) -> str:
     chunks: list[bytes] = [struct.pack("<BQ", depth, width)]
     for c in (*lengths, *leaves):
         _put(chunks, c)

@@ -29,4 +29,15 @@ from mixer.storage.shard import ReadAhead, open_shard, stream_size
 from mixer.storage.shard_list import ShardList
 from mixer.storage.urls import check_url, redact
 
-__all__ = ["IOOptions", "OpenShards", "ReadAhead", "ShardList", "check_url", "codec_of", "expand_urls", "open_shard", "redact", "stream_size"]
+__all__ = [
+    "IOOptions",
+    "OpenShards",
+    "ReadAhead",
+    "ShardList",
+    "check_url",
+    "codec_of",
+    "expand_urls",
+    "open_shard",
+    "redact",
+    "stream_size",
+]

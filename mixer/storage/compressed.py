@@ -119,7 +119,9 @@ class DecompressingStream(ForwardStream):
 
     size = None
 
-    def __init__(self, raw: BinaryIO, *, url: str, codec: str, start_offset: int = 0, read_size: int = READ_SIZE) -> None:
+    def __init__(
+        self, raw: BinaryIO, *, url: str, codec: str, start_offset: int = 0, read_size: int = READ_SIZE
+    ) -> None:
         super().__init__()
         if codec not in _MAGIC:
             raise ConfigError(f"{url}: unknown codec {codec!r} (known: {', '.join(_MAGIC)})")
@@ -174,7 +176,9 @@ class DecompressingStream(ForwardStream):
         while self._skip:
             chunk = self._decompress(min(self._skip, self._read_size * 4))
             if not chunk:
-                raise ShardError(f"{self.url}: start_offset {start} is past the end of the uncompressed shard ({self._pos} bytes)")
+                raise ShardError(
+                    f"{self.url}: start_offset {start} is past the end of the uncompressed shard ({self._pos} bytes)"
+                )
             self._skip -= len(chunk)
 
     def _raw_read(self) -> bytes:
@@ -193,7 +197,9 @@ class DecompressingStream(ForwardStream):
             if d.needs_input:
                 data, self._pending = self._pending or self._raw_read(), b""
                 if not data and not self._in:
-                    raise CodecError(f"{self.url}: empty file (0 bytes), not a {self.codec}-compressed tar shard", truncated=True)
+                    raise CodecError(
+                        f"{self.url}: empty file (0 bytes), not a {self.codec}-compressed tar shard", truncated=True
+                    )
                 if not data:
                     raise CodecError(
                         f"{self.url}: the {self.codec} data ends early, after {self._in} compressed bytes "

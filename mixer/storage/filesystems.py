@@ -93,4 +93,3 @@ def close_filesystems() -> None:
                 type(fs).close_session(loop, fs._session)
         except Exception:  # best effort: a session already gone is fine
             log.debug("closing a filesystem session failed", exc_info=True)
-

@@ -102,7 +102,9 @@ def _expand_local(pattern: str, original: str) -> list[tuple[str, int]]:
         if os.path.isdir(path):
             tars = sorted(p for p in globmod.glob(os.path.join(globmod.escape(path), "*")) if is_shard_name(p))
             if not tars:
-                raise ShardError(f"folder {path!r} (from {original!r}) holds no shards ({', '.join('*' + x for x in SHARD_SUFFIXES)})")
+                raise ShardError(
+                    f"folder {path!r} (from {original!r}) holds no shards ({', '.join('*' + x for x in SHARD_SUFFIXES)})"
+                )
             out.extend((p, os.stat(p).st_size) for p in tars if os.path.isfile(p))
         elif _has_magic(path):
             out.extend((p, os.stat(p).st_size) for p in sorted(globmod.glob(path)) if os.path.isfile(p))
@@ -112,4 +114,3 @@ def _expand_local(pattern: str, original: str) -> list[tuple[str, int]]:
             except OSError as exc:
                 raise ShardError(f"shard {path!r} (from {original!r}): {exc.strerror or exc}") from exc
     return out
-

@@ -15,8 +15,8 @@ from mixer.storage.filesystems import filesystem
 from mixer.storage.options import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_CONNECTIONS, IOOptions
 from mixer.storage.remote import RemoteStream
 from mixer.storage.streams import ForwardStream
-from mixer.storage.windows import WindowedStream
 from mixer.storage.urls import check_url, is_local, local_path, redact, scheme_of
+from mixer.storage.windows import WindowedStream
 
 __all__ = ["ReadAhead", "open_shard", "stream_size"]
 
@@ -118,7 +118,12 @@ def _new_stream(
     fs = filesystem(scheme, storage_options, timeout, max_connections)
     remote = remote_for(scheme, fs, url, timeout, block_size, max_connections)
     stream = RemoteStream(
-        url, remote, start_offset=start_offset, retries=retries, backoff=backoff, block_size=block_size,
+        url,
+        remote,
+        start_offset=start_offset,
+        retries=retries,
+        backoff=backoff,
+        block_size=block_size,
         end_offset=end_offset,
     )
     return cast(BinaryIO, stream)
@@ -164,7 +169,12 @@ class ReadAhead:
         self._begun: dict[str, RemoteStream] = {}
 
     def open(
-        self, url: str, start_offset: int = 0, upcoming: Iterable[str] = (), end_offset: int | None = None, window: int | None = None
+        self,
+        url: str,
+        start_offset: int = 0,
+        upcoming: Iterable[str] = (),
+        end_offset: int | None = None,
+        window: int | None = None,
     ) -> BinaryIO:
         codec = codec_of(url)  # a compressed shard is always read from its first byte
         if window is not None and codec is None and scheme_of(url) in PUMPED:
@@ -201,7 +211,9 @@ class ReadAhead:
         def open_range(start: int, end: int) -> BinaryIO:
             return open_shard(url, start_offset=start, end_offset=end, **kwargs)
 
-        stream = WindowedStream(open_range, want=window, start=start_offset, end=end_offset, grow=2.0, max_want=4 * self.options.block_size)
+        stream = WindowedStream(
+            open_range, want=window, start=start_offset, end=end_offset, grow=2.0, max_want=4 * self.options.block_size
+        )
         try:
             return cast(BinaryIO, stream.open())
         except ShardError as exc:

@@ -71,7 +71,11 @@ class ShardList(Sequence[str]):
         return (self[i] for i in range(self._count))
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, ShardList) and self._count == other._count and (self.prefix, self.suffix) == (other.prefix, other.suffix):
+        if (
+            isinstance(other, ShardList)
+            and self._count == other._count
+            and (self.prefix, self.suffix) == (other.prefix, other.suffix)
+        ):
             return (self._first, self._width, self._data) == (other._first, other._width, other._data)
         if isinstance(other, Sequence) and not isinstance(other, str):
             return len(other) == self._count and all(a == b for a, b in zip(self, other))
@@ -89,7 +93,9 @@ class ShardList(Sequence[str]):
         return len(self.prefix) + len(self.suffix) + len(self._data) + int(self._offsets.nbytes)
 
     def __repr__(self) -> str:
-        how = f"numbers {self._first}.. width {self._width}" if self._width >= 0 else f"{len(self._data)} bytes of parts"
+        how = (
+            f"numbers {self._first}.. width {self._width}" if self._width >= 0 else f"{len(self._data)} bytes of parts"
+        )
         return f"<ShardList {self._count} shards: {self.prefix!r} + ({how}) + {self.suffix!r}>"
 
 
@@ -103,7 +109,17 @@ def _is_run(middles: Sequence[str]) -> bool:
     return all(m == str(start + i).zfill(width) for i, m in enumerate(middles))
 
 
-def _restore(prefix: str, suffix: str, count: int, first: int, width: int, data: bytes, offsets: np.ndarray) -> ShardList:
+def _restore(
+    prefix: str, suffix: str, count: int, first: int, width: int, data: bytes, offsets: np.ndarray
+) -> ShardList:
     out = ShardList.__new__(ShardList)
-    out.prefix, out.suffix, out._count, out._first, out._width, out._data, out._offsets = prefix, suffix, count, first, width, data, offsets
+    out.prefix, out.suffix, out._count, out._first, out._width, out._data, out._offsets = (
+        prefix,
+        suffix,
+        count,
+        first,
+        width,
+        data,
+        offsets,
+    )
     return out

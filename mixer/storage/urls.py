@@ -127,4 +127,3 @@ def require_backend(scheme: str) -> None:
         raise ConfigError(
             f"{scheme}:// shards need {' and '.join(missing)}, which is not installed: pip install 'wds-mixer[{extra}]'"
         )
-

@@ -5,25 +5,24 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from mixer.read import decode
 from mixer import storage
 from mixer._warn import warn
-from mixer.spec.budget import Packed, TokenBudget
-from mixer.state.checkpoint import expect_keys, locate_sample
-from mixer.storage import codec_of
+from mixer.errors import ShardError
+from mixer.plan.shard_index import open_slice, range_loss
+from mixer.plan.shards import ShardSlice, plan, slice_of, slice_row
+from mixer.plan.world import Draws, World
+from mixer.read import decode
 from mixer.read.counters import Counters  # noqa: F401 (kept by every stream; imported from here too)
 from mixer.read.decode import Sample
-from mixer.errors import ShardError
 from mixer.read.sample import _decode, _decoded, _fit, _length_of, _skip_or_raise, make_sample  # noqa: F401 (imported from here too)
-from mixer.plan.shard_index import open_slice, range_loss
-from mixer.storage.windows import growing_reads
-from mixer.plan.shards import ShardSlice, plan, slice_of, slice_row
-from mixer.spec.source import ListedSource
 from mixer.read.tario import _tarwalk, read_chunks
-from mixer.plan.world import Draws, World
+from mixer.spec.budget import Packed, TokenBudget
+from mixer.spec.source import ListedSource
+from mixer.state.checkpoint import expect_keys, locate_sample
+from mixer.storage import codec_of
+from mixer.storage.windows import growing_reads
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +31,6 @@ REFILL_BURST = 64
 READ_CHUNK = 1 << 20  # what a stream's reads of a shard ask for (mixer.read.tario.read_chunks)...
 SMALL_CHUNK = 64 << 10  # ... while the open-shards cap binds (see SourceStream._open_next),
 FIRST_READ = 8 << 10  # the first of them smaller still, doubling (mixer.storage.windows.GrowingReads)
-
 
 
 class SourceStream:
@@ -99,7 +97,9 @@ class SourceStream:
         self._raw_pos = 0
         self._handle: Any = None
         io = storage.IOOptions.of(self.source.io_options)
-        self._ahead = storage.ReadAhead(options=io, storage_options=dict(self.source.storage_options or {}), allow_pipe=self.source.allow_pipe)
+        self._ahead = storage.ReadAhead(
+            options=io, storage_options=dict(self.source.storage_options or {}), allow_pipe=self.source.allow_pipe
+        )
         self._shards = open_shards if open_shards is not None else storage.OpenShards(io.max_open_shards)
         self._suspended = False  # closed by the cap mid-shard: the next open is a reopen
         self._cold = False  # suspended since its last fresh shard: read too rarely to read ahead for
@@ -139,7 +139,17 @@ class SourceStream:
         if epoch == self.inherit_epoch:
             return self.inherited
         if epoch not in self._plans:
-            self._plans = {epoch: plan(len(self.listed.shards), self.world, seed=self.seed, source=self.source.name, epoch=epoch, sizes=self.listed.shard_bytes, index=self.listed.index)}
+            self._plans = {
+                epoch: plan(
+                    len(self.listed.shards),
+                    self.world,
+                    seed=self.seed,
+                    source=self.source.name,
+                    epoch=epoch,
+                    sizes=self.listed.shard_bytes,
+                    index=self.listed.index,
+                )
+            }
         return self._plans[epoch]
 
     def _read_into(self, out: list[Sample], want: int) -> int:
@@ -157,7 +167,13 @@ class SourceStream:
             sl = self._plan(self.epoch)[self.slice_pos]
             skip = self.skips.get((self.epoch, self.slice_pos))
             limit = None if skip is None else skip[0]
-            fast = sl.parts == 1 and limit is None and self.source.decode is None and self.source.length is None and decode.NATIVE
+            fast = (
+                sl.parts == 1
+                and limit is None
+                and self.source.decode is None
+                and self.source.length is None
+                and decode.NATIVE
+            )
             convert = _convert if fast else None
             self._shards.used(self)
             try:
@@ -169,7 +185,9 @@ class SourceStream:
                             break
                         self._raws, self._raw_pos, pos = raws, 0, 0
                     if convert is not None:
-                        done, end = convert(raws, pos, min(len(raws), pos + want - got), sl.shard, self.budget.longest, Sample, out)
+                        done, end = convert(
+                            raws, pos, min(len(raws), pos + want - got), sl.shard, self.budget.longest, Sample, out
+                        )
                         if done > pos:
                             n = done - pos
                             self._raw_pos = done
@@ -188,7 +206,9 @@ class SourceStream:
                     self.next_offset = raw["__end__"]
                     if sl.parts > 1 and i % sl.parts != sl.part:
                         continue
-                    sample = make_sample(self.source, self.budget, self.counters, raw, sl.shard, warn_once=self._warn_once)
+                    sample = make_sample(
+                        self.source, self.budget, self.counters, raw, sl.shard, warn_once=self._warn_once
+                    )
                     if sample is not None:
                         self.counters.read += 1
                         self.got_in_epoch += 1
@@ -211,7 +231,10 @@ class SourceStream:
                 decision = (self.next_index, *loss)
                 self.skips[(self.epoch, self.slice_pos)] = decision
                 self.new_skips.append((self.epoch, self.slice_pos, *decision))
-                self._warn_once(sl.shard, f"source {self.source.name!r}: skipping the rest of shard {storage.redact(self.listed.shards[sl.shard])} ({words}): {exc}")
+                self._warn_once(
+                    sl.shard,
+                    f"source {self.source.name!r}: skipping the rest of shard {storage.redact(self.listed.shards[sl.shard])} ({words}): {exc}",
+                )
             else:
                 self._close()
                 self.counters.shards_finished += 1
@@ -260,11 +283,18 @@ class SourceStream:
                     # This reader's part of an epoch was empty (e.g. fewer samples in a shared
                     # shard than readers sharing it): stop rather than spin reopening shards; the
                     # mixture drops the source for this reader and says so.
-                    log.warning("source %r: reader %d got no samples in epoch %d", self.source.name, self.world.reader, self.epoch)
+                    log.warning(
+                        "source %r: reader %d got no samples in epoch %d",
+                        self.source.name,
+                        self.world.reader,
+                        self.epoch,
+                    )
                 self.exhausted = True
                 return False
             size = min(self.buffer_size, self.limit)
-            if len(self.buffer) < size and self.got_in_epoch < size and not inherited:  # (not a burst cut by the epoch's end)
+            if (
+                len(self.buffer) < size and self.got_in_epoch < size and not inherited
+            ):  # (not a burst cut by the epoch's end)
                 self.buffer_size = len(self.buffer)
             if inherited:
                 self.inherited, self.inherit_epoch = [], -1
@@ -285,8 +315,14 @@ class SourceStream:
             self.next_index, self.next_offset = sl.start, sl.begin
         self._opened_at = self.next_offset
         try:
-            upcoming = (self.listed.shards[s.shard] for s in self._plan(self.epoch)[self.slice_pos + 1 :] if s.end is None and ahead)
-            self._handle = open_slice(self._ahead, url, sl, self.next_offset, upcoming, None if ahead else self._visit)  # [index] ranges end at sl.end
+            upcoming = (
+                self.listed.shards[s.shard]
+                for s in self._plan(self.epoch)[self.slice_pos + 1 :]
+                if s.end is None and ahead
+            )
+            self._handle = open_slice(
+                self._ahead, url, sl, self.next_offset, upcoming, None if ahead else self._visit
+            )  # [index] ranges end at sl.end
         except ShardError as exc:
             self.counters.retries += getattr(exc, "retries", 0)
             # Raised from inside the sample loop, where the on_error policy applies.
@@ -350,18 +386,47 @@ class SourceStream:
         }
 
     @staticmethod
-    def inheriting_state(*, epoch: int, buffer_size: int, buffer: Sequence[Sequence[int]], inherit: list[list[int]]) -> dict[str, Any]:
+    def inheriting_state(
+        *, epoch: int, buffer_size: int, buffer: Sequence[Sequence[int]], inherit: list[list[int]]
+    ) -> dict[str, Any]:
         """The state of a stream that an elastic resume gives inherited slices and buffered samples
         (by location) in place of epoch ``epoch``'s plan (:mod:`mixer.mixing.elastic`): the same fields as
         :meth:`state_dict`, declared here once."""
         return {
-            "epoch": epoch, "slice_pos": 0, "next_index": 0, "next_offset": 0, "got_in_epoch": 0, "exhausted": 0,
-            "buffer_size": buffer_size, "draws": 0, "buffer": [list(loc) for loc in buffer], "skips": [],
-            "inherit": inherit, "inherit_epoch": epoch,
-        }  # fmt: skip
+            "epoch": epoch,
+            "slice_pos": 0,
+            "next_index": 0,
+            "next_offset": 0,
+            "got_in_epoch": 0,
+            "exhausted": 0,
+            "buffer_size": buffer_size,
+            "draws": 0,
+            "buffer": [list(loc) for loc in buffer],
+            "skips": [],
+            "inherit": inherit,
+            "inherit_epoch": epoch,
+        }
 
     # How deep each field's lists go (0: an int), as mixer.state.columns packs them.
-    STATE_DEPTHS: ClassVar[dict[str, int]] = {**dict.fromkeys(("epoch", "slice_pos", "next_index", "next_offset", "got_in_epoch", "exhausted", "buffer_size", "draws", "inherit_epoch"), 0), "buffer": 2, "skips": 2, "inherit": 2}
+    STATE_DEPTHS: ClassVar[dict[str, int]] = {
+        **dict.fromkeys(
+            (
+                "epoch",
+                "slice_pos",
+                "next_index",
+                "next_offset",
+                "got_in_epoch",
+                "exhausted",
+                "buffer_size",
+                "draws",
+                "inherit_epoch",
+            ),
+            0,
+        ),
+        "buffer": 2,
+        "skips": 2,
+        "inherit": 2,
+    }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`; the buffer is back once :meth:`attach` got its samples."""

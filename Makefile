@@ -1,15 +1,16 @@
-# `make demo` and `make test` each create or refresh .venv on their own.
+# `make demo` and `make test` each create or refresh .venv on their own; `make test` runs the
+# tests, then builds the docs (`make docs`).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test docs bench venv clean
 
 $(STAMP): pyproject.toml setup.py mixer/_tarwalk.c mixer/_rows.c mixer/_loops.c constraints-dev.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints-dev.txt -e '.[test,s3,http,plot,audio]'
+	$(PY) -m pip install -q -c constraints-dev.txt -e '.[test,s3,http,plot,audio,docs]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -19,6 +20,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+	$(MAKE) docs
+
+# The docs site (docs/_build/html): warnings are errors, and every reference must resolve.
+docs: $(STAMP)
+	$(PY) -m sphinx -b html -W --keep-going -n docs docs/_build/html
 
 $(VENV)/.bench-installed: $(STAMP)
 	$(PY) -m pip install -q -c constraints-dev.txt -e '.[bench]'
@@ -28,4 +34,4 @@ bench: $(VENV)/.bench-installed
 	$(PY) -m benchmarks
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info mixer/*.so
+	rm -rf $(VENV) .pytest_cache build *.egg-info mixer/*.so docs/_build docs/internals/api

@@ -1,15 +1,26 @@
-"""The README and the example configs stand on their own: no references to documents users do not
-have, and the defaults they state are the library's."""
+"""The README, the docs pages, the changelog and the example configs stand on their own: no
+references to documents users do not have, and the defaults they state are the library's."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import sys
 from pathlib import Path
+
+import pytest
 
 from mixer import IOOptions
 
 REPO = Path(__file__).resolve().parents[1]
-USER_FACING = [REPO / "README.md", *sorted((REPO / "examples").iterdir()), *sorted((REPO / "mixer").rglob("*.py"))]
+DOCS = REPO / "docs"
+USER_FACING = [
+    REPO / "README.md",
+    REPO / "CHANGELOG.md",
+    *sorted(DOCS.rglob("*.md")),
+    *sorted((REPO / "examples").iterdir()),
+    *sorted((REPO / "mixer").rglob("*.py")),
+]
 
 
 def test_no_references_to_documents_outside_the_repository():
@@ -22,29 +33,41 @@ def test_no_references_to_documents_outside_the_repository():
     assert found == []
 
 
-def test_readme_states_the_io_options_defaults():
+def test_the_user_facing_pages_are_there():
+    # The pages the docs must have exist.
+    for page in ("getting-started", "performance", "guides/remote", "reference/api", "reference/cli", "reference/config",
+                 "reference/state", "internals/architecture", "internals/contributing"):  # fmt: skip
+        assert (DOCS / f"{page}.md").is_file(), page
+
+
+def test_remote_guide_states_the_io_options_defaults():
     d = IOOptions()
-    readme = " ".join((REPO / "README.md").read_text(encoding="utf-8").split())
-    assert f"`timeout` {d.timeout:g} s" in readme
-    assert f"`retries` {d.retries} " in readme
-    assert f"`backoff` {d.backoff:g} s" in readme
-    assert d.block_size == 1 << 20 and "`block_size` 1 MiB (`1 << 20`" in readme
-    assert f"`read_ahead` {d.read_ahead} shards" in readme
-    assert f"`max_connections` {d.max_connections} per process" in readme
-    assert f"`max_open_shards` {d.max_open_shards} per reader" in readme
+    guide = " ".join((DOCS / "guides" / "remote.md").read_text(encoding="utf-8").split())
+    assert f"`timeout` {d.timeout:g} s" in guide
+    assert f"`retries` {d.retries} " in guide
+    assert f"`backoff` {d.backoff:g} s" in guide
+    assert d.block_size == 1 << 20 and "`block_size` 1 MiB (`1 << 20`" in guide
+    assert f"`read_ahead` {d.read_ahead} shards" in guide
+    assert f"`max_connections` {d.max_connections} per process" in guide
+    assert f"`max_open_shards` {d.max_open_shards} per reader" in guide
     doc = " ".join((IOOptions.__doc__ or "").split())
     for name, shown in (("timeout", f"{d.timeout:g}"), ("retries", d.retries), ("backoff", d.backoff), ("block_size", "1 MiB"), ("read_ahead", d.read_ahead), ("max_connections", d.max_connections), ("max_open_shards", d.max_open_shards)):
         assert f"``{name}`` (default {shown})" in doc
 
 
-def test_readme_module_map_names_every_module_and_only_those():
-    """The README's module table is the map a new maintainer reads first: it must match the code."""
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    rows = [line for line in readme.splitlines() if line.startswith("| `")]
-    named = {m for row in rows for m in re.findall(r"`([\w/]+\.py|storage/)`", row.split(" | ")[0])}
-    storage_row = next(row for row in rows if row.startswith("| `storage/`"))
-    in_storage = set(re.findall(r"`(\w+)`", storage_row.split(" | ", 1)[1]))
-    modules = {p.name for p in (REPO / "mixer").glob("*.py")}
-    storage = {p.stem for p in (REPO / "mixer" / "storage").glob("*.py")} - {"__init__"}
-    assert named - {"storage/"} == modules
-    assert storage <= in_storage, f"storage modules missing from the README: {sorted(storage - in_storage)}"
+@pytest.mark.skipif(importlib.util.find_spec("sphinx") is None, reason="sphinx is not installed (pip install -e .[docs])")
+def test_cli_reference_is_the_help_of_every_command(monkeypatch):
+    # The CLI page is generated from the parser the `mixer` script runs: the command and every
+    # subcommand, each with its full --help (an option added or renamed shows up by itself).
+    monkeypatch.syspath_prepend(str(DOCS / "_ext"))
+    sys.modules.pop("mixer_docs", None)
+    import mixer_docs
+
+    from mixer import cli
+
+    helps = dict(mixer_docs.cli_helps())
+    assert list(helps) == ["mixer", "mixer demo", "mixer run", "mixer plan", "mixer index"]
+    assert all(text.startswith(f"usage: {command} ") for command, text in helps.items())
+    assert "--cache-dir DIR" in helps["mixer demo"] and "--tokens-per-step T" in helps["mixer plan"]
+    assert mixer_docs.cli_parser().format_usage() == cli.build_parser().format_usage()
+    assert "```{mixer-cli}" in (DOCS / "reference" / "cli.md").read_text(encoding="utf-8")

@@ -34,7 +34,10 @@ def test_no_references_to_documents_outside_the_repository():
 
 
 def test_the_user_facing_pages_are_there():
-    # The pages the docs must have exist.
+    # The README's links into the docs, and the pages the docs must have, exist.
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    linked = re.findall(r"\]\(((?:docs/|CHANGELOG)[^)#]*)\)", readme)
+    assert linked and [p for p in linked if not (REPO / p).is_file()] == []
     for page in ("getting-started", "performance", "guides/remote", "reference/api", "reference/cli", "reference/config",
                  "reference/state", "internals/architecture", "internals/contributing"):  # fmt: skip
         assert (DOCS / f"{page}.md").is_file(), page

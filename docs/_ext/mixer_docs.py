@@ -255,8 +255,10 @@ def _flat(text: str) -> str:
 
 
 def summary(obj: Any) -> str:
-    """The first sentence of an object's docstring, as one line of reST without references."""
-    doc = inspect.getdoc(obj) or ""
+    """The first sentence of an object's own docstring (a class's, not one it inherits: a
+    ``Protocol`` has "Base class for protocol classes."), as one line of reST without references."""
+    own = obj.__dict__.get("__doc__") if inspect.isclass(obj) else getattr(obj, "__doc__", None)
+    doc = inspect.cleandoc(own) if isinstance(own, str) else ""
     paragraph = " ".join(doc.split("\n\n", 1)[0].split())
     literal = False
     for i, ch in enumerate(paragraph):
@@ -681,11 +683,14 @@ def skip_member(app: Sphinx, what: str, name: str, obj: Any, skip: bool, options
 
 
 def data_docstring(app: Sphinx, what: str, name: str, obj: Any, options: Any, lines: list[str]) -> None:
-    """A constant has no docstring of its own: autodoc offers its type's (``dict``'s, ``tuple``'s)."""
+    """A constant has no docstring of its own: autodoc offers its type's (``dict``'s), or a type
+    alias's origin's (``tuple``'s for ``tuple[int, ...]``)."""
     if what in ("data", "attribute") and _in_package(name):
-        own = inspect.getdoc(type(obj))
-        if own and inspect.cleandoc("\n".join(lines)) == own:
-            lines[:] = []
+        text = inspect.cleandoc("\n".join(lines))
+        for cls in (type(obj), getattr(obj, "__origin__", None)):
+            doc = inspect.getdoc(cls) if cls is not None else None
+            if doc and text == doc:
+                lines[:] = []
 
 
 def drop_unparsable(app: Sphinx, what: str, name: str, obj: Any, options: Any, lines: list[str]) -> None:

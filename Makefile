@@ -1,15 +1,16 @@
-# `make demo` and `make test` each create or refresh .venv on their own.
+# `make demo` and `make test` each create or refresh .venv on their own; `make test` runs the
+# tests, then builds the docs (`make docs`).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench venv clean format
+.PHONY: demo test docs bench venv clean format
 
 $(STAMP): pyproject.toml setup.py mixer/_native/_tarwalk.c mixer/_native/_rows.c mixer/_native/_loops.c constraints-dev.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints-dev.txt -e '.[test,s3,http,plot,audio]'
+	$(PY) -m pip install -q -c constraints-dev.txt -e '.[test,s3,http,plot,audio,docs]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -17,11 +18,16 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/mixer demo
 
-# Two pytest processes (pytest-xdist) on 2-core machines (mypy runs as a test); then lint and format.
+# Two pytest processes (pytest-xdist) on 2-core machines (mypy runs as a test); then lint, format and the docs.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(MAKE) docs
+
+# The docs site (docs/_build/html): warnings are errors, and every reference must resolve.
+docs: $(STAMP)
+	$(PY) -m sphinx -b html -W --keep-going -n docs docs/_build/html
 
 $(VENV)/.bench-installed: $(STAMP)
 	$(PY) -m pip install -q -c constraints-dev.txt -e '.[bench]'
@@ -35,4 +41,4 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info mixer/_native/*.so
+	rm -rf $(VENV) .pytest_cache build *.egg-info mixer/_native/*.so docs/_build docs/internals/api

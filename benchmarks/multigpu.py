@@ -47,8 +47,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 DEMO_WEIGHTS = {"prose": 0.5, "code": 0.3, "books": 0.2}
-#: The step time the README calls realistic: a ~1B-parameter model on one H100/H200-class GPU with a
-#: 32-64k-token micro-batch runs 0.2-0.6 s per step; 200 ms is the short end of that.
+#: The realistic step time of the GPU check (docs/performance.md): a ~1B-parameter model on one
+#: H100/H200-class GPU with a 32-64k-token micro-batch runs 0.2-0.6 s per step; 200 ms is the
+#: short end of that.
 REALISTIC_STEP_MS = 200.0
 
 

@@ -457,17 +457,3 @@ def test_plan_into_a_pipe_closed_early_exits_quietly(tmp_path):
     _, stderr = plan.communicate(timeout=120)
     assert len(shown.decode().splitlines()) == 3
     assert stderr.decode() == "" and plan.returncode == cli.BROKEN_PIPE
-
-
-def test_readme_synopsis_is_the_usage_of_every_command(capsys, monkeypatch):
-    # The README's synopsis block is `mixer --help` and each subcommand's --help, usage part, at a
-    # 100-column terminal: an option added, renamed or dropped in one place fails here.
-    monkeypatch.setenv("COLUMNS", "100")
-    usages = []
-    for argv in ([], ["demo"], ["run"], ["plan"], ["index"]):
-        with pytest.raises(SystemExit):
-            cli.build_parser().parse_args([*argv, "--help"])
-        usages.append(capsys.readouterr().out.split("\n\n")[0])
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    block = "```\n" + "\n".join(usages) + "\n```"
-    assert block in readme, f"README's synopsis should read:\n{block}"

@@ -89,12 +89,14 @@ def test_removed_spellings_stay_removed():
 
 
 def test_user_facing_text_builds_loaders_and_device_feeds_one_way():
-    # The README, the examples and the docstrings show make_loader and to_device, never the classes;
+    # The README, the docs, the changelog, the examples and the docstrings show make_loader and
+    # to_device, never the classes;
     # to_device itself is the one place that builds a DeviceFeed.
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
-    texts = [repo / "README.md", *sorted((repo / "examples").iterdir()), *sorted((repo / "mixer").rglob("*.py"))]
+    texts = [repo / "README.md", repo / "CHANGELOG.md", *sorted((repo / "docs").rglob("*.md")), *sorted((repo / "examples").iterdir()),
+             *sorted((repo / "mixer").rglob("*.py"))]  # fmt: skip
     direct = re.compile(r"(?<![\w.])(?<!class )(?:mixer\.)?(?:Loader|DeviceFeed)\(")
     found = [
         f"{path.relative_to(repo)}: {line.strip()}"

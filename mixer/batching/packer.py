@@ -51,7 +51,7 @@ class _Open(Generic[T]):
 
 
 class Packer(Generic[T]):
-    """Level 2 for :class:`~mixer.Packed`, a :class:`Batcher` like :class:`Bucketer`: ``add`` places
+    """Level 2 for :class:`~mixer.Packed`, a :class:`~mixer.batching.batchers.Batcher` like :class:`~mixer.batching.batchers.Bucketer`: ``add`` places
     an item's tokens (first fit; pieces when splitting) and puts full batches on ``ready`` as
     :class:`PackedGroup`\\ s; ``drain`` empties everything at the end of a finite pass. Placement is
     a pure function of the order of arrival, so a restored packer continues exactly."""

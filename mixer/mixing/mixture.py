@@ -56,7 +56,7 @@ UNCAPPED = 1 << 62
 
 class SlotWriter(Protocol):
     """One batch's place in shared memory: ``out(n)`` gives the collate its buffer (None: make its own),
-    ``seal()`` says where the batch lives (:attr:`mixer.Batch.slot`), or None."""
+    ``seal()`` says where the batch lives (``Batch.slot``), or None."""
 
     def out(self, n: int) -> np.ndarray | None: ...
 

@@ -486,7 +486,7 @@ def plot_schedule(
 
 def format_adaptive(adaptive: dict[str, Any] | None) -> str:
     """The adaptive part of a :func:`mixer.log_every` line, from ``Loader.stats()["adaptive"]``
-    (:meth:`Feedback.as_dict`): the updates so far, the step the latest takes effect from and the last
+    (:meth:`mixer.runtime.feedback.Feedback.as_dict`): the updates so far, the step the latest takes effect from and the last
     closed window's mean loss per source (``-``: no sample of it in that window); '' without."""
     if adaptive is None:
         return ""

@@ -136,7 +136,7 @@ def _look(
     :data:`FIRST_WINDOW` bytes; later ones for
     what the samples measured so far predict).
 
-    Every sample read is judged as a reader judges it (:func:`make_sample`'s decode, length policy
+    Every sample read is judged as a reader judges it (:func:`~mixer.read.sample.make_sample`'s decode, length policy
     for ``budget`` and ``on_error``): a sample too long for the budget is the same error naming
     source, shard and key, raised or skipped (and counted in ``skipped``) by the source's policy.
     The lengths recorded are those decoded, before truncation, so the size counts source tokens.

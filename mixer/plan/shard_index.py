@@ -250,7 +250,7 @@ def range_loss(
     sl: ShardSlice, next_index: int, next_offset: int, index: ShardIndex
 ) -> tuple[tuple[int, int, int, int], str]:
     """What giving up an indexed slice at sample ``next_index`` (byte ``next_offset``) loses, as
-    :meth:`SourceStream._loss` counts it: its samples not delivered, exactly, and the bytes left."""
+    :meth:`mixer.stream.source_stream.SourceStream._loss` counts it: its samples not delivered, exactly, and the bytes left."""
     left = sl.stop - next_index if sl.stop is not None else 0
     end = sl.end if sl.end is not None else int(index.offsets(sl.shard)[-1])
     rest = max(end - next_offset, 0)

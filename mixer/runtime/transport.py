@@ -181,7 +181,7 @@ class SlotWriter:
         return data
 
     def seal(self) -> SlotRef | None:
-        """Seal the claimed slot; where the batch lives, for :attr:`mixer.Batch.slot`."""
+        """Seal the claimed slot; where the batch lives, for ``Batch.slot``."""
         if self._claimed is None:
             return None
         slot, stamp = self._claimed

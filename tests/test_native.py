@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -28,14 +30,19 @@ count = 0
 for workers in (0, 2):
     for b in mixer.make_loader(mix, num_workers=workers):
         h.update(repr(b.keys).encode()); h.update(b.buffer.numpy().tobytes()); count += 1
-print(json.dumps({"cores": mixer._native.cores(), "digest": h.hexdigest(), "batches": count}))
+print(json.dumps({"cores": mixer._native.cores(), "digest": h.hexdigest(), "batches": count, "file": mixer.__file__}))
 """
 
 
-def _run(patterns: dict[str, str], native: bool) -> dict[str, object]:
-    env = dict(os.environ, PYTHONPATH=str(REPO), MIXER_NATIVE="1" if native else "0")
+def _run(patterns: dict[str, str], native: bool, path: Path = REPO) -> dict[str, object]:
+    env = dict(os.environ, PYTHONPATH=str(path), MIXER_NATIVE="1" if native else "0")
     proc = subprocess.run(
-        [sys.executable, "-c", RUN, json.dumps(patterns)], capture_output=True, text=True, env=env, timeout=240
+        [sys.executable, "-c", RUN, json.dumps(patterns)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+        cwd=path,  # not the repository: `import mixer` must find the tree at `path`
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -58,6 +65,59 @@ def test_the_pure_python_path_gives_the_same_batches(make_sources):
     compiled = _run(patterns, native=True)
     assert compiled["cores"] == {"tarwalk": True, "rows": True, "loops": True}
     assert python["digest"] == compiled["digest"] and python["batches"] == compiled["batches"]
+
+
+@pytest.mark.slow
+def test_a_wheel_built_without_a_compiler_installs_imports_and_streams(make_sources, tmp_path):
+    # CC=/bin/false makes every compiled core fail to build, as on a machine with no C compiler
+    env = dict(os.environ, CC="/bin/false", CXX="/bin/false")
+    tree = tmp_path / "tree"  # a clean copy of the sources: no build/ left by earlier, compiled builds
+    tracked = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=True,
+    ).stdout
+    for name in tracked.split():
+        if (REPO / name).is_file():
+            (tree / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, tree / name)
+    build = subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(tmp_path / "wheel"), str(tree)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert build.returncode == 0, build.stderr[-4000:]
+    assert "compiled cores" in build.stderr and "were NOT built" in build.stderr  # said loudly, not one log line
+    (wheel,) = (tmp_path / "wheel").glob("wds_mixer-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        assert not [name for name in archive.namelist() if name.endswith(".so")]
+    target = tmp_path / "site"
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert install.returncode == 0, install.stderr[-4000:]
+    sources = make_sources({"web": LogNormal(shards=2, samples=120, median=100, sigma=0.8, lo=2, hi=1024, seed=42)})
+    patterns = {name: pattern for name, (pattern, _) in sources.items()}
+    installed = _run(patterns, native=True, path=target)  # the switch on: nothing compiled to load
+    assert Path(str(installed["file"])).is_relative_to(target)
+    assert installed["cores"] == {"tarwalk": False, "rows": False, "loops": False}
+    assert installed["digest"] == _run(patterns, native=False)["digest"]  # the source tree's pure-Python path
+    version = subprocess.run(
+        [sys.executable, "-m", "mixer.cli", "--version"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(target)),
+        cwd=target,
+        timeout=120,
+    )
+    assert "compiled cores active: none" in version.stdout, version.stdout + version.stderr
 
 
 def test_every_native_flag_follows_the_one_switch():

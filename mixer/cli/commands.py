@@ -5,7 +5,8 @@
 - ``mixer plan CONFIG``: print the schedule's target shares at chosen steps, reading no shard;
 - ``mixer index SOURCES...``: build or refresh the shard index of shard patterns or of a config's
   sources (only new or changed shards are read), so that mixtures read nothing up front and split
-  shards between readers by sample ranges (``Source(index=True)``).
+  shards between readers by sample ranges (``Source(index=True)``);
+- ``mixer info`` (and ``mixer --version``): the version, which compiled cores are active, the extras found.
 
 ``run`` and ``demo`` show a progress bar (batches, tokens/s) and end with a per-source table;
 ``--report FILE.json`` writes it as JSON and ``--plot FILE.png`` draws it (needs matplotlib:
@@ -33,6 +34,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from mixer.batching.batch import Batch
+from mixer.cli.info import add_info_command
 from mixer.config.mixture_config import MixtureConfig, build_mixture, parse_config
 from mixer.errors import ConfigError, MixerError
 from mixer.mixing.adaptive import Adaptive
@@ -505,6 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
     index.add_argument("--workers", type=_positive, default=8, metavar="N", help="shards read at once (default 8)")
     index.add_argument("--quiet", action="store_true", help="no progress bar")
     index.set_defaults(func=_index)
+    add_info_command(parser, sub)
     return parser
 
 

@@ -9,6 +9,7 @@ end silently (a cut or a corrupt header mid-shard), we must raise a `ShardError`
 
 from __future__ import annotations
 
+import bz2
 import gzip
 import io
 import lzma
@@ -565,8 +566,16 @@ def test_not_a_tar(tmp_path: Path) -> None:
             lzma.compress(b"x" * 2000),
             r"not a tar file \(starts with b'\\xfd7zXZ.*; xz-compressed data: name the shard \.tar\.xz$",
         ),
+        (
+            bz2.compress(b"x" * 2000),
+            r"not a tar file \(starts with b'BZh9.*; bzip2-compressed data: name the shard \.tar\.bz2 or \.tbz2 or \.tbz$",
+        ),
+        (
+            b"\x28\xb5\x2f\xfd" + bytes(600),
+            r"not a tar file \(starts with b'\(\\xb5/\\xfd.*; zstd-compressed data: name the shard \.tar\.zst or \.tzst$",
+        ),
     ],
-    ids=["text", "html", "gzip", "xz"],
+    ids=["text", "html", "gzip", "xz", "bzip2", "zstd"],
 )
 def test_not_a_tar_says_what_it_starts_with(data: bytes, says: str) -> None:
     with pytest.raises(TarDamage, match=r"^u: " + says):

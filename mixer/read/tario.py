@@ -36,6 +36,7 @@ from mixer.read.tarheader import (
     nts,
     signed_mismatch,
 )
+from mixer.storage.compressed import compression_hint
 
 __all__ = ["NATIVE", "TarDamage", "group_samples", "iter_members", "read_samples"]
 
@@ -239,13 +240,7 @@ def _first_block(stream: BinaryIO, chunk_size: int, url: str) -> bytes:
         return buf
     if len(block) < BLOCK and (block[257:262] == b"ustar" or not block.strip(b"\0")):
         return buf  # a header or end block cut short: reported as truncated by the caller
-    hint = ""
-    if block[:2] == b"\x1f\x8b":
-        hint = "; gzip-compressed data: name the shard .tar.gz or .tgz"
-    elif block[:6] == b"\xfd7zXZ\x00":
-        hint = "; xz-compressed data: name the shard .tar.xz"
-    elif block[:4] == b"\x28\xb5\x2f\xfd":
-        hint = "; zstd-compressed data, which is not supported"
+    hint = compression_hint(block)
     raise TarDamage(
         f"{url}: not a tar file (starts with {block[:16]!r}, {len(buf)}{'+' if len(buf) >= chunk_size else ''} bytes){hint}",
         offset=0,

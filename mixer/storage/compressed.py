@@ -1,11 +1,14 @@
-"""Compressed shards: ``.tar.gz`` / ``.tgz`` (gzip, `zlib`) and ``.tar.xz`` (xz, `lzma`), decompressed
-as they stream, with the Python standard library only.
+"""Compressed shards: ``.tar.gz`` / ``.tgz`` (gzip, `zlib`), ``.tar.xz`` (xz, `lzma`), ``.tar.bz2`` /
+``.tbz2`` (bzip2, `bz2`) and ``.tar.zst`` / ``.tzst`` (Zstandard, the optional ``zstandard`` package:
+``pip install 'wds-mixer[zstd]'``), decompressed as they stream. `CODECS` is the one table of them:
+name endings, magic bytes, decompressor, the errors it raises.
 
 The codec follows from the shard's name (its path, without an http query string), as webdataset's
 shard names say it; the bytes must then be what the name says (a ``.tar`` holding gzip data, or a
-``.tar.gz`` holding a plain tar, is an error that says so). Concatenated gzip members and xz streams
-(as ``pigz`` or ``cat a.gz b.gz`` write them) and zero padding between or after them are read as
-``gzip``/``xz`` read them; every member's checksum is verified.
+``.tar.gz`` holding a plain tar, is an error that says so, naming the compression found).
+Concatenated members or frames (as ``pigz``, ``pbzip2``, ``zstd -T`` or ``cat a.gz b.gz`` write them) and
+zero padding between or after them are read as the codec's own tool reads them; every member's
+checksum is verified where the format has one.
 
 **Offsets and resume.** Everything above this layer (sample offsets, ``__end__``, saved states) sees
 offsets into the *uncompressed* tar, exactly as for a plain ``.tar``. A compressed stream cannot
@@ -19,19 +22,20 @@ once, from its start to its last buffered sample.
 
 from __future__ import annotations
 
+import bz2
+import importlib
 import lzma
 import re
 import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import BinaryIO, Protocol
 
 from mixer.errors import ConfigError, ShardError
 from mixer.storage.streams import ForwardStream
 
-__all__ = ["SHARD_SUFFIXES", "CodecError", "DecompressingStream", "codec_of", "is_shard_name"]
+__all__ = ["CODECS", "SHARD_SUFFIXES", "CodecError", "DecompressingStream", "codec_of", "compression_hint"]
 
-# Name endings of the shards a folder or prefix listing keeps, and the codec each means.
-SHARD_SUFFIXES: dict[str, str | None] = {".tar": None, ".tar.gz": "gzip", ".tgz": "gzip", ".tar.xz": "xz"}
-_MAGIC = {"gzip": b"\x1f\x8b", "xz": b"\xfd7zXZ\x00"}
 _WEB = re.compile(r"^https?://", re.IGNORECASE)
 READ_SIZE = 1 << 20  # compressed bytes asked of the underlying stream at a time
 
@@ -43,21 +47,6 @@ class CodecError(ShardError):
     def __init__(self, message: str, *, truncated: bool = False) -> None:
         super().__init__(message)
         self.truncated = truncated
-
-
-def codec_of(url: str) -> str | None:
-    """``"gzip"``, ``"xz"`` or None (a plain tar), from the name's ending (case-insensitive)."""
-    path = re.split(r"[?#]", url, maxsplit=1)[0] if _WEB.match(url) else url
-    lower = path.lower()
-    for suffix, codec in SHARD_SUFFIXES.items():
-        if codec is not None and lower.endswith(suffix):
-            return codec
-    return None
-
-
-def is_shard_name(name: str) -> bool:
-    """Whether a listed file is a shard: its name ends in one of `SHARD_SUFFIXES`."""
-    return name.lower().endswith(tuple(SHARD_SUFFIXES))
 
 
 class _Decompressor(Protocol):
@@ -99,8 +88,113 @@ class _Gzip:
         return out
 
 
-def _new(codec: str) -> _Decompressor:
-    return _Gzip() if codec == "gzip" else lzma.LZMADecompressor(format=lzma.FORMAT_XZ)
+class _Zstd:
+    """`zstandard`'s decompressobj for one frame, with `lzma.LZMADecompressor`'s interface. Its
+    ``decompress`` takes no ``max_length``, so input goes in small slices and what a slice gave beyond
+    ``max_length`` waits here: memory stays bounded however compressible the shard is."""
+
+    SLICE = 1 << 14
+
+    def __init__(self) -> None:
+        self._d = _zstandard().ZstdDecompressor().decompressobj()
+        self._tail = b""  # input not yet given to the decompressor
+        self._out = b""  # output not yet handed out
+
+    @property
+    def eof(self) -> bool:
+        return bool(self._d.eof) and not self._out
+
+    @property
+    def unused_data(self) -> bytes:
+        return bytes(self._d.unused_data) + self._tail
+
+    @property
+    def needs_input(self) -> bool:
+        return not self._tail and not self._out
+
+    def decompress(self, data: bytes, max_length: int = -1) -> bytes:
+        self._tail += data
+        limit = max_length if max_length > 0 else 1 << 62
+        while len(self._out) < limit and self._tail and not self._d.eof:
+            piece, self._tail = self._tail[: self.SLICE], self._tail[self.SLICE :]
+            self._out += self._d.decompress(piece)
+        out, self._out = self._out[:limit], self._out[limit:]
+        return out
+
+
+def _zstandard():  # type: ignore[no-untyped-def]
+    try:
+        return importlib.import_module("zstandard")
+    except ImportError:
+        raise ConfigError("a .tar.zst shard needs the zstandard package: pip install 'wds-mixer[zstd]'") from None
+
+
+def _zstd_errors() -> tuple[type[Exception], ...]:
+    try:
+        return (importlib.import_module("zstandard").ZstdError,)
+    except ImportError:
+        return ()
+
+
+@dataclass(frozen=True)
+class Codec:
+    """One compression format: the shard name endings that mean it, the magic bytes its data starts
+    with, a new decompressor for one member, and the errors that decompressor raises on bad data."""
+
+    name: str
+    suffixes: tuple[str, ...]
+    magic: bytes
+    new: Callable[[], _Decompressor]
+    errors: Callable[[], tuple[type[Exception], ...]]
+
+
+#: The one table of compression formats (a new one is one row here, and its tests).
+CODECS: dict[str, Codec] = {
+    codec.name: codec
+    for codec in (
+        Codec("gzip", (".tar.gz", ".tgz"), b"\x1f\x8b", _Gzip, lambda: (zlib.error,)),
+        Codec(
+            "xz",
+            (".tar.xz",),
+            b"\xfd7zXZ\x00",
+            lambda: lzma.LZMADecompressor(format=lzma.FORMAT_XZ),
+            lambda: (lzma.LZMAError,),
+        ),
+        Codec("bzip2", (".tar.bz2", ".tbz2", ".tbz"), b"BZh", bz2.BZ2Decompressor, lambda: (OSError, ValueError)),
+        Codec("zstd", (".tar.zst", ".tzst"), b"\x28\xb5\x2f\xfd", _Zstd, _zstd_errors),
+    )
+}
+
+# Name endings of the shards a folder or prefix listing keeps, and the codec each means.
+SHARD_SUFFIXES: dict[str, str | None] = {".tar": None} | {
+    suffix: codec.name for codec in CODECS.values() for suffix in codec.suffixes
+}
+
+
+def codec_of(url: str) -> str | None:
+    """A codec name of `CODECS` (``"gzip"``, ``"xz"``, ...) or None (a plain tar), from the name's ending
+    (case-insensitive)."""
+    path = re.split(r"[?#]", url, maxsplit=1)[0] if _WEB.match(url) else url
+    lower = path.lower()
+    for suffix, codec in SHARD_SUFFIXES.items():
+        if codec is not None and lower.endswith(suffix):
+            return codec
+    return None
+
+
+def is_shard_name(name: str) -> bool:
+    """Whether a listed file is a shard: its name ends in one of `SHARD_SUFFIXES`."""
+    return name.lower().endswith(tuple(SHARD_SUFFIXES))
+
+
+def compression_hint(head: bytes) -> str:
+    """For a shard named as a plain tar whose bytes start with ``head``: the compression those bytes
+    show and the names that would read it ("" when they show none)."""
+    for codec in CODECS.values():
+        if head.startswith(codec.magic):
+            names = " or ".join(codec.suffixes)
+            return f"; {codec.name}-compressed data: name the shard {names}"
+    return ""
 
 
 class DecompressingStream(ForwardStream):
@@ -123,8 +217,8 @@ class DecompressingStream(ForwardStream):
         self, raw: BinaryIO, *, url: str, codec: str, start_offset: int = 0, read_size: int = READ_SIZE
     ) -> None:
         super().__init__()
-        if codec not in _MAGIC:
-            raise ConfigError(f"{url}: unknown codec {codec!r} (known: {', '.join(_MAGIC)})")
+        if codec not in CODECS:
+            raise ConfigError(f"{url}: unknown codec {codec!r} (known: {', '.join(CODECS)})")
         if start_offset < 0:
             raise ConfigError(f"{url}: start_offset must be >= 0 (got {start_offset})")
         self.url = url
@@ -132,7 +226,8 @@ class DecompressingStream(ForwardStream):
         self._raw = raw
         self._read1 = getattr(raw, "read1", raw.read)
         self._read_size = read_size
-        self._d = _new(codec)
+        self._codec = CODECS[codec]
+        self._d = self._codec.new()
         self._pending = b""  # compressed bytes read from raw and not yet given to a decompressor
         self._started = False  # the first member's magic was checked
         self._in = 0  # compressed bytes read from raw
@@ -210,7 +305,7 @@ class DecompressingStream(ForwardStream):
                     data = self._check_magic(data)
             try:
                 out = d.decompress(data, n)
-            except (zlib.error, lzma.LZMAError) as exc:
+            except self._codec.errors() as exc:
                 raise CodecError(
                     f"{self.url}: corrupt {self.codec} data within the first {self._in} compressed bytes "
                     f"({self._pos} bytes into the tar): {exc}"
@@ -221,7 +316,7 @@ class DecompressingStream(ForwardStream):
         return b""
 
     def _check_magic(self, data: bytes) -> bytes:
-        magic = _MAGIC[self.codec]
+        magic = self._codec.magic
         while len(data) < len(magic):
             more = self._raw_read()
             if not more:
@@ -243,7 +338,7 @@ class DecompressingStream(ForwardStream):
             if not rest:
                 self._done = True
                 return
-        self._d = _new(self.codec)
+        self._d = self._codec.new()
         self._started = False
         self._pending = self._check_trailing(rest)
 

@@ -122,14 +122,14 @@ def parse_pax(payload: bytes, url: str, offset: int) -> dict[str, str]:
     while True:
         match = PAX_RECORD.match(payload, pos)
         if not match:
+            if any(keyword.startswith("GNU.sparse.") for keyword in records):  # GNU tar's PAX sparse formats
+                raise sparse_member(url, offset, records.get("GNU.sparse.name", records.get("path", "?")))
             return records
         length = int(match.group(1))
         if length == 0:
             raise corrupt(url, offset, "PAX record of length 0")
         keyword = match.group(2).decode("utf-8", "surrogateescape")
         value = payload[match.end(2) + 1 : match.start(1) + length - 1]
-        if keyword.startswith("GNU.sparse."):
-            raise TarDamage(f"{url}: unsupported GNU sparse member (PAX header at offset {offset})", offset=offset)
         records[keyword] = value.decode("utf-8", "surrogateescape")
         pos += length
 
@@ -155,6 +155,15 @@ def apply_extensions(
                 if size < 0:  # tarfile would read it as 0 and misparse the rest of the shard
                     raise corrupt(url, first, f"invalid PAX size {value['size']!r}")
     return name, size
+
+
+def sparse_member(url: str, offset: int, name: str) -> TarDamage:
+    """A GNU sparse member (``tar --sparse``): its data is a map of holes that mixer does not read."""
+    return TarDamage(
+        f"{url}: member {name!r} at offset {offset} is a GNU sparse file, which mixer does not read: "
+        "write the shard without `tar --sparse` (webdataset's ShardWriter never writes sparse members)",
+        offset=offset,
+    )
 
 
 def corrupt(url: str, offset: int, why: str) -> TarDamage:

@@ -1,10 +1,11 @@
 """Generator stages that turn a tar byte stream into members and then into WebDataset samples.
 
 Why not `tarfile` (and so `webdataset`): in stream mode `tarfile` ends *silently* when it meets a
-corrupt header after the first one, or a shard cut at a member boundary (CPython issue 120740), so a
-damaged shard quietly loses its tail; and it costs ~40 µs per small sample. Here every header
-checksum is verified, the end-of-archive block is required, and the per-member work is a handful of
-slices on one large buffer.
+corrupt header after the first one (CPython issue 120740), so a damaged shard quietly loses its
+tail; and it costs ~40 µs per small sample. Here every header checksum is verified and the
+per-member work is a handful of slices on one large buffer. Like `tarfile`, an archive that stops
+right after a complete member (streaming writers leave out the end-of-archive blocks) ends there,
+its last sample delivered; a stream that stops inside a header or a member's data is damage.
 
 Pipeline: ``iter_members(stream) -> group_samples(members) -> samples``; `read_samples` chains them,
 through the compiled core (`mixer._native._tarwalk`) where it was built, which defers to this code.
@@ -35,6 +36,7 @@ from mixer.read.tarheader import (
     header_number,
     nts,
     signed_mismatch,
+    sparse_member,
 )
 from mixer.storage.compressed import compression_hint
 
@@ -60,9 +62,10 @@ def iter_members(
 
     Names follow `tarfile`: ustar prefix, GNU ``L`` long names and PAX ``path`` records (local and
     global) are applied; directories, links, devices and other non-regular members are skipped.
-    Every header checksum is verified (unsigned or signed sum). The archive must end with a zero
-    block: running out of bytes before it, mid-header or mid-data, is a `ShardError` ("truncated"),
-    and no member with incomplete data is ever yielded. A bad checksum is a `ShardError`
+    Every header checksum is verified (unsigned or signed sum). The archive ends with a zero block,
+    or with the end of the stream right after a complete member (or after zero bytes there); running
+    out of bytes mid-header or mid-data is a `ShardError` ("truncated"), and no member with
+    incomplete data is ever yielded. GNU sparse members are refused by name. A bad checksum is a `ShardError`
     ("corrupt header"). Both are a `TarDamage` saying where. A shard that is empty, or whose first
     block is no tar header, says so ("empty file", "not a tar file (starts with ...)"). The
     generator's return value is the offset of the end-of-archive block (`group_samples` uses it as
@@ -95,8 +98,21 @@ def _walk(stream: BinaryIO, buf: bytes | None, base: int, url: str, chunk_size: 
     while True:
         if pos + BLOCK > blen:
             buf, base = _refill(
-                stream, buf, pos, base, BLOCK, chunk_size, url, "a tar header or end block", first if exts else -1
+                stream,
+                buf,
+                pos,
+                base,
+                BLOCK,
+                chunk_size,
+                url,
+                "a tar header or end block",
+                first if exts else -1,
+                end_ok=not exts and base + pos > 0,  # not at a shard's first byte: "empty"/"truncated" there
             )
+            if not buf:
+                # The stream ends right after a complete member, with no end-of-archive block (as
+                # streaming writers leave it): the end, as tarfile and webdataset read it.
+                return base
             pos, blen = 0, len(buf)
         typeflag = buf[pos + 156]
         field = buf[pos + 148 : pos + 156]
@@ -162,7 +178,9 @@ def _walk(stream: BinaryIO, buf: bytes | None, base: int, url: str, chunk_size: 
             pos += need
             continue
         elif typeflag == SPARSE:
-            raise TarDamage(f"{url}: unsupported GNU sparse member at offset {base + pos}", offset=base + pos)
+            end = buf.find(b"\0", pos, pos + 100)
+            name = buf[pos : end if end >= 0 else pos + 100].decode("utf-8", "surrogateescape")
+            raise sparse_member(url, first if exts else base + pos, name)
         else:
             has_data = typeflag not in NO_DATA
         # A non-regular member: consume its extension headers and skip it (and its data, where
@@ -190,11 +208,13 @@ def _refill(
     what: str,
     first: int = -1,
     member: str | None = None,
+    end_ok: bool = False,
 ) -> tuple[bytes, int]:
     """``(buf[pos:] + more of the stream, its shard offset)``, at least `need` bytes long, or a
     `TarDamage` if the stream ends (or fails) first: every header and every data block must be there.
     `first` is the offset of the pending extension headers (-1: none), `member` the name of the member
-    whose data is wanted (None while a header is)."""
+    whose data is wanted (None while a header is). `end_ok`: a stream that ends exactly at ``pos`` (at a
+    member boundary), or after only zero bytes there, gives ``(b"", offset)`` instead of an error."""
     parts = [buf[pos:]]
     have = len(parts[0])
     offset = base + pos
@@ -206,6 +226,8 @@ def _refill(
             truncated = getattr(exc, "truncated", False)  # e.g. a compressed stream cut short
             raise TarDamage(str(exc), offset=damaged, stop=offset + have, member=member, truncated=truncated) from exc
         if not block:  # b"" is EOF; a short read is not
+            if end_ok and not any(b"".join(parts)):  # nothing, or the start of an end block cut short
+                return b"", offset
             raise TarDamage(
                 f"{url}: shard is truncated at byte {offset + have}: expected {what} ({need} bytes) at "
                 f"offset {offset}, and no end-of-archive block",

@@ -326,20 +326,30 @@ def test_packed_fields_and_state_every_specs():
     )
     spec = parse_config(
         small(
-            fields={"audio": {"dtype": "float32", "pad": -2.0}, "text": {}},
+            fields={
+                "audio": {"dtype": "float32", "pad": -2.0},
+                "text": {},
+                "mel": {"dtype": "bfloat16", "feature_shape": [80]},
+            },
             sources=[
                 {"name": "a", "urls": "/a.tar", "length": "audio"},
                 {"name": "b", "urls": "/b.tar", "length": "m.n:f"},
             ],
         )
     )
-    assert spec.fields == {"audio": Field(dtype="float32", pad=-2.0), "text": Field()}
-    assert list(spec.fields) == ["audio", "text"]  # in order: the first field counts when length is not given
+    assert spec.fields == {
+        "audio": Field(dtype="float32", pad=-2.0),
+        "text": Field(),
+        "mel": Field("bfloat16", feature_shape=(80,)),
+    }
+    assert list(spec.fields) == ["audio", "text", "mel"]  # in order: the first field counts when length is not given
     assert [s.length for s in spec.sources] == ["audio", ImportPath("m.n:f")]  # a field name, an import path
     assert spec.to_dict()["fields"] == {
         "audio": {"dtype": "float32", "pad": -2.0},
         "text": {"dtype": "int32", "pad": 0},
+        "mel": {"dtype": "bfloat16", "pad": 0, "feature_shape": [80]},
     }
+    assert parse_config(yaml.safe_load(yaml.safe_dump(spec.to_dict()))) == spec  # YAML round trip
     assert parse_config(small(fields=None)).fields is None
 
 
@@ -573,9 +583,13 @@ ERRORS = [
     (_set("fields", {"text": None}), "fields.text: must be a mapping, got None (NoneType)"),
     (_set("fields", {"text": {"dtyp": "int32"}}), "fields.text.dtyp: unknown key; did you mean 'dtype'?"),
     (
-        _set("fields", {"text": {"dtype": "bfloat16"}}),
+        _set("fields", {"text": {"dtype": "bfloat61"}}),
         "fields.text.dtype: must be one of 'int8', 'int16', 'int32', 'int64', 'uint8', "
-        "'float16', 'float32', 'float64', got 'bfloat16'; did you mean 'float16'?",
+        "'float16', 'bfloat16', 'float32', 'float64', got 'bfloat61'; did you mean 'bfloat16'?",
+    ),
+    (
+        _set("fields", {"text": {"feature_shape": [80, 0]}}),
+        "fields.text.feature_shape[1]: must be >= 1, got 0",
     ),
     (_set("fields", {"text": {"pad": 0.5}}), "fields.text.pad: 0.5 is not representable as int32"),
     (_set("fields", {"text": {"dtype": "uint8", "pad": -1}}), "fields.text.pad: -1 is not representable as uint8"),

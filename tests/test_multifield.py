@@ -190,9 +190,13 @@ def test_misconfigurations_fail_clearly(corpora):
     with pytest.raises(mixer.ConfigError, match=r"^Field\.pad: 0\.5 is not representable as int32$"):
         mixer.Field("int32", pad=0.5)
     with pytest.raises(
-        mixer.ConfigError, match=r"^Field\.dtype: must be one of 'int8', .*, got 'bfloat16'; did you mean 'float16'\?$"
+        mixer.ConfigError, match=r"^Field\.dtype: must be one of 'int8', .*'bfloat16'.*, got 'float8'; did you mean"
     ):
-        mixer.Field("bfloat16")
+        mixer.Field("float8")
+    with pytest.raises(mixer.ConfigError, match=r"^Field\.feature_shape\[1\]: must be >= 1, got 0$"):
+        mixer.Field("float32", feature_shape=(80, 0))
+    with pytest.raises(mixer.ConfigError, match=r"^Field\.feature_shape: must be a sequence of sizes, got 80"):
+        mixer.Field("float32", feature_shape=80)
 
 
 def test_pickle_to_and_device_feed_keep_views_consistent(corpora):
@@ -230,3 +234,105 @@ def test_npy_text_member_and_int16_audio(tmp_path):
     (b,) = list(mixer.make_loader(mix))
     assert b["audio"][0].tolist() == pcm(key, 777).astype(np.float32).tolist()
     assert b["text"].dtype == torch.int64 and b["text"][0].tolist() == text_tokens(key, 5).tolist()
+
+
+def frames_decode(raw):
+    from mixer.read.decode import decode_npy
+
+    return {"mel": decode_npy(raw["mel.npy"]), "text": decode_npy(raw["text.npy"])}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_two_dimensional_fields_pad_along_time(tmp_path, workers, dtype):
+    """Log-mel frames ``[T, 80]`` as one field: the batch holds ``[B, T_max, 80]``, each row's frames
+    exact (bfloat16: rounded as torch rounds), the pad after them; lengths count frames."""
+    rng = np.random.default_rng(5)
+    lengths = lognormal_lengths(60, median=40, sigma=0.6, lo=1, hi=300, seed=8)
+    samples = [
+        {
+            "__key__": f"u{i:03d}",
+            "mel.npy": rng.standard_normal((n, 80)).astype(np.float32) * 100,
+            "text.npy": np.arange(i % 7 + 1, dtype=np.int32),
+        }
+        for i, n in enumerate(lengths)
+    ]
+    pattern = write_samples(tmp_path, "mel", split_evenly(samples, 3))
+    fields = {"mel": mixer.Field(dtype, pad=-5.0, feature_shape=(80,)), "text": mixer.Field("int32", pad=-1)}
+    mix = mixer.Mixture(
+        [mixer.Source("m", pattern, decode=frames_decode)],
+        batching=mixer.TokenBudget(max_tokens=2000),
+        fields=fields,
+        stop="all_exhausted",
+    )
+    want = {s["__key__"]: torch.from_numpy(s["mel.npy"]).to(getattr(torch, dtype)) for s in samples}
+    seen = set()
+    for b in mixer.make_loader(mix, num_workers=workers):
+        mel = b["mel"]
+        assert mel.dtype == getattr(torch, dtype) and mel.ndim == 3 and mel.shape[2] == 80
+        assert mel.shape[0] * mel.shape[1] <= 2000 and torch.equal(b.lengths, b["mel_lengths"])
+        for i, key in enumerate(b.keys):
+            n = int(b["mel_lengths"][i])
+            assert n == len(want[key]) and torch.equal(mel[i, :n], want[key]), key
+            assert torch.all(mel[i, n:] == -5.0)
+            seen.add(key)
+    assert seen == set(want)
+
+
+def test_bfloat16_bits_round_as_torch_does():
+    from mixer.spec.dtypes import bfloat16_bits
+
+    rng = np.random.default_rng(0)
+    values = np.concatenate(
+        [
+            rng.standard_normal(10000).astype(np.float32) * 10.0 ** rng.integers(-30, 30, 10000),
+            np.array([0.0, -0.0, np.inf, -np.inf, 1.0 + 2**-8, 1.0 + 3 * 2**-8, 3.0e38, 1e-40], dtype=np.float32),
+        ]
+    )
+    theirs = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(bfloat16_bits(values), theirs)
+    nan = bfloat16_bits(np.array([np.nan], dtype=np.float32))
+    assert torch.isnan(torch.from_numpy(nan.view(np.int16)).view(torch.bfloat16)).all()
+
+
+def test_a_frame_of_the_wrong_shape_names_the_sample(tmp_path):
+    samples = [{"__key__": "a", "mel.npy": np.zeros((4, 80), np.float32), "text.npy": np.arange(2, dtype=np.int32)}]
+    samples.append({"__key__": "b", "mel.npy": np.zeros((4, 64), np.float32), "text.npy": np.arange(2, dtype=np.int32)})
+    pattern = write_samples(tmp_path, "bad", [samples])
+    mix = mixer.Mixture(
+        [mixer.Source("m", pattern, decode=frames_decode)],
+        batching=mixer.TokenBudget(max_tokens=1000),
+        fields={"mel": mixer.Field("float32", feature_shape=(80,)), "text": mixer.Field()},
+    )
+    with pytest.raises(
+        mixer.SampleError,
+        match=r"sample 'b': field 'mel' has shape \(4, 64\), .*feature_shape=\(80,\)\) needs \[length, 80\]",
+    ):
+        take(mixer.make_loader(mix), 2)
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "int16"])
+def test_small_integer_fields(tmp_path, dtype):
+    samples = [
+        {"__key__": f"k{i}", "x.npy": (np.arange(i + 1) % 200).astype(dtype), "text.npy": np.arange(1, dtype=np.int32)}
+        for i in range(30)
+    ]
+    pattern = write_samples(tmp_path, "small", [samples])
+
+    def decode(raw):
+        from mixer.read.decode import decode_npy
+
+        return {"x": decode_npy(raw["x.npy"]), "text": decode_npy(raw["text.npy"])}
+
+    mix = mixer.Mixture(
+        [mixer.Source("s", pattern, decode=decode)],
+        batching=mixer.TokenBudget(max_tokens=256),
+        fields={"x": mixer.Field(dtype, pad=255 if dtype == "uint8" else -1), "text": mixer.Field()},
+        stop="all_exhausted",
+    )
+    got = {}
+    for b in mixer.make_loader(mix):
+        assert b["x"].dtype == getattr(torch, dtype)
+        for i, key in enumerate(b.keys):
+            got[key] = b["x"][i, : int(b["x_lengths"][i])].tolist()
+    assert got == {s["__key__"]: s["x.npy"].tolist() for s in samples}

@@ -31,6 +31,7 @@ from mixer.batching.batchers import PackedGroup
 from mixer.errors import ConfigError, SampleError
 from mixer.read.decode import Sample
 from mixer.spec.budget import Field, Packed, check_fields
+from mixer.spec.dtypes import bfloat16_bits, cast_dtype
 
 if TYPE_CHECKING:
     from mixer.read.counters import Counters
@@ -372,30 +373,14 @@ class FieldLayout:
         lens = {name: np.fromiter(map(len, col), dtype=np.int64, count=b) for name, col in columns.items()}
         spec_list: list[tuple[str, str, tuple[int, ...]]] = []
         for name, f in self.fields.items():
-            spec_list.append((name, f.dtype, (b, int(lens[name].max()) if b else 0)))
+            spec_list.append((name, f.dtype, (b, int(lens[name].max()) if b else 0, *f.feature_shape)))
             spec_list.append((f"{name}_lengths", dt, (b,)))
         spec: Spec = (*spec_list, ("lengths", dt, (b,)), ("source", dt, (b,)))
         flat = _flat_buffer(spec, dt, out)
         v = _numpy_views(flat, spec)
         for name, f in self.fields.items():
-            grid, n, column = v[name], lens[name], columns[name]
-            target = np.dtype(FIELD_DTYPES[f.dtype][0])
-            for dtype in {x.dtype for x in column}:
-                if not np.can_cast(dtype, target, casting="same_kind"):
-                    raise SampleError(
-                        f"field {name!r}: cannot cast {dtype} to {target} with casting rule 'same_kind' (Field(dtype={f.dtype!r}))"
-                    )
-            if grid.size > 64 * b:
-                # Long rows (audio): a slice copy per row; a concatenate plus a boolean-mask
-                # assignment costs ~30x more at a second of audio per row.
-                for i, x in enumerate(column):
-                    k = len(x)
-                    grid[i, :k] = x
-                    grid[i, k:] = f.pad
-            elif b:
-                grid.fill(f.pad)
-                grid[np.arange(grid.shape[1]) < n[:, None]] = np.concatenate(column, dtype=target, casting="same_kind")
-            v[f"{name}_lengths"][:] = n
+            _fill_field(v[name], lens[name], _field_column(name, f, columns[name], group), f)
+            v[f"{name}_lengths"][:] = lens[name]
         lengths = np.fromiter((s.length for s in group), dtype=np.int64, count=b)
         v["lengths"][:] = lengths
         v["source"][:] = sources
@@ -404,14 +389,52 @@ class FieldLayout:
         )
 
     def max_elements(self, edges: Sequence[Sequence[int]]) -> int:
-        """Each field provisioned for ``max_tokens`` elements (true of the counted field; a field
+        """Each field provisioned for ``max_tokens`` time steps (true of the counted field; a field
         longer than the counted one, rare, may make a batch travel by value instead of by slot)."""
         b = _most_samples(self.budget, edges)
         t, dt = self.budget.max_tokens, self.dtype
         spec: Spec = tuple(
-            x for name, f in self.fields.items() for x in ((name, f.dtype, (t,)), (f"{name}_lengths", dt, (b,)))
+            x
+            for name, f in self.fields.items()
+            for x in ((name, f.dtype, (t, *f.feature_shape)), (f"{name}_lengths", dt, (b,)))
         ) + (("lengths", dt, (b,)), ("source", dt, (b,)))
         return _extents(spec, np.dtype(_DTYPES[dt][0]).itemsize)[1]
+
+
+def _field_column(name: str, f: Field, column: list[np.ndarray], group: Sequence[Sample]) -> list[np.ndarray]:
+    """A field's arrays checked against its `Field` (shape of a time step, cast rule), as they are
+    written: bfloat16 values as their bits."""
+    for x, s in zip(column, group):
+        if x.shape[1:] != f.feature_shape:
+            raise SampleError(
+                f"sample {s.key!r}: field {name!r} has shape {x.shape}, the mixture's Field(feature_shape="
+                f"{f.feature_shape}) needs [length, {', '.join(map(str, f.feature_shape))}]".replace(", ]", "]")
+            )
+    target = cast_dtype(f.dtype)
+    for dtype in {x.dtype for x in column}:
+        if not np.can_cast(dtype, target, casting="same_kind"):
+            raise SampleError(
+                f"field {name!r}: cannot cast {dtype} to {target} with casting rule 'same_kind' (Field(dtype={f.dtype!r}))"
+            )
+    if f.dtype == "bfloat16":
+        return [bfloat16_bits(x) for x in column]
+    return column
+
+
+def _fill_field(grid: np.ndarray, n: np.ndarray, column: list[np.ndarray], f: Field) -> None:
+    """``grid[i, :n[i]] = column[i]``, ``f.pad`` after: ``grid`` is ``[B, T_max, *feature_shape]``."""
+    pad = bfloat16_bits(np.array(f.pad)).item() if f.dtype == "bfloat16" else f.pad
+    b = len(column)
+    if grid.size > 64 * b:
+        # Long rows (audio): a slice copy per row; a concatenate plus a boolean-mask
+        # assignment costs ~30x more at a second of audio per row.
+        for i, x in enumerate(column):
+            k = len(x)
+            grid[i, :k] = x
+            grid[i, k:] = pad
+    elif b:
+        grid.fill(pad)
+        grid[np.arange(grid.shape[1]) < n[:, None]] = np.concatenate(column, dtype=grid.dtype, casting="same_kind")
 
 
 def make_layout(

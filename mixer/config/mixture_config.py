@@ -142,11 +142,16 @@ class MixtureConfig:
             if key != "seed":
                 out[key] = getattr(self, key)
         if self.fields is not None:
-            out["fields"] = {name: _values(f) for name, f in self.fields.items()}
+            out["fields"] = {name: _field_to_dict(f) for name, f in self.fields.items()}
         for key in _PROFILE_OPTIONS:
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out
+
+
+def _field_to_dict(f: Field) -> dict[str, Any]:
+    """A field's keys, YAML-ready: ``feature_shape`` as a list, and left out for a 1-D field."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in _values(f).items() if v != ()}
 
 
 _OPTIONS = (

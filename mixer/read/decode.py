@@ -223,16 +223,18 @@ def _name(sample: dict[str, Any]) -> str:
 
 
 def decoded_fields(raw: Mapping[str, Any], out: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """A decode's mapping checked: named 1-D numeric arrays, in native byte order."""
+    """A decode's mapping checked: named numeric arrays of at least one dimension (the first is the
+    sample's length, the rest a field's ``feature_shape``), in native byte order."""
     where = f"shard {raw.get('__url__', '?')}, key {raw.get('__key__')!r}"
     if not out:
         raise SampleError(f"{where}: decode returned an empty mapping")
     fields: dict[str, np.ndarray] = {}
     for name, value in out.items():
         a = np.asarray(value)
-        if a.ndim != 1 or a.dtype.kind not in "iuf":
+        if a.ndim < 1 or a.dtype.kind not in "iuf":
             raise SampleError(
-                f"{where}: decode field {name!r} must be a 1-D numeric array (got dtype {a.dtype}, shape {a.shape})"
+                f"{where}: decode field {name!r} must be a numeric array of 1 or more dimensions "
+                f"(got dtype {a.dtype}, shape {a.shape})"
             )
         if not a.dtype.isnative:
             a = a.astype(a.dtype.newbyteorder("="))

@@ -16,7 +16,7 @@ from mixer.errors import ConfigError
 from mixer.spec.dtypes import FIELD_DTYPES as _FIELD_STORAGE
 
 OVERLONG = ("truncate", "drop")
-#: Field dtype names (see mixer.batching.batch.FIELD_DTYPES: what numpy and torch both have).
+#: Field dtype names (see mixer.spec.dtypes.FIELD_DTYPES).
 FIELD_DTYPES = tuple(_FIELD_STORAGE)
 RESERVED_FIELDS = ("source", "lengths")  # views every multi-field batch has (as has <field>_lengths)
 
@@ -170,17 +170,34 @@ class Packed(_Described):
 @dataclass(frozen=True)
 class Field(_Described):
     """How one field of a multi-field sample is collated: its batch ``dtype`` (one of
-    ``FIELD_DTYPES``; values are cast with numpy's ``same_kind`` rule, so float audio never silently
-    becomes int) and the ``pad`` value past each sample's length (exactly representable in an int
-    dtype; rounded but finite in a float dtype)."""
+    ``FIELD_DTYPES``: ``uint8``, ``int8``, ``int16``, ``int32``, ``int64``, ``float16``, ``bfloat16``,
+    ``float32``, ``float64``; values are cast with numpy's ``same_kind`` rule, so float audio never
+    silently becomes int; bfloat16 rounds to nearest even, as torch does) and the ``pad`` value past
+    each sample's length (exactly representable in an int dtype; rounded but finite in a float dtype).
+
+    ``feature_shape``: the shape of one time step, for fields of more than one dimension: with
+    ``feature_shape=(80,)`` each sample's array is ``[T, 80]`` (log-mel frames, say), its length is
+    ``T``, and the batch holds ``[B, T_max, 80]`` padded along ``T``. ``()``: 1-D samples."""
 
     dtype: str = "int32"
     _: KW_ONLY
     pad: float = 0
+    feature_shape: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check.choice(self.dtype, "Field.dtype", FIELD_DTYPES)
-        _check.representable(self.pad, "Field.pad", self.dtype)
+        _check.representable(self.pad, "Field.pad", "float32" if self.dtype == "bfloat16" else self.dtype)
+        shape = self.feature_shape
+        if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence):
+            _check.fail("Field.feature_shape", f"must be a sequence of sizes, got {_check.show(shape)}")
+        dims = tuple(_check.count(d, _check.at("Field.feature_shape", i)) for i, d in enumerate(shape))
+        object.__setattr__(self, "feature_shape", dims)  # a config's list, held as a tuple
+
+    def describe(self) -> dict[str, Any]:
+        described = super().describe()
+        if not self.feature_shape:  # 1-D fields describe themselves as before feature_shape existed
+            del described["feature_shape"]
+        return described
 
 
 def check_fields(fields: Any, where: str = "fields") -> dict[str, Field]:

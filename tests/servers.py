@@ -27,6 +27,14 @@ from typing import Any, NamedTuple
 
 import pytest
 
+
+def free_port() -> int:
+    """A port on 127.0.0.1 free right now, for a server another process starts (torchrun's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 # --------------------------------------------------------------------------------------------- HTTP
 
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from servers import free_port
 from shardutil import LogNormal
-from test_distributed import _free_port
 
 HERE = Path(__file__).parent
 RANKS, WORKERS, MAX_TOKENS, U = 3, 2, 2048, 4
@@ -46,7 +46,7 @@ def launch(tmp_path: Path, spec: dict[str, Any], *, limit: float) -> list[dict[s
         f"--nproc_per_node={RANKS}",
         "--nnodes=1",
         "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}",
+        f"--master_port={free_port()}",
         "--max-restarts=0",
         str(HERE / "adaptive_worker.py"),
         str(path),

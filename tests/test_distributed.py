@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections import Counter
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from servers import free_port
 from shardutil import LogNormal
 
 import mixer
@@ -183,12 +183,6 @@ def _cases(datasets: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return cases
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def torchrun(nproc: int, spec: Path, out: Path, phase: str) -> None:
     cmd = [
         sys.executable,
@@ -197,7 +191,7 @@ def torchrun(nproc: int, spec: Path, out: Path, phase: str) -> None:
         f"--nproc_per_node={nproc}",
         "--nnodes=1",
         "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}",
+        f"--master_port={free_port()}",
         str(WORKER),
         str(spec),
         str(out),
@@ -492,7 +486,7 @@ def test_train_ddp_example_resumes_loss_for_loss(demo_shards, tmp_path):
             "--nproc_per_node=2",
             "--nnodes=1",
             "--master_addr=127.0.0.1",
-            f"--master_port={_free_port()}",
+            f"--master_port={free_port()}",
             str(script),
             *common,
             *args,
@@ -538,7 +532,7 @@ def test_train_ddp_example_trains_on_every_demo_sample_once_with_zero_loss_fille
         "--nproc_per_node=2",
         "--nnodes=1",
         "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}",
+        f"--master_port={free_port()}",
         str(HERE.parent / "examples" / "train_ddp.py"),
         "--steps",
         "100000",

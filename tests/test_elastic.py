@@ -326,7 +326,7 @@ def test_torchrun_two_ranks_saved_three_resume_every_sample_once(shards, tmp_pat
     import sys
     from pathlib import Path
 
-    from test_distributed import _free_port
+    from servers import free_port
 
     here = Path(__file__).parent
     weights = {"web": 0.5, "code": 0.3, "tiny": 0.2}
@@ -347,7 +347,7 @@ def test_torchrun_two_ranks_saved_three_resume_every_sample_once(shards, tmp_pat
             f"--nproc_per_node={nproc}",
             "--nnodes=1",
             "--master_addr=127.0.0.1",
-            f"--master_port={_free_port()}",
+            f"--master_port={free_port()}",
             str(here / "elastic_worker.py"),
             str(spec),
             str(tmp_path),

@@ -11,7 +11,7 @@ import shardutil
 import torch
 from resume_oracle import _equal, assert_resumes_exactly, take
 from shardutil import lognormal_lengths, split_evenly, write_samples
-from test_audio import RATE, encode, pcm, text_tokens, write_speech_shards
+from speech import RATE, encode, pcm, text_tokens, write_speech_shards
 
 import mixer
 

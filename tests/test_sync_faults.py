@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from servers import free_port
 from shardutil import LogNormal
-from test_distributed import _free_port
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "dist_fault_worker.py"
@@ -65,7 +65,7 @@ def launch(
             }
         )
     )
-    port = _free_port()
+    port = free_port()
     env = dict(
         os.environ,
         OMP_NUM_THREADS="1",

@@ -65,7 +65,7 @@ START=$SECONDS
 
 echo "== 1/3 device-feed tests"
 set +e
-"$PY" -m pytest -q -rs -p no:cacheprovider tests/test_device.py 2>&1 | tee "$OUT/pytest.txt"
+"$PY" -m pytest -q -rs -p no:cacheprovider tests/runtime/test_device.py 2>&1 | tee "$OUT/pytest.txt"
 status=${PIPESTATUS[0]}
 set -e
 if (( status != 0 )); then echo "gpu_check: device tests FAILED" >&2; exit 1; fi

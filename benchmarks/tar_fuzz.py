@@ -11,7 +11,7 @@ read through a stream that may return short reads or raise a `ShardError` part w
 or a random block offset, with a random chunk size. `mixer.read.tario.read_samples` and
 `mixer.read.decode.default_tokens` must give the same for ``native=True`` and ``native=False``: the
 same samples (keys, values, order of keys) and tokens, and the same exception (class, message,
-cause, and every `TarDamage` field). tests/test_tar_fuzz.py runs a fixed number of cases; this runs
+cause, and every `TarDamage` field). tests/read/test_tar_fuzz.py runs a fixed number of cases; this runs
 for a time and prints how many cases and which kinds it tried. A crash or an out-of-bounds read in
 the C code kills the process; ``--asan`` fuzzes a build with ``-fsanitize=address``, which also
 catches reads out of bounds that would not crash.

@@ -1,0 +1,125 @@
+"""Leaving a loader with workers in every way a training job does: nothing is left behind.
+
+Each scenario runs in a process of its own (tests/support/shutdown_script.py), so that what it leaves is
+seen: live child processes, entries in /dev/shm, or a hang (the subprocess timeout).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from shardutil import write_token_shards
+
+SUPPORT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support")
+SCRIPT = os.path.join(SUPPORT, "shutdown_script.py")
+
+
+@pytest.fixture(scope="module")
+def pattern(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("shutdown")
+    return write_token_shards(folder, "s", [[8 + (i * 7) % 40 for i in range(200)] for _ in range(4)])
+
+
+def shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def left_in_shm(before: set[str]) -> set[str]:
+    """Entries of /dev/shm that appeared since ``before`` and are still there after a second:
+    multiprocessing's named semaphores (``sem.mp-*``) of any process on the machine exist for an
+    instant before they are unlinked; what is left is leaked."""
+    deadline = time.monotonic() + 1.0
+    new = shm_entries() - before
+    while new and time.monotonic() < deadline:
+        time.sleep(0.05)
+        new &= shm_entries()
+    return new
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie has exited and only waits for its parent to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def start(scenario: str, pattern: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, SCRIPT, scenario, pattern],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [SUPPORT, os.environ.get("PYTHONPATH")])),
+        },
+    )
+
+
+def worker_pids(proc: subprocess.Popen[str]) -> list[int]:
+    line = proc.stdout.readline()
+    assert line.startswith("workers "), line + proc.stderr.read()
+    pids = [int(p) for p in line.split()[1:]]
+    assert len(pids) == 2, line
+    return pids
+
+
+def gone_by(pids: list[int], deadline: float) -> bool:
+    while time.monotonic() < deadline:
+        if not any(alive(p) for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", ["break", "del", "worker-error"])
+def test_leaving_a_pass_leaves_no_worker_and_no_shared_memory(pattern, scenario):
+    before = shm_entries()
+    proc = start(scenario, pattern)
+    pids = worker_pids(proc)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert out.splitlines()[-1] == "clean", out + err
+    if scenario == "worker-error":
+        assert "decode bug on purpose" in out
+    assert not any(alive(p) for p in pids)
+    assert left_in_shm(before) == set()
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_workers_and_main_cleanly(pattern):
+    before = shm_entries()
+    proc = start("sigint", pattern)
+    pids = worker_pids(proc)
+    time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
+    out, err = proc.communicate(timeout=60)
+    assert "interrupted" in out and out.splitlines()[-1] == "clean", out + err
+    assert not any(alive(p) for p in pids)
+    assert left_in_shm(before) == set()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_workers_exit_promptly_when_the_main_process_dies(pattern, sig):
+    """DataLoader's own check runs every 5 s and only while a worker waits for a request; a worker
+    blocked on a full result pipe never ran it. Ours ends a worker within ~0.2 s."""
+    before = shm_entries()
+    proc = start("sigterm", pattern)
+    pids = worker_pids(proc)
+    time.sleep(0.5)
+    signalled = time.monotonic()
+    proc.send_signal(sig)  # the main process only: its workers are orphaned
+    proc.wait(timeout=60)  # not communicate(): the orphans hold its pipes open while they live
+    assert gone_by(pids, signalled + 2.0), [p for p in pids if alive(p)]
+    proc.communicate(timeout=60)
+    assert left_in_shm(before) == set()

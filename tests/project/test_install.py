@@ -14,7 +14,7 @@ from mixer import _native
 from mixer.cli import main
 from mixer.cli.info import EXTRAS
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow

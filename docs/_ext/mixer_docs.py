@@ -213,9 +213,13 @@ class ConfigKeysDirective(_Generated):
     def schedule_keys() -> list[str]:
         """The ``schedule:`` keys, from the key tuples of the module that parses them."""
         mod = defining_module("SCHEDULE_KEYS")
-        sections = [("schedule", "SCHEDULE_KEYS"), ("schedule.temperature", "TEMPERATURE_KEYS"),
-                    ("schedule.phases[i]", "PHASE_KEYS"), ("schedule.hierarchical", "HIERARCHICAL_KEYS"),
-                    ("schedule.adaptive", "ADAPTIVE_KEYS")]  # fmt: skip
+        sections = [
+            ("schedule", "SCHEDULE_KEYS"),
+            ("schedule.temperature", "TEMPERATURE_KEYS"),
+            ("schedule.phases[i]", "PHASE_KEYS"),
+            ("schedule.hierarchical", "HIERARCHICAL_KEYS"),
+            ("schedule.adaptive", "ADAPTIVE_KEYS"),
+        ]
         lines = []
         for path, attr in sections:
             keys = getattr(mod, attr, None)
@@ -227,8 +231,15 @@ class ConfigKeysDirective(_Generated):
     def nemo_keys() -> list[str]:
         """NeMo's ``ConcatDataset`` keys, accepted at the top level as written or prefixed."""
         keys = getattr(defining_module("NEMO_KEYS"), "NEMO_KEYS")
-        lines = [".. rubric:: NeMo keys (top level)", "", ".. list-table::", "   :header-rows: 1", "",
-                 "   * - key", "     - or, as NeMo's ASR configs write it"]  # fmt: skip
+        lines = [
+            ".. rubric:: NeMo keys (top level)",
+            "",
+            ".. list-table::",
+            "   :header-rows: 1",
+            "",
+            "   * - key",
+            "     - or, as NeMo's ASR configs write it",
+        ]
         for plain, prefixed in keys.items():
             lines += [f"   * - ``{plain}``", f"     - ``{prefixed}``"]
         return [*lines, ""]
@@ -618,8 +629,11 @@ def resolve_by_code_names(app: Sphinx, env: Any, node: Any, contnode: Any) -> An
     # package that has that name, if there is exactly one. Noted, to be qualified in the code.
     if not _in_package(target) and not hasattr(builtins, target.partition(".")[0]):
         suffix = "." + target
-        matches = sorted(name for name, entry in domain.objects.items()
-                         if _in_package(name) and name.endswith(suffix) and not entry.aliased)  # fmt: skip
+        matches = sorted(
+            name
+            for name, entry in domain.objects.items()
+            if _in_package(name) and name.endswith(suffix) and not entry.aliased
+        )
         if len(matches) != 1:
             AMBIGUOUS[target] = matches
         if len(matches) == 1:
@@ -661,8 +675,11 @@ def report_unqualified(app: Sphinx, exc: Exception | None) -> None:
     if not UNQUALIFIED:
         return
     rows = sorted(set(UNQUALIFIED))
-    log.info("%d reference(s) in docstrings to qualify or fix in the code (their module neither defines nor "
-             "imports the name; resolved, if at all, by a package-wide search):", len(rows))  # fmt: skip
+    log.info(
+        "%d reference(s) in docstrings to qualify or fix in the code (their module neither defines nor "
+        "imports the name; resolved, if at all, by a package-wide search):",
+        len(rows),
+    )
     for source, role, target, written, resolved in rows:
         log.info("  :%s:`%s` in %s -> %s", role, target, source.rpartition(":docstring of ")[2] or written, resolved)
     if FULL_BUILD[0]:
@@ -701,9 +718,14 @@ def warn_by_full_name(app: Sphinx, domain: Any, node: Any) -> bool | None:
         from sphinx.util import logging
 
         logging.getLogger(__name__).warning(
-            "py:%s reference target not found: %s (written in %s)", node["reftype"], target, written,
-            location=node, type="ref", subtype=node["reftype"],
-        )  # fmt: skip
+            "py:%s reference target not found: %s (written in %s)",
+            node["reftype"],
+            target,
+            written,
+            location=node,
+            type="ref",
+            subtype=node["reftype"],
+        )
         return True
     return None
 

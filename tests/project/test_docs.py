@@ -27,9 +27,11 @@ def test_no_references_to_documents_outside_the_repository():
     private = re.compile(r"seed 00\d|gotcha|\.\./shared|DESIGN\.md|seeds/")
     found = [
         f"{path.relative_to(REPO)}:{n}: {line.strip()}"
-        for path in USER_FACING if path.is_file()
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if private.search(line)
-    ]  # fmt: skip
+        for path in USER_FACING
+        if path.is_file()
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if private.search(line)
+    ]
     assert found == []
 
 
@@ -38,8 +40,17 @@ def test_the_user_facing_pages_are_there():
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     linked = re.findall(r"\]\(((?:docs/|CHANGELOG)[^)#]*)\)", readme)
     assert linked and [p for p in linked if not (REPO / p).is_file()] == []
-    for page in ("getting-started", "performance", "guides/remote", "reference/api", "reference/cli", "reference/config",
-                 "reference/state", "internals/architecture", "internals/contributing"):  # fmt: skip
+    for page in (
+        "getting-started",
+        "performance",
+        "guides/remote",
+        "reference/api",
+        "reference/cli",
+        "reference/config",
+        "reference/state",
+        "internals/architecture",
+        "internals/contributing",
+    ):
         assert (DOCS / f"{page}.md").is_file(), page
 
 

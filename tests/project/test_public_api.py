@@ -95,8 +95,13 @@ def test_user_facing_text_builds_loaders_and_device_feeds_one_way():
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[2]
-    texts = [repo / "README.md", repo / "CHANGELOG.md", *sorted((repo / "docs").rglob("*.md")), *sorted((repo / "examples").iterdir()),
-             *sorted((repo / "mixer").rglob("*.py"))]  # fmt: skip
+    texts = [
+        repo / "README.md",
+        repo / "CHANGELOG.md",
+        *sorted((repo / "docs").rglob("*.md")),
+        *sorted((repo / "examples").iterdir()),
+        *sorted((repo / "mixer").rglob("*.py")),
+    ]
     direct = re.compile(r"(?<![\w.])(?<!class )(?:mixer\.)?(?:Loader|DeviceFeed)\(")
     found = [
         f"{path.relative_to(repo)}: {line.strip()}"

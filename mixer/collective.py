@@ -126,7 +126,10 @@ class Bounded:
             who = f"all {size} ranks reached it"
         if timed_out:
             what = f"{c.what} (collective #{c.seq} of this loader) got no answer within sync_timeout={self.timeout:g} s"
-            hint = "a rank frozen (stopped, swapped out, partitioned) or busy elsewhere for longer; raise make_loader(sync_timeout=...) if that is expected"
+            hint = (
+                "a rank frozen (stopped, swapped out, partitioned) or busy elsewhere for longer; raise "
+                "make_loader(sync_timeout=...) if that is expected"
+            )
         else:
             what = f"{c.what} (collective #{c.seq} of this loader) failed"
             hint = "a rank died or its connection broke"

@@ -242,7 +242,8 @@ class PaddedLayout:
 
 class PackedLayout:
     """Documents packed back to back (:class:`~mixer.PackedBatch`), as a
-    :class:`~mixer.batching.batchers.Packer` placed them: its batches are :class:`~mixer.batching.batchers.PackedGroup`\\ s."""
+    :class:`~mixer.batching.batchers.Packer` placed them: its batches are
+    :class:`~mixer.batching.batchers.PackedGroup`\\ s."""
 
     def __init__(self, packed: Packed, *, dtype: str, pad_id: int) -> None:
         self.packed = packed
@@ -414,7 +415,8 @@ def _field_column(name: str, f: Field, column: list[np.ndarray], group: Sequence
     for dtype in {x.dtype for x in column}:
         if not np.can_cast(dtype, target, casting="same_kind"):
             raise SampleError(
-                f"field {name!r}: cannot cast {dtype} to {target} with casting rule 'same_kind' (Field(dtype={f.dtype!r}))"
+                f"field {name!r}: cannot cast {dtype} to {target} with casting rule 'same_kind' "
+                f"(Field(dtype={f.dtype!r}))"
             )
     if f.dtype == "bfloat16":
         return [bfloat16_bits(x) for x in column]
@@ -445,7 +447,8 @@ def make_layout(
     if isinstance(batching, Packed):
         if fields is not None:
             raise ConfigError(
-                "fields: multi-field samples are batched with TokenBudget (padded per field); Packed packs token documents"
+                "fields: multi-field samples are batched with TokenBudget (padded per field); Packed packs token "
+                "documents"
             )
         return PackedLayout(batching, dtype=dtype, pad_id=pad_id)
     if fields is not None:

@@ -90,7 +90,8 @@ def apply_nemo(
         key, value = nemo["sampling_probabilities"]
         if not isinstance(value, list) or len(value) != len(sources):
             raise ConfigError(
-                f"{key}: must be a list of {len(sources)} probabilities (one per source, in order), got {_check.show(value)}"
+                f"{key}: must be a list of {len(sources)} probabilities (one per source, in order), got "
+                f"{_check.show(value)}"
             )
         probs = [float(_check.number(v, _check.at(key, i), minimum=0)) for i, v in enumerate(value)]
         if abs(sum(probs) - 1.0) > 1e-6:

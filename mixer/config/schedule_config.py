@@ -71,7 +71,8 @@ def schedule_to_dict(schedule: Schedule) -> dict[str, Any]:
             out["temperature"] = _temperature_to_dict(schedule.temperature)
         return out
     raise ConfigError(
-        f"schedule: {schedule!r} has no config form (only Weights, Temperature, Curriculum, Hierarchical, Floored, Static, Adaptive)"
+        f"schedule: {schedule!r} has no config form (only Weights, Temperature, Curriculum, Hierarchical, Floored, "
+        "Static, Adaptive)"
     )
 
 
@@ -90,7 +91,8 @@ def _parse_temperature(value: Any, path: str) -> tuple[Temperature, str | None]:
         for key in ("end", "steps", "tokens"):
             if key in m:
                 raise ConfigError(
-                    f"{_check.at(path, key)}: only used with a non-constant shape (linear, cosine, step); shape is 'constant'"
+                    f"{_check.at(path, key)}: only used with a non-constant shape (linear, cosine, step); shape is "
+                    "'constant'"
                 )
         return Temperature(start, base=base), None
     if "end" not in m:
@@ -135,7 +137,8 @@ def _parse_phases(value: Any, path: str, names: Sequence[str], top: Temperature 
                     unit, unit_from = u, f"{path}[{k}].{key}"
                 elif u != unit:
                     raise ConfigError(
-                        f"{_check.at(_check.at(path, k), key)}: phases count {unit} ({unit_from}); don't mix steps and tokens"
+                        f"{_check.at(_check.at(path, k), key)}: phases count {unit} ({unit_from}); don't mix steps "
+                        "and tokens"
                     )
     unit = unit or "tokens"
     integer = unit == "steps"
@@ -154,7 +157,8 @@ def _parse_phases(value: Any, path: str, names: Sequence[str], top: Temperature 
             until = _check.number(m[until_key], _check.at(p, until_key), minimum=0, strict=True, integer=integer)
             if until <= previous:
                 raise ConfigError(
-                    f"{_check.at(p, until_key)}: must be greater than {path}[{k - 1}].{until_key} ({previous!r}), got {until!r}"
+                    f"{_check.at(p, until_key)}: must be greater than {path}[{k - 1}].{until_key} ({previous!r}), got "
+                    f"{until!r}"
                 )
         ramp = _check.number(m.get(ramp_key, 0), _check.at(p, ramp_key), minimum=0, integer=integer)
         if ramp and k == 0:
@@ -172,8 +176,8 @@ def _parse_phases(value: Any, path: str, names: Sequence[str], top: Temperature 
             temperature, length_key = _parse_temperature(m["temperature"], tp)
             if length_key is not None and length_key != unit:
                 raise ConfigError(
-                    f"{_check.at(tp, length_key)}: a phase's temperature counts from the phase's start, and these phases "
-                    f"count {unit}; give its length as '{unit}'"
+                    f"{_check.at(tp, length_key)}: a phase's temperature counts from the phase's start, and these "
+                    f"phases count {unit}; give its length as '{unit}'"
                 )
             if temperature.base == "sizes" and weights is not None:
                 raise ConfigError(
@@ -181,7 +185,8 @@ def _parse_phases(value: Any, path: str, names: Sequence[str], top: Temperature 
                 )
         if top is not None and top.base == "sizes" and weights is not None:
             raise ConfigError(
-                f"{path[: -len('phases')]}temperature.base: 'sizes' would ignore the weights of {p}; use 'weights' or omit it"
+                f"{path[: -len('phases')]}temperature.base: 'sizes' would ignore the weights of {p}; use 'weights' or "
+                "omit it"
             )
         phases.append(Phase(weights, until, ramp, temperature))
         if until is not None:

@@ -176,7 +176,8 @@ class Temperature:
             for name in ("end", "steps", "tokens"):
                 if getattr(self, name) is not None:
                     raise ConfigError(
-                        f"Temperature.{name}: only used by a non-constant shape (shape='constant'), got {getattr(self, name)!r}"
+                        f"Temperature.{name}: only used by a non-constant shape (shape='constant'), got "
+                        f"{getattr(self, name)!r}"
                     )
             return
         if self.end is None:
@@ -317,7 +318,8 @@ class Curriculum:
                 )
             if self.temperature is not None and self.temperature.base == "sizes" and phase.weights is not None:
                 raise ConfigError(
-                    f"Curriculum.temperature.base: 'sizes' would ignore the weights of phases[{k}]; use 'weights' or None"
+                    f"Curriculum.temperature.base: 'sizes' would ignore the weights of phases[{k}]; use 'weights' or "
+                    "None"
                 )
             if not last:
                 previous = float(phase.until)  # type: ignore[arg-type]
@@ -434,8 +436,8 @@ def describe_schedule(schedule: Schedule) -> str:
         )
     if _ADDRESS.search(text):
         raise ConfigError(
-            f"schedule {type(schedule).__qualname__}: its description {text!r} holds an object address, which differs in "
-            "every process, so no state could ever resume; give the schedule (or the object inside it) a describe() "
+            f"schedule {type(schedule).__qualname__}: its description {text!r} holds an object address, which differs "
+            "in every process, so no state could ever resume; give the schedule (or the object inside it) a describe() "
             "returning a str, or a __repr__, that names its configuration"
         )
     return text

@@ -1,6 +1,7 @@
 """Run statistics, built in the main process from what the batches carry (no extra IPC).
 
-Every batch's :class:`~mixer.BatchMeta` holds its reader's cumulative per-source :class:`~mixer.read.counters.Counters`, the
+Every batch's :class:`~mixer.BatchMeta` holds its reader's cumulative per-source
+:class:`~mixer.read.counters.Counters`, the
 global ``step`` and the schedule's ``target`` share at that step, as computed in the worker. The main
 process keeps the last counters of each worker and, per batch handed out, one snapshot of their sum
 in a ring buffer; a window's counters are then the difference of two snapshots, so the per-batch
@@ -252,7 +253,8 @@ def format_line(stats: dict[str, Any]) -> str:
     )
     return (
         f"step {stats['step']} | {w['tokens_per_second']:,.0f} tok/s | pad eff {w['padding_efficiency']:.3f} | "
-        f"realized/target {_unit_word(stats)} share over {w['batches']} batches: {shares}{format_adaptive(stats.get('adaptive'))}"
+        f"realized/target {_unit_word(stats)} share over {w['batches']} batches: "
+        f"{shares}{format_adaptive(stats.get('adaptive'))}"
     )
 
 
@@ -379,7 +381,8 @@ class History:
         self.targets.append(batch.meta.target)
 
     def realized(self, width: int) -> np.ndarray:
-        """Realized share (in the unit) per source over a centred window of ``width`` batches, ``[batches, sources]``."""
+        """Realized share (in the unit) per source over a centred window of ``width`` batches, ``[batches,
+        sources]``."""
         tokens = np.asarray(self.tokens, dtype=np.float64).reshape(-1, len(self.names))
         cum = np.vstack([np.zeros((1, tokens.shape[1])), np.cumsum(tokens, axis=0)])
         b = np.arange(len(tokens))
@@ -403,7 +406,8 @@ def _figure() -> Figure:
         from matplotlib.figure import Figure
     except ImportError as exc:
         raise ConfigError(
-            f"plotting needs matplotlib, which is not installed ({exc}); install the extra: pip install 'wds-mixer[plot]'"
+            f"plotting needs matplotlib, which is not installed ({exc}); install the extra: pip install "
+            "'wds-mixer[plot]'"
         ) from None
     return Figure(figsize=(9, 4.8), layout="constrained")
 
@@ -486,7 +490,8 @@ def plot_schedule(
 
 def format_adaptive(adaptive: dict[str, Any] | None) -> str:
     """The adaptive part of a :func:`mixer.log_every` line, from ``Loader.stats()["adaptive"]``
-    (:meth:`mixer.runtime.feedback.Feedback.as_dict`): the updates so far, the step the latest takes effect from and the last
+    (:meth:`mixer.runtime.feedback.Feedback.as_dict`): the updates so far, the step the latest takes effect from and
+    the last
     closed window's mean loss per source (``-``: no sample of it in that window); '' without."""
     if adaptive is None:
         return ""

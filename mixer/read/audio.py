@@ -87,7 +87,8 @@ class SpeechDecode:
             or not all(isinstance(m, str) and m for m in self.audio_members)
         ):
             raise ConfigError(
-                f"SpeechDecode: audio_members must be a non-empty tuple of member extensions (got {self.audio_members!r})"
+                "SpeechDecode: audio_members must be a non-empty tuple of member extensions (got "
+                f"{self.audio_members!r})"
             )
 
     def __repr__(self) -> str:
@@ -124,7 +125,8 @@ class SpeechDecode:
         if rate != self.sample_rate:
             if self.resample is None:
                 raise SampleError(
-                    f"{where}: audio member {member!r} is sampled at {rate} Hz, the decode expects {self.sample_rate} Hz; "
+                    f"{where}: audio member {member!r} is sampled at {rate} Hz, the decode expects {self.sample_rate} "
+                    "Hz; "
                     "resample the corpus, or pass SpeechDecode(resample=...)"
                 )
             audio = np.asarray(self.resample(audio, rate, self.sample_rate))
@@ -138,7 +140,8 @@ class SpeechDecode:
             tokens = decode_npy(data, where=f"{where}, member 'tokens.npy'")
             if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
                 raise SampleError(
-                    f"{where}: 'tokens.npy' must be a 1-D integer array (got dtype {tokens.dtype}, shape {tokens.shape})"
+                    f"{where}: 'tokens.npy' must be a 1-D integer array (got dtype {tokens.dtype}, shape "
+                    f"{tokens.shape})"
                 )
             return tokens
         text = sample.get("txt")

@@ -1,6 +1,7 @@
 """Turning one tar sample into a :class:`mixer.read.decode.Sample`: the source's decode, its length, and
 the length policy (truncate or drop, counted) and ``on_error`` policy applied to it. Shared by the
-readers (`mixer.stream.source_stream`), the up-front look (`mixer.plan.profiling`, `mixer.plan.index`) and the re-reading of
+readers (`mixer.stream.source_stream`), the up-front look (`mixer.plan.profiling`, `mixer.plan.index`) and the
+re-reading of
 buffered samples on resume (`mixer.stream.reread`), so that all of them judge a sample the same way."""
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ def _fit(
             else "max_length=... to truncate or drop such samples"
         )
         raise SampleError(
-            f"shard {storage.redact(raw['__url__'])}, key {raw['__key__']!r}: length {n} exceeds {limit}; set {type(budget).__name__}({how})"
+            f"shard {storage.redact(raw['__url__'])}, key {raw['__key__']!r}: length {n} exceeds {limit}; set "
+            f"{type(budget).__name__}({how})"
         )
     if budget.overlong == "drop" or source.length is not None or isinstance(tokens, dict):
         counters.dropped += 1
@@ -114,7 +116,8 @@ def _decode(source: Source, raw: dict[str, Any]) -> Any:
         tokens = np.asarray(tokens)
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
             raise SampleError(
-                f"shard {storage.redact(raw.get('__url__', '?'))}, key {raw.get('__key__')!r}: decode must return a 1-D "
+                f"shard {storage.redact(raw.get('__url__', '?'))}, key {raw.get('__key__')!r}: decode must return a "
+                "1-D "
                 f"integer array (got dtype {tokens.dtype}, shape {tokens.shape})"
             )
     return tokens
@@ -126,7 +129,8 @@ def _length_of(source: Source, raw: dict[str, Any], tokens: Any) -> int:
         return int(length(raw)) if callable(length) else field_length(raw, tokens, length)
     if isinstance(length, str):
         raise SampleError(
-            f"shard {storage.redact(raw.get('__url__', '?'))}, key {raw.get('__key__')!r}: length={length!r} names a field, "
+            f"shard {storage.redact(raw.get('__url__', '?'))}, key {raw.get('__key__')!r}: length={length!r} names a "
+            "field, "
             "but decode returned one array, not a mapping of fields"
         )
     return int(length(raw)) if length is not None else len(tokens)

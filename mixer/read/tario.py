@@ -264,7 +264,8 @@ def _first_block(stream: BinaryIO, chunk_size: int, url: str) -> bytes:
         return buf  # a header or end block cut short: reported as truncated by the caller
     hint = compression_hint(block)
     raise TarDamage(
-        f"{url}: not a tar file (starts with {block[:16]!r}, {len(buf)}{'+' if len(buf) >= chunk_size else ''} bytes){hint}",
+        f"{url}: not a tar file (starts with {block[:16]!r}, {len(buf)}{'+' if len(buf) >= chunk_size else ''} "
+        f"bytes){hint}",
         offset=0,
     )
 
@@ -281,7 +282,8 @@ def group_samples(members: Iterable[Member], *, url: str) -> Iterator[dict[str, 
     skipped; the key is everything up to the first dot of the last path component, the extension
     (lower-cased) everything after it (odd names such as ``dir/.x.y`` go through webdataset's own
     regex); a member whose name has no such dot is skipped; a new sample starts whenever the key
-    changes (so a key that comes back later starts a second sample, as in webdataset). A repeated extension within a sample is a `SampleError` (an
+    changes (so a key that comes back later starts a second sample, as in webdataset). A repeated extension within a
+    sample is a `SampleError` (an
     extension spelled like one of the four ``__…__`` keys below counts as repeated).
 
     Each sample holds ``__key__``, ``__url__`` (= `url`), ``__offset__`` (its first member's
@@ -389,7 +391,8 @@ def read_samples(
 def read_chunks(
     stream: BinaryIO, *, url: str, start_offset: int = 0, chunk_size: int = 1 << 20, native: bool | None = None
 ) -> Iterator[list[dict[str, Any]]]:
-    """`read_samples` in lists of consecutive samples, for a caller that takes many at once (`mixer.stream.source_stream`).
+    """`read_samples` in lists of consecutive samples, for a caller that takes many at once
+    (`mixer.stream.source_stream`).
     With the compiled core (`NATIVE`; ``native=False`` or ``mixer.read.tario.NATIVE = False`` turns it off) the
     common members are walked and grouped in C (up to 64 samples a list) and the rest, from the first member
     it declines on, by the code above (one a list): the samples, errors and damage fields are the same."""

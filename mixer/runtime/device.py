@@ -125,7 +125,8 @@ class DeviceFeed(Generic[T]):
                         warned = True
                         warn(
                             "to_device: batch is not in pinned memory, pinning it in the training loop's thread; "
-                            "pass pin_memory=True to the DataLoader (make_loader(device=...) does) so the pin thread does it",
+                            "pass pin_memory=True to the DataLoader (make_loader(device=...) does) so the pin thread "
+                            "does it",
                             UserWarning,
                         )
                     host = ops.pin(host)

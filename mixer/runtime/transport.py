@@ -146,7 +146,8 @@ class SlotPool:
         is freed (with every tensor made from it)."""
         if self._states[worker, slot] != stamp:
             raise MixerError(
-                f"batch slot {slot} of worker {worker} holds {int(self._states[worker, slot])}, expected stamp {stamp}: flow control broken"
+                f"batch slot {slot} of worker {worker} holds {int(self._states[worker, slot])}, expected stamp "
+                f"{stamp}: flow control broken"
             )
         data = self._data(worker, slot, n)
         weakref.finalize(data, self._release, worker, slot).atexit = False

@@ -5,7 +5,8 @@
 For 0 and 2 DataLoader workers, in one process group: an uninterrupted run of 12 steps that
 checkpoints every 5 (``full``), a run resumed from its step-5 checkpoint (``from5``), a run stopped
 after 7 steps and saved after ``fit`` returned (``short``), and a run resumed from that (``from7``);
-each writes ``OUT/w<workers>/<run>/keys-rank<r>.jsonl``.
+each writes ``OUT/w<workers>/<run>/keys-rank<r>.jsonl``. Then a Mixture built for one rank is
+handed to a 2-rank fit, which must refuse it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 
@@ -50,6 +52,35 @@ def main() -> None:
             "--resume",
             str(base / "ck-short" / "last.ckpt"),
         )
+    refuse_a_mixture_built_for_one_rank(example, dict(s.split("=", 1) for s in sources), out)
+
+
+def refuse_a_mixture_built_for_one_rank(example: Any, sources: dict[str, str], out: Path) -> None:
+    """A Mixture built for rank 0 of 1, handed to a 2-rank DDP fit, would make both ranks read the
+    same data: refused when the data module builds its loader (the error: OUT/refused-rank<r>.txt)."""
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+
+    import mixer
+    from mixer.errors import ConfigError
+    from mixer.lightning import MixerDataModule
+
+    srcs = [mixer.Source(name, pattern) for name, pattern in sources.items()]
+    mixture = mixer.Mixture(srcs, batching=mixer.TokenBudget(max_tokens=4096), rank=0, world_size=1)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    try:
+        trainer.fit(example.TinyLM(), datamodule=MixerDataModule(mixture, num_workers=0))
+    except ConfigError as exc:
+        (out / f"refused-rank{dist.get_rank()}.txt").write_text(str(exc))
 
 
 if __name__ == "__main__":

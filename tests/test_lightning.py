@@ -108,6 +108,9 @@ def test_the_data_module_resumes_every_ddp_rank_at_the_next_untrained_batch(sour
             _assert_resumed_exactly(tmp_path / f"w{workers}", rank)
         first = [set(_keys(tmp_path / f"w{workers}" / "full", rank)[0]["keys"]) for rank in (0, 1)]
         assert not first[0] & first[1], "the two ranks must read different samples"
+    for rank in (0, 1):  # a Mixture built for one rank, handed to a 2-rank fit
+        refused = (tmp_path / f"refused-rank{rank}.txt").read_text()
+        assert "the mixture reads as rank 0 of 1, but the process group has 2 data-parallel ranks" in refused
 
 
 class _Steps(pl.LightningModule):
@@ -190,3 +193,61 @@ def test_the_data_module_refuses_what_it_cannot_save_exactly(sources, tmp_path):
         StateError, match=r"Lightning counts 100 batches trained, but the data stream holds the position of batches \["
     ):
         trainer.save_checkpoint(tmp_path / "x.ckpt")
+
+
+class _Keys(pl.Callback):
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int, list[str]]] = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self.seen.append((trainer.current_epoch, trainer.global_step, list(batch.keys)))
+
+
+@pytest.mark.slow
+def test_a_finite_pass_ends_the_epoch_and_the_next_epoch_starts_a_new_pass(make_sources, tmp_path):
+    """stop="all_exhausted": each epoch is one pass; resumed from a checkpoint taken mid-epoch and
+    from one taken at the end of the first epoch, the run trains what the uninterrupted one did."""
+    from mixer.lightning import MixerDataModule
+
+    small = make_sources({"tiny": LogNormal(shards=2, samples=96, median=100, sigma=0.5, lo=8, hi=512, seed=3)})
+    pattern = small["tiny"][0]
+
+    def build() -> mixer.Mixture:
+        return mixer.Mixture(
+            [mixer.Source("tiny", pattern)], batching=mixer.TokenBudget(max_tokens=2048), stop="all_exhausted"
+        )
+
+    def fit(name: str, resume: Path | None = None) -> list[tuple[int, int, list[str]]]:
+        keys = _Keys()
+        every = pl.callbacks.ModelCheckpoint(
+            dirpath=tmp_path / name,
+            filename="step{step}",
+            every_n_train_steps=3,
+            save_top_k=-1,
+            auto_insert_metric_name=False,
+        )
+        epochs = pl.callbacks.ModelCheckpoint(
+            dirpath=tmp_path / name,
+            filename="epoch{epoch}",
+            every_n_epochs=1,
+            save_top_k=-1,
+            auto_insert_metric_name=False,
+            save_on_train_epoch_end=True,
+        )
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_epochs=2,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[keys, every, epochs],
+        )
+        trainer.fit(_Steps(), datamodule=MixerDataModule(build, num_workers=2), ckpt_path=resume)
+        return keys.seen
+
+    full = fit("full")
+    per_epoch = [[k for e, _, k in full if e == epoch] for epoch in (0, 1)]
+    assert len(per_epoch[0]) > 3 and per_epoch[0] == per_epoch[1]  # a new pass: the same batches again
+    first = len(per_epoch[0])
+    assert fit("mid", tmp_path / "full" / "step3.ckpt") == full[3:]
+    assert fit("boundary", tmp_path / "full" / "epoch0.ckpt") == full[first:]

@@ -50,7 +50,8 @@ class BatchMeta:
     the state to save once this batch is trained; it stays in the process that handed the batch out
     (a pickled batch leaves it behind).
 
-    Treat it as read-only (the loader replaces it, never changes it). It travels with every batch
+    Treat it as read-only (the loader sets ``position`` and takes ``snapshot`` off as it hands the
+    batch out, on the batch's own metadata, then never changes it again). It travels with every batch
     from a worker as a tuple of its values (see :meth:`Batch.__reduce__`): plain numbers and lists,
     no class lookup, and not frozen, because a frozen dataclass's constructor costs about 1 us more
     per batch to rebuild."""

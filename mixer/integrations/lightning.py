@@ -37,7 +37,7 @@ except ImportError as exc:  # pragma: no cover - the extra is installed where th
 
 from mixer.batching.batch import Batch, BatchMeta
 from mixer.errors import ConfigError, StateError
-from mixer.integrations.ranks import gather
+from mixer.integrations.ranks import data_parallel_size, gather
 from mixer.mixing.adaptive import Adaptive
 from mixer.mixing.mixture import Mixture
 from mixer.runtime.loader import Loader, make_loader
@@ -150,6 +150,13 @@ class MixerDataModule(pl.LightningDataModule):
             raise ConfigError(
                 "MixerDataModule: an Adaptive schedule's feedback state is kept as of the last batch handed out, and "
                 "Lightning trains one batch behind that; use a plain loop with loader.feedback() for adaptive mixing"
+            )
+        ranks = data_parallel_size(self.group)
+        if ranks is not None and (mixture.world_size != ranks):
+            raise ConfigError(
+                f"MixerDataModule: the mixture reads as rank {mixture.rank} of {mixture.world_size}, but the process "
+                f"group has {ranks} data-parallel ranks: pass a function that builds the mixture, so that it is built "
+                "once the process group is set up (or give it rank= and world_size=)"
             )
         self.loader = make_loader(mixture, **self.loader_options)
         trained, states = 0, None

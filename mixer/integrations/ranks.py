@@ -24,6 +24,15 @@ if TYPE_CHECKING:
     from mixer.runtime.loader import Loader
 
 
+def data_parallel_size(group: Any = None) -> int | None:
+    """The size of ``group`` (default: the default group), or None without a process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return int(dist.get_world_size(group))
+
+
 def gather(local: Any, *, world_size: int, group: Any = None) -> tuple[int, list[Any] | None]:
     """``(this rank in group, [local of every rank of group, in group-rank order])`` on group rank 0,
     ``(rank, None)`` on the others; ``(0, [local])`` without a process group. A collective: every

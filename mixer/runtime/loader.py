@@ -303,7 +303,8 @@ class Loader:
             self._delivered += 1
             self._position = Position(self.mixture.fingerprint, self._delivered, tuple(logs))
             # The snapshot stays with the loader (inside the position); the training loop gets the rest.
-            batch.meta = replace(meta, snapshot=None, position=self._position)
+            # Set in place: every real batch arrives with a meta of its own (a filler's is shared).
+            meta.snapshot, meta.position = None, self._position
             yield batch
 
     @property

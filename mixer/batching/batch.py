@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from mixer.spec.dtypes import _DTYPES, FIELD_DTYPES  # noqa: F401 (imported from here too)
+from mixer.state.checkpoint import Position
 
 _ALIGN = 8  # bytes: every region starts here, so any field dtype can view it
 
@@ -43,9 +44,14 @@ class BatchMeta:
     ``snapshot``, the reader's full state every ``state_every`` batches (None otherwise; the loader
     takes it off before handing the batch out); ``skips``, shards given up since the reader's last
     batch; ``resumed_counters``, on a resumed reader's first batch, its counters at the resume
-    point. ``filler``: a filler batch (see :class:`Batch`), which delivers nothing.
+    point. ``filler``: a filler batch (see :class:`Batch`), which delivers nothing. ``position``: set
+    by the loader as it hands the batch out, the loader's position as of this batch
+    (:class:`mixer.state.checkpoint.Position`), which ``Loader.state_dict(upto=batch)`` turns into
+    the state to save once this batch is trained; it stays in the process that handed the batch out
+    (a pickled batch leaves it behind).
 
-    Treat it as read-only (the loader replaces it, never changes it). It travels with every batch
+    Treat it as read-only (the loader sets ``position`` and takes ``snapshot`` off as it hands the
+    batch out, on the batch's own metadata, then never changes it again). It travels with every batch
     from a worker as a tuple of its values (see :meth:`Batch.__reduce__`): plain numbers and lists,
     no class lookup, and not frozen, because a frozen dataclass's constructor costs about 1 us more
     per batch to rebuild."""
@@ -59,9 +65,12 @@ class BatchMeta:
     skips: Sequence[Sequence[int]] = ()
     resumed_counters: Sequence[Sequence[int]] | None = None
     filler: bool = False
+    position: Position | None = None
 
 
-_META_VALUES = operator.attrgetter(*BatchMeta.__slots__)  # pickled as its values: no class lookup per batch
+# Pickled as its values (no class lookup per batch), all but the position: it is the handing-out
+# process's (it holds the readers' snapshots by reference) and it is set after the batch travelled.
+_META_VALUES = operator.attrgetter(*(name for name in BatchMeta.__slots__ if name != "position"))
 FILLER = BatchMeta(filler=True)
 _NO_META = BatchMeta()  # a batch built outside a mixture (tests, custom collate)
 

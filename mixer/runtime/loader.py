@@ -12,6 +12,7 @@ import gc
 import multiprocessing
 import os
 import random
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ import numpy.random  # noqa: F401  (see below)
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from mixer.batching.batch import Batch
+from mixer.batching.batch import Batch, BatchMeta
 from mixer.errors import ConfigError, StateError
 from mixer.mixing import elastic
 from mixer.mixing.adaptive import Adaptive
@@ -36,7 +37,7 @@ from mixer.runtime.distributed import DEFAULT_SYNC_TIMEOUT, StopSync, SyncEnd, s
 from mixer.runtime.feedback import SharesTable, make_feedback
 from mixer.runtime.transport import SlotPool, group_size, grouped, ungrouped
 from mixer.state import checkpoint
-from mixer.state.checkpoint import ReaderLog, Resume
+from mixer.state.checkpoint import Position, ReaderLog, Resume
 
 # numpy.random is imported here, before any worker forks, because DataLoader seeds it in every worker
 # (and the readers draw from its PCG64): numpy imports it lazily, and a worker that imports it for
@@ -93,6 +94,27 @@ def _frozen_heap() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+
+
+#: Callers whose automatic saves and loads of a loader's state are refused: Lightning's Trainer saves
+#: the state of the loaders it iterates (``CombinedLoader``) after fetching one batch ahead of the
+#: training step, so the state it saves is one batch past what it trained.
+FETCH_AHEAD_CALLERS = ("lightning.pytorch.", "pytorch_lightning.")
+
+
+def _refuse_fetching_ahead(action: str) -> None:
+    """Raise if the caller of the loader method calling this is in a module of :data:`FETCH_AHEAD_CALLERS`.
+
+    Lightning names no hook for this: its ``CombinedLoader`` calls ``state_dict()`` on any iterable
+    that has one. The frame two levels up is that caller (0: here, 1: the loader's method)."""
+    caller = sys._getframe(2).f_globals.get("__name__", "")
+    if caller.startswith(FETCH_AHEAD_CALLERS):
+        raise StateError(
+            f"a mixer Loader handed straight to Lightning's Trainer cannot {action} its state exactly: Lightning "
+            "fetches the next batch before it trains the current one, so the loader's own state is one batch "
+            "ahead and a resumed run would skip a batch. Use mixer.lightning.MixerDataModule: it saves the state "
+            "as of the last batch trained"
+        )
 
 
 class _LoaderDataset(IterableDataset[Any]):
@@ -153,6 +175,8 @@ class Loader:
     annotations and ``isinstance`` only, and calling it raises ``TypeError``.
     :meth:`state_dict` / :meth:`load_state_dict` give exact resume.
     """
+
+    _position: Position  # as of the last batch handed out (or where a pass resumes, before its first)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("mixer.Loader is not built directly: use mixer.make_loader(mixture, ...)")
@@ -264,19 +288,23 @@ class Loader:
         # Inside the device feed: a look-ahead batch the ranks agree to drop is never copied.
         source = single if self.sync is None else self.sync.agreed(single)
         batches = source if self.device is None else to_device(source, self.device, prefetch=self.device_prefetch)
+        logs = self._logs
         for batch in batches:
             meta = batch.meta
             if meta.filler:  # delivers nothing: no state, no counters (StopSync counts it)
+                batch.meta = replace(meta, position=self._position)
                 yield batch
                 continue
             if self._feedback is not None:
                 self._feedback.delivered(meta)
             self._stats.update(meta)
             # Each reader's state as of the last batch handed out (see mixer.state.checkpoint.ReaderLog).
-            self._logs[meta.worker].record(meta)
-            # the snapshot stays with the loader; the training loop gets the rest of the metadata
-            batch.meta = replace(meta, snapshot=None) if meta.snapshot is not None else meta
+            logs[meta.worker] = logs[meta.worker].after(meta)
             self._delivered += 1
+            self._position = Position(self.mixture.fingerprint, self._delivered, tuple(logs))
+            # The snapshot stays with the loader (inside the position); the training loop gets the rest.
+            # Set in place: every real batch arrives with a meta of its own (a filler's is shared).
+            meta.snapshot, meta.position = None, self._position
             yield batch
 
     @property
@@ -285,29 +313,68 @@ class Loader:
 
     def _reset_bookkeeping(self, resume: Resume | None) -> None:
         self._delivered = 0 if resume is None else resume.delivered
-        self._logs = [ReaderLog() for _ in range(self._readers)]
-        for log, saved in zip(self._logs, resume.readers if resume is not None else ()):
-            log.load_state_dict(saved)
+        saved = resume.readers if resume is not None else [None] * self._readers
+        self._logs = [ReaderLog() if r is None else ReaderLog.from_state(r) for r in saved]
+        self._position = Position(self.mixture.fingerprint, self._delivered, tuple(self._logs))
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, upto: Batch | BatchMeta | None = None) -> dict[str, Any]:
         """The stream's position as of the last batch handed out: small, plain (JSON-able), and
         enough for :meth:`load_state_dict` to continue batch for batch as if never stopped
-        (the format is :mod:`mixer.state.checkpoint`'s)."""
+        (the format is :mod:`mixer.state.checkpoint`'s).
+
+        ``upto``: a batch this loader handed out, or its ``meta`` (keep that rather than the batch,
+        which holds its memory): the state as of *that* batch, so the resumed stream starts with the
+        batch after it, whatever was handed out since. For training loops that fetch batches ahead of
+        the step: save ``state_dict(upto=last_trained_batch)``. Refused (:class:`~mixer.errors.StateError`)
+        for a batch of another mixture or loader shape, a batch that went through pickling (its
+        position stays behind), and, under an :class:`~mixer.Adaptive` schedule, any batch but the last
+        handed out (the feedback's state is kept as of the last batch only).
+
+        Refused too when Lightning's Trainer calls it on a loader handed to it straight: Lightning
+        saves a loader's state after it has fetched the next batch, which would skip that batch on
+        resume; :class:`mixer.integrations.lightning.MixerDataModule` saves exactly."""
+        _refuse_fetching_ahead("save")
+        position = self._position if upto is None else self._position_of(upto)
+        if self._feedback is not None and position is not self._position:
+            raise StateError(
+                "state_dict(upto=...): under an Adaptive schedule only the last batch handed out can be saved (the "
+                "feedback's state is kept as of the last batch only); save before fetching the next batch"
+            )
         return checkpoint.loader_state(
             fingerprint=self.mixture.fingerprint,
             rank=self.mixture.rank,
             world_size=self.mixture.world_size,
             num_workers=self._readers,
-            delivered=self._delivered,
-            readers=copy.deepcopy([log.state_dict() for log in self._logs]),
+            delivered=position.delivered,
+            readers=copy.deepcopy([log.state_dict() for log in position.readers]),
             adaptive=None if self._feedback is None else self._feedback.state_dict(),
         )
+
+    def _position_of(self, upto: Batch | BatchMeta) -> Position:
+        meta = upto if isinstance(upto, BatchMeta) else getattr(upto, "meta", None)
+        if not isinstance(meta, BatchMeta):
+            raise StateError(
+                f"state_dict(upto=...): expected a batch this loader handed out, or its meta (got {type(upto).__name__})"
+            )
+        position = meta.position
+        if position is None:
+            raise StateError(
+                "state_dict(upto=...): this batch carries no loader position: it was not handed out by a mixer "
+                "Loader in this process (a batch that went through pickling leaves its position behind)"
+            )
+        if position.fingerprint != self.mixture.fingerprint or len(position.readers) != self._readers:
+            raise StateError(
+                "state_dict(upto=...): this batch was handed out by a loader of another mixture or with another "
+                "num_workers; pass a batch of this loader"
+            )
+        return position
 
     def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
         """Continue from ``state`` on the next iteration. Refused (``StateError``) for a state of another
         mixture, version or topology (rank, world_size, num_workers). Elastic resume: ``state`` is the
         list of the states of all the saved ranks (any world_size and num_workers; see
         :mod:`mixer.mixing.elastic`); every rank of the new run passes the same list."""
+        _refuse_fetching_ahead("load")
         if isinstance(state, (list, tuple)):
             state = elastic.resume_state(self.mixture, state, num_workers=self.num_workers)
         checkpoint.check(state, self.mixture, num_workers=self.num_workers)

@@ -10,7 +10,10 @@ A loader state (version :data:`STATE_VERSION`) is plain JSON::
 
 Per reader: the last *snapshot* a batch carried (taken every ``state_every`` batches), how many batches
 the reader made after it (``replay``: re-run in-process on resume) and the ``skips`` (shards given
-up under ``on_error="skip"``) it took since. A reader snapshot is::
+up under ``on_error="skip"``) it took since. The loader keeps these per reader as immutable
+:class:`ReaderLog` values and attaches its :class:`Position` (the batches handed out and every
+reader's log) to each batch it hands out, so the state as of any batch handed out can still be
+built after later ones were (``Loader.state_dict(upto=batch)``). A reader snapshot is::
 
     {"batches", "tokens", "active", "counters", "selector", "streams": {field: column},
      "batchers": {field: column}}
@@ -21,6 +24,13 @@ compressed array over all sources, so a source never read costs a few bits, and 
 buffer's draws are one integer; after an elastic resume a stream also lists the slices it inherited,
 see :mod:`mixer.mixing.elastic`); ``active`` and ``counters`` likewise, the selector's floats as
 compressed float64 bytes. :func:`readable` expands a snapshot into one dict per source.
+
+A *gathered* state (:func:`gathered_state`, kind ``"mixer.AllRanks"``) holds the loader states of
+every data-parallel rank, collected on rank 0, for frameworks that write one checkpoint from one
+process::
+
+    {"kind": "mixer.AllRanks", "version": 1, "rank": r, "states": [<loader state> | None, ...] | None,
+     "trained": batches trained | None}
 
 The state never holds configuration: the mixture appears as its fingerprint (:mod:`mixer.mixing.fingerprint`), composed of
 what each configuration class says decides the stream (their ``describe()``), and a state of
@@ -40,8 +50,8 @@ from __future__ import annotations
 import json
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, cast
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple, Protocol, cast
 
 import numpy as np
 
@@ -190,33 +200,45 @@ def size_bytes(state: dict[str, Any]) -> int:
     return len(json.dumps(state, separators=(",", ":")))
 
 
-@dataclass
-class ReaderLog:
+class ReaderLog(NamedTuple):
     """What the loader keeps per reader, from the metadata of the batches it hands out: the reader's
-    state as of its last batch handed out (see the module docstring)."""
+    state as of its last batch handed out (see the module docstring). Immutable: each batch makes a
+    new one (:meth:`after`), so a :class:`Position` can keep the logs of one moment by reference (a
+    named tuple: built once per batch, it costs a fraction of a frozen dataclass)."""
 
     snapshot: dict[str, Any] | None = None
     replay: int = 0
-    skips: list[list[int]] = field(default_factory=list)
+    skips: tuple[tuple[int, ...], ...] = ()
 
-    def record(self, meta: CarriesState) -> None:
+    def after(self, meta: CarriesState) -> ReaderLog:
+        """This reader's log once the batch described by ``meta`` is handed out."""
         if meta.snapshot is not None:
             # Taken after this batch: its skips are inside it.
-            self.snapshot, self.replay, self.skips = meta.snapshot, 0, []
-        else:
-            self.replay += 1
-            self.skips.extend(list(s) for s in meta.skips)
+            return ReaderLog(meta.snapshot)
+        skips = self.skips + tuple(tuple(s) for s in meta.skips) if meta.skips else self.skips
+        return ReaderLog(self.snapshot, self.replay + 1, skips)
 
     def state_dict(self) -> dict[str, Any]:
         return reader_state(self.snapshot, replay=self.replay, skips=self.skips)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> ReaderLog:
         expect_keys("loader reader", state, READER_KEYS)
-        self.snapshot, self.replay, self.skips = (
-            state["snapshot"],
-            int(state["replay"]),
-            [list(s) for s in state["skips"]],
-        )
+        return cls(state["snapshot"], int(state["replay"]), tuple(tuple(s) for s in state["skips"]))
+
+
+class Position(NamedTuple):
+    """A loader's position as of one batch it handed out: ``delivered`` batches handed out, this one
+    included, and every reader's :class:`ReaderLog` at that moment. The loader attaches one to every
+    batch it hands out (``batch.meta.position``), so a training loop that fetches batches ahead of
+    the step (Lightning, a prefetching wrapper) can still save the state as of the last batch it
+    *trained* (``Loader.state_dict(upto=batch)``). It holds references to the logs, never copies:
+    a tuple per batch. ``fingerprint`` names the mixture, so a position is only ever turned into a
+    state of a loader of that mixture."""
+
+    fingerprint: str
+    delivered: int
+    readers: tuple[ReaderLog, ...]
 
 
 def handed_out(reader: Mapping[str, Any]) -> int:
@@ -335,6 +357,64 @@ def loader_state(
         "readers": list(readers),
         "adaptive": adaptive,
     }
+
+
+# ---- every rank's state in one checkpoint ------------------------------------------------------
+
+#: A gathered state: the loader states of all the data-parallel ranks, collected on one of them, for
+#: frameworks that write one checkpoint from one process (Lightning, Accelerate; see
+#: :mod:`mixer.integrations.ranks`). Its own small format, versioned apart from the loader state it holds.
+GATHERED_KIND = "mixer.AllRanks"
+GATHERED_VERSION = 1
+GATHERED_KEYS = ("kind", "version", "rank", "states", "trained")
+
+
+def gathered_state(*, rank: int, states: Sequence[dict[str, Any] | None] | None, trained: int | None) -> dict[str, Any]:
+    """The one builder of a gathered state (:data:`GATHERED_KEYS`). ``states``: on the rank that
+    gathered them, one entry per data-parallel rank in rank order, each a loader state or None where
+    that rank starts a new pass; None on every other rank. ``rank``: the rank that built it.
+    ``trained``: how many batches the framework's training loop had taken, when it counts them (None
+    otherwise)."""
+    return {
+        "kind": GATHERED_KIND,
+        "version": GATHERED_VERSION,
+        "rank": int(rank),
+        "states": None if states is None else list(states),
+        "trained": None if trained is None else int(trained),
+    }
+
+
+def gathered_states(state: Any) -> list[dict[str, Any]] | None:
+    """The loader states of every rank that a gathered state holds, or None when every rank starts a
+    new pass. A :class:`~mixer.StateError` for another kind or version, unknown or missing keys, a state
+    built on a rank that did not gather the states, or ranks of which some start a new pass and some
+    do not."""
+    if not isinstance(state, dict) or state.get("kind") != GATHERED_KIND:
+        got = f"a dict with keys {sorted(map(str, state))}" if isinstance(state, dict) else f"a {type(state).__name__}"
+        raise StateError(f"not a gathered mixer state: got {got}; expected a dict with kind={GATHERED_KIND!r}")
+    if state.get("version") != GATHERED_VERSION:
+        raise StateError(
+            f"gathered state version {state.get('version')!r} cannot be loaded: this mixer reads version "
+            f"{GATHERED_VERSION} only"
+        )
+    expect_keys("gathered state", state, GATHERED_KEYS)
+    states = state["states"]
+    if states is None:
+        raise StateError(
+            f"gathered state: this one was built on rank {state['rank']}, which holds none of the ranks' loader "
+            "states (they were gathered on rank 0, whose checkpoint holds them): load the checkpoint rank 0 wrote"
+        )
+    if not isinstance(states, list) or not states:
+        raise StateError(f"gathered state: 'states' must list one entry per rank (got {states!r})")
+    fresh = [s is None for s in states]
+    if all(fresh):
+        return None
+    if any(fresh):
+        raise StateError(
+            f"gathered state: ranks {[r for r, f in enumerate(fresh) if f]} start a new pass and the others do not; "
+            "the ranks were not in step when it was saved"
+        )
+    return list(states)
 
 
 @dataclass(frozen=True)

@@ -172,6 +172,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("mixer.observe",),
     ("mixer.runtime",),
     ("mixer.config",),
+    ("mixer.integrations", "mixer.lightning"),
     ("mixer.cli",),
 )
 
@@ -210,6 +211,8 @@ def test_every_module_is_in_a_layer_and_only_the_foundation_is_at_the_top() -> N
         "mixer.collective",
         "mixer.config",
         "mixer.errors",
+        "mixer.integrations",
+        "mixer.lightning",
         "mixer.mixing",
         "mixer.observe",
         "mixer.plan",

@@ -63,6 +63,7 @@ def test_the_layer_folders_are_the_layers_of_the_import_check():
         "observe",
         "runtime",
         "config",
+        "integrations",
         "cli",
     )
 

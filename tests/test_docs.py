@@ -93,10 +93,11 @@ def test_the_architecture_page_names_every_layer_and_module_and_only_those():
     named: set[str] = set()
     for row in rows:
         layer, modules = row.split(" | ")[:2]
-        package = "" if layer.strip("| ") == "foundation" else layer.strip("| `/")
+        base = "" if layer.strip("| ") == "foundation" else layer.strip("| `/")
+        package = base
         for name in re.findall(r"`([\w/]+)`", modules):
-            if name.endswith("/"):  # a subpackage of the foundation, its modules listed after it
-                package = name.rstrip("/")
+            if name.endswith("/"):  # a subpackage of the layer, its modules listed after it
+                package = f"{base}.{name.rstrip('/')}" if base else name.rstrip("/")
                 continue
             named.add(f"{package}.{name}" if package else name)
     modules = {

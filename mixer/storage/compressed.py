@@ -1,9 +1,10 @@
 """Compressed shards: ``.tar.gz`` / ``.tgz`` (gzip, `zlib`) and ``.tar.xz`` (xz, `lzma`), decompressed
 as they stream, with the Python standard library only.
 
-The codec follows from the shard's name (its path, without an http query string), as webdataset's
-shard names say it; the bytes must then be what the name says (a ``.tar`` holding gzip data, or a
-``.tar.gz`` holding a plain tar, is an error that says so). Concatenated gzip members and xz streams
+The codec follows from the shard's name (the part of its URL that names the file, as its scheme's
+backend says: without an http query string), as webdataset's shard names say it; the bytes must
+then be what the name says (a ``.tar`` holding gzip data, or a ``.tar.gz`` holding a plain tar, is
+an error that says so). Concatenated gzip members and xz streams
 (as ``pigz`` or ``cat a.gz b.gz`` write them) and zero padding between or after them are read as
 ``gzip``/``xz`` read them; every member's checksum is verified.
 
@@ -20,11 +21,11 @@ once, from its start to its last buffered sample.
 from __future__ import annotations
 
 import lzma
-import re
 import zlib
 from typing import BinaryIO, Protocol
 
 from mixer.errors import ConfigError, ShardError
+from mixer.storage.registry import SCHEMES
 from mixer.storage.streams import ForwardStream
 
 __all__ = ["SHARD_SUFFIXES", "CodecError", "DecompressingStream", "codec_of", "is_shard_name"]
@@ -32,7 +33,6 @@ __all__ = ["SHARD_SUFFIXES", "CodecError", "DecompressingStream", "codec_of", "i
 # Name endings of the shards a folder or prefix listing keeps, and the codec each means.
 SHARD_SUFFIXES: dict[str, str | None] = {".tar": None, ".tar.gz": "gzip", ".tgz": "gzip", ".tar.xz": "xz"}
 _MAGIC = {"gzip": b"\x1f\x8b", "xz": b"\xfd7zXZ\x00"}
-_WEB = re.compile(r"^https?://", re.IGNORECASE)
 READ_SIZE = 1 << 20  # compressed bytes asked of the underlying stream at a time
 
 
@@ -47,8 +47,7 @@ class CodecError(ShardError):
 
 def codec_of(url: str) -> str | None:
     """``"gzip"``, ``"xz"`` or None (a plain tar), from the name's ending (case-insensitive)."""
-    path = re.split(r"[?#]", url, maxsplit=1)[0] if _WEB.match(url) else url
-    lower = path.lower()
+    lower = SCHEMES.for_url(url).name(url).lower()  # without an http query string
     for suffix, codec in SHARD_SUFFIXES.items():
         if codec is not None and lower.endswith(suffix):
             return codec

@@ -3,7 +3,7 @@ installed fsspec protocols; listing and expanding shard patterns; redacting URLs
 
 One concern per module, from the bottom up:
 
-* `registry`: `SCHEMES`, the one table of schemes (scheme name → backend); every module below asks
+* `registry`: `SCHEMES`, the one table of schemes (scheme name → backend); every other module asks
   it what a scheme means. `schemes`: one module per scheme (local files, ``http(s)``, ``s3``, ``pipe:``,
   every other fsspec protocol), each declaring its `backend.Backend`: extra, URL rule, filesystem,
   listing, error classification, whether it may be written to.

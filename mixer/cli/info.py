@@ -14,13 +14,13 @@ import platform
 import sys
 
 from mixer._native import ENABLED, cores
+from mixer.storage.registry import SCHEMES
 
 DISTRIBUTION = "wds-mixer"
 
-#: The optional extras and the module whose presence says each is usable.
-EXTRAS = {
-    "s3": "s3fs",
-    "http": "aiohttp",
+#: The optional extras and the module whose presence says each is usable (the storage schemes' extras
+#: come from their backends, see `extras`).
+OTHER_EXTRAS = {
     "plot": "matplotlib",
     "audio": "soundfile",
     "text": "tokenizers",
@@ -28,6 +28,16 @@ EXTRAS = {
     "lightning": "lightning",
     "ray": "ray",
 }
+
+
+def extras() -> dict[str, tuple[str, ...]]:
+    """Every optional extra and the modules it installs: the storage schemes' (their backends
+    declare them) and the rest."""
+    found: dict[str, tuple[str, ...]] = {}
+    for backend in SCHEMES.backends():
+        if backend.extra is not None:
+            found[backend.extra] = tuple(dict.fromkeys(found.get(backend.extra, ()) + backend.needs))
+    return found | {extra: (module,) for extra, module in OTHER_EXTRAS.items()}
 
 
 def version() -> str:
@@ -66,8 +76,8 @@ def report() -> list[str]:
     if ENABLED and not all(cores().values()):
         lines.append("  (built without a C compiler? reinstall where gcc/clang exists for full speed)")
     lines.append("optional extras:")
-    for extra, module in EXTRAS.items():
-        found = importlib.util.find_spec(module) is not None
+    for extra, modules in extras().items():
+        found = all(importlib.util.find_spec(module) is not None for module in modules)
         lines.append(f"  {extra}: {'installed' if found else f'missing (pip install {DISTRIBUTION}[{extra}])'}")
     return lines
 

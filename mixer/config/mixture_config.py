@@ -47,9 +47,8 @@ from mixer import _check
 from mixer.config.nemo import NEMO_KEYS, apply_nemo, nemo_options, nemo_values
 from mixer.config.schedule_config import parse_schedule, schedule_to_dict
 from mixer.errors import ConfigError
-from mixer.mixing.options import DEFAULT_BUFFER_BUDGET, check_options
+from mixer.mixing.options import OPTIONS, check_options
 from mixer.mixing.schedule import Schedule
-from mixer.plan.profiling import check_profile_cache, check_profile_share
 from mixer.spec.budget import Field, Packed, TokenBudget, check_fields
 from mixer.spec.source import Source
 from mixer.storage import IOOptions
@@ -69,8 +68,6 @@ SOURCE_KEYS = _keys_of(Source, but=CODE_ONLY)
 BATCHING_KEYS = ("packed", *_keys_of(TokenBudget))
 PACKED_KEYS = ("packed", *_keys_of(Packed))
 FIELD_KEYS = _keys_of(Field)
-DEFAULT_SHUFFLE_BUFFER = 1000
-DEFAULT_STATE_EVERY = 64
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
@@ -102,26 +99,25 @@ class MixtureConfig:
     sources: tuple[Source, ...]
     batching: TokenBudget | Packed
     schedule: Schedule | None = None
-    selector: str = "deficit"
-    unit: str = "tokens"
-    mix: str = "batch"
-    stop: str = "never"
-    seed: int = 0
-    shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER
-    pad_id: int = 0
-    dtype: str = "int32"
-    state_every: int = DEFAULT_STATE_EVERY
-    buffer_budget: int | None = DEFAULT_BUFFER_BUDGET
+    # The Mixture's options, their defaults from its table (mixer.mixing.options.OPTIONS).
+    selector: str = OPTIONS["selector"].default
+    unit: str = OPTIONS["unit"].default
+    mix: str = OPTIONS["mix"].default
+    stop: str = OPTIONS["stop"].default
+    seed: int = OPTIONS["seed"].default
+    shuffle_buffer: int = OPTIONS["shuffle_buffer"].default
+    pad_id: int = OPTIONS["pad_id"].default
+    dtype: str = OPTIONS["dtype"].default
+    state_every: int = OPTIONS["state_every"].default
+    buffer_budget: int | None = OPTIONS["buffer_budget"].default
     fields: Mapping[str, Field] | None = None
-    profile_cache: str | None = None
-    profile_share: bool | None = None
+    profile_cache: str | None = OPTIONS["profile_cache"].default
+    profile_share: bool | None = OPTIONS["profile_share"].default
 
     def __post_init__(self) -> None:
-        checked = check_options(**{k: getattr(self, k) for k in _OPTIONS})  # the Mixture's own check
+        checked = check_options({k: getattr(self, k) for k in OPTIONS})  # the Mixture's own check
         for key, value in checked.items():
             object.__setattr__(self, key, value)
-        check_profile_cache(self.profile_cache)
-        check_profile_share(self.profile_share)
 
     def mixture_options(self) -> dict[str, Any]:
         """The keywords of :class:`~mixer.Mixture` besides the sources."""
@@ -138,14 +134,13 @@ class MixtureConfig:
         out["batching"] = {"packed": True, **batching} if isinstance(self.batching, Packed) else batching
         if self.schedule is not None:
             out["schedule"] = schedule_to_dict(self.schedule)
-        for key in _OPTIONS:
-            if key != "seed":
-                out[key] = getattr(self, key)
+        # Every option that decides the stream (seed first, above), then fields, then the others when set.
+        out.update({k: getattr(self, k) for k, o in OPTIONS.items() if o.decides_stream and k != "seed"})
         if self.fields is not None:
             out["fields"] = {name: _field_to_dict(f) for name, f in self.fields.items()}
-        for key in _PROFILE_OPTIONS:
-            if getattr(self, key) is not None:
-                out[key] = getattr(self, key)
+        out.update(
+            {k: getattr(self, k) for k, o in OPTIONS.items() if not o.decides_stream and getattr(self, k) is not None}
+        )
         return out
 
 
@@ -154,19 +149,6 @@ def _field_to_dict(f: Field) -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in _values(f).items() if v != ()}
 
 
-_OPTIONS = (
-    "selector",
-    "unit",
-    "mix",
-    "stop",
-    "seed",
-    "shuffle_buffer",
-    "pad_id",
-    "dtype",
-    "state_every",
-    "buffer_budget",
-)
-_PROFILE_OPTIONS = ("profile_cache", "profile_share")  # checked by mixer.plan.profiling
 NATIVE_KEYS = tuple(f.name for f in dataclasses.fields(MixtureConfig))
 ROOT_KEYS = tuple(dict.fromkeys(NATIVE_KEYS + tuple(NEMO_KEYS) + tuple(NEMO_KEYS.values())))
 
@@ -391,8 +373,8 @@ def _parse(config: Any, allow_pipe: bool) -> MixtureConfig:
     if not any(s.weight > 0 for s in sources):
         raise ConfigError("sources: every weight is 0; at least one must be > 0")
     schedule = native["schedule"] if "schedule" in native else parse_schedule(m.get("schedule"), names)
-    options = {k: m[k] for k in (*_OPTIONS, *_PROFILE_OPTIONS) if k in m and k != "seed"}
-    options.update(nemo_options(m, nemo, default_shuffle_buffer=DEFAULT_SHUFFLE_BUFFER))
+    options = {k: m[k] for k in OPTIONS if k in m and k != "seed"}  # seed: a NeMo key too (nemo_options)
+    options.update(nemo_options(m, nemo, default_shuffle_buffer=OPTIONS["shuffle_buffer"].default))
     if "selector" in native:
         options["selector"] = native["selector"]
     try:

@@ -22,11 +22,11 @@ from mixer.errors import ConfigError
 from mixer.mixing.fingerprint import fingerprint
 from mixer.mixing.holding import allot
 from mixer.mixing.loops import Cut, mix_batches, mix_samples
-from mixer.mixing.options import DEFAULT_BUFFER_BUDGET, MixMode, Stop, Unit, check_options
+from mixer.mixing.options import DEFAULT_BUFFER_BUDGET, STREAM_OPTIONS, MixMode, Stop, Unit, check_options
 from mixer.mixing.schedule import Schedule, SourceInfo, Static, check_schedule
 from mixer.mixing.selector import Deficit, make_selector
 from mixer.plan.edges import bucket_edges
-from mixer.plan.profiling import Profile, check_profile_cache, check_profile_share, list_source, profile_sources
+from mixer.plan.profiling import Profile, list_source, profile_sources
 from mixer.plan.shards import warn_shared_shards
 from mixer.plan.world import World, resolve_rank, worker_place
 from mixer.read.counters import Counters
@@ -114,6 +114,18 @@ class Mixture(IterableDataset[Batch]):
     batches in-process, so resuming costs the same at any point of an epoch.
     """
 
+    # The options that decide the stream, checked and set from the table (mixer.mixing.options).
+    selector: str
+    unit: Unit
+    mix: MixMode
+    stop: Stop
+    seed: int
+    shuffle_buffer: int
+    pad_id: int
+    dtype: str
+    state_every: int
+    buffer_budget: int | None
+
     def __init__(
         self,
         sources: Sequence[Source],
@@ -137,6 +149,7 @@ class Mixture(IterableDataset[Batch]):
         profile_cache: str | os.PathLike[str] | None = None,
         profile_share: bool | None = None,
     ) -> None:
+        given = locals()  # the keywords as passed: the options among them are checked by the table
         super().__init__()
         sources = list(sources)
         if not sources:
@@ -150,22 +163,9 @@ class Mixture(IterableDataset[Batch]):
             raise ConfigError(f"sources: duplicate source names {dupes}; every source needs its own name")
         if not isinstance(batching, (TokenBudget, Packed)):
             raise ConfigError(f"batching: expected a mixer.TokenBudget or mixer.Packed (got {type(batching).__name__})")
-        checked = check_options(
-            selector=selector,
-            unit=unit,
-            mix=mix,
-            stop=stop,
-            seed=seed,
-            shuffle_buffer=shuffle_buffer,
-            pad_id=pad_id,
-            dtype=dtype,
-            state_every=state_every,
-            buffer_budget=buffer_budget,
-        )
-        seed, pad_id, shuffle_buffer, state_every = (
-            checked[k] for k in ("seed", "pad_id", "shuffle_buffer", "state_every")
-        )
-        self.buffer_budget: int | None = checked["buffer_budget"]
+        options = check_options(given)
+        for name in STREAM_OPTIONS:
+            setattr(self, name, options[name])
         if self.buffer_budget is not None and self.buffer_budget < 2 * len(sources):
             raise ConfigError(
                 f"Mixture.buffer_budget: must give each of the {len(sources)} sources at least 2 samples (shuffle and buckets), "
@@ -174,18 +174,9 @@ class Mixture(IterableDataset[Batch]):
         self.sources = sources
         self.batching = batching
         self.schedule: Schedule = schedule if schedule is not None else Static()
-        self.selector = selector
-        self.unit: Unit = unit
-        self.mix: MixMode = mix
-        self.stop: Stop = stop
-        self.seed = int(seed)
-        self.shuffle_buffer = shuffle_buffer
-        self.pad_id = int(pad_id)
-        self.dtype = dtype
-        self.state_every = state_every
         self.rank, self.world_size = resolve_rank(rank, world_size, dp_group)
         # How a batch is accounted, collated and sized: padded, packed or multi-field (mixer.batching.collate).
-        self.layout: Layout = make_layout(batching, fields, dtype=dtype, pad_id=self.pad_id, names=names)
+        self.layout: Layout = make_layout(batching, fields, dtype=self.dtype, pad_id=self.pad_id, names=names)
         for s in sources:
             if isinstance(s.length, str) and (fields is None or s.length not in fields):
                 raise ConfigError(
@@ -194,7 +185,7 @@ class Mixture(IterableDataset[Batch]):
 
         # Judges every sample it reads as the readers do: too long for the budget is a SampleError
         # naming shard and key, raised or skipped by the source's on_error, as mid-stream.
-        cache, share = check_profile_cache(profile_cache), check_profile_share(profile_share)
+        cache, share = options["profile_cache"], options["profile_share"]
         self.listed: list[ListedSource] = [list_source(s) for s in sources]  # the only listing of shards
         self.profiles: list[Profile] = profile_sources(self.listed, batching, cache=cache, share=share, group=dp_group)
         self.info = SourceInfo(
@@ -210,7 +201,7 @@ class Mixture(IterableDataset[Batch]):
             self.edges: list[list[int]] = [[] for _ in sources]  # no buckets: the Packer places documents
         elif batching.buckets is not None:
             self.edges = [list(batching.buckets)] * len(sources)
-        elif mix == "sample":
+        elif self.mix == "sample":
             shared = bucket_edges(np.concatenate([p.lengths for p in self.profiles]), **self._edge_options())
             self.edges = [shared] * len(sources)
         else:

@@ -1,13 +1,25 @@
-"""The :class:`~mixer.Mixture`'s options beside sources and batching: their choices and their one
-check, used by the Mixture and by a config file's loader alike."""
+"""The :class:`~mixer.Mixture`'s options beside its sources and parts (batching, schedule, fields)
+and its deployment (rank, world size, group): one table, `OPTIONS`, of each option's name, default,
+check and whether it decides the stream. Everything else derives from it: the Mixture's check and
+its attributes, a config file's keys, defaults and messages (:mod:`mixer.config.mixture_config`),
+and the fingerprint (:mod:`mixer.mixing.fingerprint`: every option that decides the stream, and
+only those, so a resume under another ``profile_cache`` is not refused). The Mixture spells the
+options out in its signature for type checkers and IDEs; a test holds its defaults to the table's.
+"""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from mixer import _check
 from mixer.mixing.selector import SELECTORS
+from mixer.plan.profiling import check_profile_cache, check_profile_share
 from mixer.spec.dtypes import _DTYPES
+
+__all__ = ["DEFAULT_BUFFER_BUDGET", "OPTIONS", "STREAM_OPTIONS", "Option", "check_options"]
 
 Unit = Literal["tokens", "samples"]
 MixMode = Literal["batch", "sample"]
@@ -20,31 +32,51 @@ STOPS = ("never", "first_exhausted", "all_exhausted")
 DEFAULT_BUFFER_BUDGET = 65536
 
 
-def check_options(
-    *,
-    selector: str,
-    unit: str,
-    mix: str,
-    stop: str,
-    seed: Any,
-    shuffle_buffer: Any,
-    pad_id: Any,
-    dtype: str,
-    state_every: Any,
-    buffer_budget: Any = DEFAULT_BUFFER_BUDGET,
-) -> dict[str, Any]:
-    """The Mixture's options checked (``Mixture.<name>: ...``, as :mod:`mixer._check` words it) and
-    normalised (integral floats to ints): the one check for code and for a config file."""
-    w = "Mixture"
-    return {
-        "selector": _check.choice(selector, f"{w}.selector", tuple(SELECTORS)),
-        "unit": _check.choice(unit, f"{w}.unit", UNITS),
-        "mix": _check.choice(mix, f"{w}.mix", MIXES),
-        "stop": _check.choice(stop, f"{w}.stop", STOPS),
-        "seed": _check.number(seed, f"{w}.seed", minimum=0, integer=True),
-        "shuffle_buffer": _check.number(shuffle_buffer, f"{w}.shuffle_buffer", minimum=0, integer=True),
-        "pad_id": _check.number(pad_id, f"{w}.pad_id", integer=True),
-        "dtype": _check.choice(dtype, f"{w}.dtype", tuple(_DTYPES)),
-        "state_every": _check.count(state_every, f"{w}.state_every"),
-        "buffer_budget": _check.optional(buffer_budget, _check.count, f"{w}.buffer_budget"),
-    }
+@dataclass(frozen=True)
+class Option:
+    """One option: ``check(value, where)`` returns the value normalised (integral floats to ints) or
+    raises a `ConfigError` starting with ``where`` (``Mixture.<name>``, as :mod:`mixer._check` words
+    it); ``decides_stream``: the option changes which batches come out, so it is in the fingerprint."""
+
+    name: str
+    default: Any
+    check: Callable[[Any, str], Any]
+    decides_stream: bool = True
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[[Any, str], Any]:
+    return functools.partial(_check.choice, choices=choices)
+
+
+def _integer(**bounds: Any) -> Callable[[Any, str], Any]:
+    return functools.partial(_check.number, integer=True, **bounds)
+
+
+OPTIONS: dict[str, Option] = {
+    o.name: o
+    for o in (
+        Option("selector", "deficit", _choice(tuple(SELECTORS))),
+        Option("unit", "tokens", _choice(UNITS)),
+        Option("mix", "batch", _choice(MIXES)),
+        Option("stop", "never", _choice(STOPS)),
+        Option("seed", 0, _integer(minimum=0)),
+        Option("shuffle_buffer", 1000, _integer(minimum=0)),
+        Option("pad_id", 0, _integer()),
+        Option("dtype", "int32", _choice(tuple(_DTYPES))),
+        Option("state_every", 64, _check.count),
+        Option("buffer_budget", DEFAULT_BUFFER_BUDGET, lambda v, w: _check.optional(v, _check.count, w)),
+        # Where and by whom sources are looked at up front: the same profiles either way.
+        Option("profile_cache", None, lambda v, w: check_profile_cache(v), decides_stream=False),
+        Option("profile_share", None, lambda v, w: check_profile_share(v), decides_stream=False),
+    )
+}
+"""Every option, in the order they are checked (and written to a config file)."""
+
+STREAM_OPTIONS = tuple(name for name, o in OPTIONS.items() if o.decides_stream)
+"""The options the fingerprint holds."""
+
+
+def check_options(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Every option of `OPTIONS` checked and normalised, the default where ``values`` lacks it
+    (other keys are ignored): the one check for code and for a config file."""
+    return {name: o.check(values.get(name, o.default), f"Mixture.{name}") for name, o in OPTIONS.items()}

@@ -36,8 +36,9 @@ from mixer.read.sample import _decoded
 from mixer.read.tario import read_samples
 from mixer.spec.source import Source
 from mixer.state.checkpoint import qualname
-from mixer.storage.filesystems import filesystem
-from mixer.storage.urls import is_local, local_path, scheme_of
+from mixer.storage.backend import FsspecBackend
+from mixer.storage.options import DEFAULT_MAX_CONNECTIONS
+from mixer.storage.registry import SCHEMES, backend_for, local_path
 
 __all__ = ["build_index", "load_index"]
 
@@ -214,18 +215,20 @@ def _key(url: str, loc: str) -> str:
 
 
 def _fs(url: str, source: Source) -> Any:
-    scheme = scheme_of(url)
-    assert scheme is not None and not is_local(scheme)
+    scheme = SCHEMES.scheme_of(url)
+    backend = SCHEMES.for_scheme(scheme)
+    assert scheme is not None and isinstance(backend, FsspecBackend)
     opts = storage.IOOptions.of(source.io_options)
-    return filesystem(scheme, dict(source.storage_options or {}), opts.timeout)
+    return backend.filesystem(scheme, dict(source.storage_options or {}), opts.timeout, DEFAULT_MAX_CONNECTIONS)
 
 
 def _read(loc: str, source: Source, want: str) -> dict[str, Entry]:
     """The entries of the index file at ``loc`` ({} when there is none, or when it was measured
     with another decode: then every entry is stale)."""
+    path = local_path(loc)
     try:
-        if is_local(scheme_of(loc)):
-            with open(local_path(loc), "rb") as f:
+        if path is not None:
+            with open(path, "rb") as f:
                 data = f.read()
         else:
             data = _fs(loc, source).cat_file(loc)
@@ -247,18 +250,17 @@ def _read(loc: str, source: Source, want: str) -> dict[str, Entry]:
 
 
 def _writable(loc: str) -> bool:
-    scheme = scheme_of(loc)
-    if is_local(scheme):
-        path = local_path(loc)
+    path = local_path(loc)
+    if path is not None:
         return os.access(path if os.path.exists(path) else os.path.dirname(path) or ".", os.W_OK)
-    return scheme not in ("http", "https")  # object stores: try, and say so if it fails
+    return backend_for(loc).read_only is None  # object stores: try, and say so if it fails
 
 
 def _write(loc: str, source: Source, entries: dict[str, Entry], want: str, *, required: bool) -> None:
     data = encode_file(entries, want, gz=loc.endswith(".gz"))
+    path, read_only = local_path(loc), backend_for(loc).read_only
     try:
-        if is_local(scheme_of(loc)):
-            path = local_path(loc)
+        if path is not None:
             folder = os.path.dirname(path) or "."
             fd, tmp = tempfile.mkstemp(prefix=".mixer-index-", dir=folder)
             try:
@@ -268,8 +270,8 @@ def _write(loc: str, source: Source, entries: dict[str, Entry], want: str, *, re
             except BaseException:
                 os.unlink(tmp)
                 raise
-        elif scheme_of(loc) in ("http", "https"):
-            raise OSError("HTTP locations are read-only")
+        elif read_only is not None:
+            raise OSError(read_only)
         else:
             _fs(loc, source).pipe_file(loc, data)
     except (OSError, NotImplementedError) as exc:
@@ -301,7 +303,7 @@ def _current(
 
     def one(i: int) -> tuple[int, str | None]:
         url, size = listed[i]
-        if i in known and not is_local(scheme_of(url)):
+        if i in known and local_path(url) is None:
             return (size if size is not None else known[i].size), None
         return _stat(url, source)
 
@@ -310,9 +312,10 @@ def _current(
 
 
 def _stat(url: str, source: Source) -> tuple[int, str]:
+    path = local_path(url)
     try:
-        if is_local(scheme_of(url)):
-            st = os.stat(local_path(url))
+        if path is not None:
+            st = os.stat(path)
             return st.st_size, f"mtime:{st.st_mtime_ns}"
         info = _fs(url, source).info(url)
     except OSError as exc:

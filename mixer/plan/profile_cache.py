@@ -32,7 +32,7 @@ import numpy as np
 
 from mixer.spec.budget import Packed, TokenBudget
 from mixer.spec.source import ListedSource
-from mixer.storage.urls import is_local, local_path, scheme_of
+from mixer.storage.registry import local_path
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +73,10 @@ def cache_key(
         return None
     local = []
     for i in picks:
-        url = listed.shards[i]
-        if is_local(scheme_of(url)):
+        path = local_path(listed.shards[i])
+        if path is not None:
             try:
-                st = os.stat(local_path(url))
+                st = os.stat(path)
             except OSError:
                 continue  # profiling meets it and says so
             local.append([i, st.st_size, st.st_mtime_ns])

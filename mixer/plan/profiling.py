@@ -39,7 +39,7 @@ from mixer.read.tario import read_samples
 from mixer.spec.budget import Packed, TokenBudget
 from mixer.spec.source import ListedSource, Source
 from mixer.storage.compressed import codec_of
-from mixer.storage.urls import is_local, scheme_of
+from mixer.storage.registry import backend_for
 from mixer.storage.windows import MIN_WINDOW, WindowedStream  # noqa: F401 (MIN_WINDOW: the least a window asks for)
 
 log = logging.getLogger(__name__)
@@ -97,8 +97,7 @@ def _open(url: str, source: Source, want: int, size: int | None) -> BinaryIO:
         "allow_pipe": source.allow_pipe,
         **storage.IOOptions.of(source.io_options).open_kwargs(),
     }
-    scheme = scheme_of(url)
-    if is_local(scheme) or scheme == "pipe" or codec_of(url) is not None:
+    if not backend_for(url).remote or codec_of(url) is not None:
         return storage.open_shard(url, **kwargs)  # local: no over-read to bound; compressed: from the start
 
     def open_range(start: int, end: int) -> BinaryIO:

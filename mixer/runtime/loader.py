@@ -34,7 +34,7 @@ from mixer.plan.world import seed_for
 from mixer.read.counters import Counters
 from mixer.runtime.device import DeviceLike, to_device
 from mixer.runtime.distributed import DEFAULT_SYNC_TIMEOUT, StopSync, SyncEnd, stop_sync
-from mixer.runtime.feedback import SharesTable, make_feedback
+from mixer.runtime.feedback import Feedback, SharesTable, make_feedback
 from mixer.runtime.transport import SlotPool, group_size, grouped, ungrouped
 from mixer.state import checkpoint
 from mixer.state.checkpoint import Position, ReaderLog, Resume
@@ -171,86 +171,29 @@ class Loader:
     (``batch_size=None``: the mixture already batches). Batches arrive in order: worker ``w`` of
     ``W`` delivers global steps ``w, w + W, ...``.
 
-    Built by :func:`make_loader` (which documents the options); the class is public for type
-    annotations and ``isinstance`` only, and calling it raises ``TypeError``.
+    Built by :func:`make_loader` (which documents the options and sets the loader up); the class is
+    public for type annotations and ``isinstance`` only, and calling it raises ``TypeError``.
     :meth:`state_dict` / :meth:`load_state_dict` give exact resume.
     """
 
+    # Set up by make_loader.
+    mixture: Mixture
+    num_workers: int
+    pool: SlotPool | None
+    device: torch.device | None
+    device_prefetch: int
+    dataloader: DataLoader[Any]
+    persistent_workers: bool
+    sync: StopSync | None
+    _pool_options: tuple[int, int | None, Any, int]
+    _started: bool
+    _resume: Resume | None
+    _stats: Stats
+    _feedback: Feedback | None
     _position: Position  # as of the last batch handed out (or where a pass resumes, before its first)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("mixer.Loader is not built directly: use mixer.make_loader(mixture, ...)")
-
-    def _setup(
-        self,
-        mixture: Mixture,
-        *,
-        num_workers: int = 0,
-        pin_memory: bool = False,
-        prefetch_factor: int | None = None,
-        persistent_workers: bool = False,
-        timeout: float = 0,
-        multiprocessing_context: Any = None,
-        device: DeviceLike | None = None,
-        device_prefetch: int = 2,
-        stats_window: int = DEFAULT_WINDOW,
-        sync_stop: bool | None = None,
-        sync_end: SyncEnd = "pad",
-        sync_group: Any = None,
-        sync_timeout: float = DEFAULT_SYNC_TIMEOUT,
-    ) -> None:
-        self.mixture = mixture
-        self.num_workers = num_workers
-        # Batches per DataLoader item (see mixer.runtime.transport). One under an Adaptive schedule: its lag
-        # counts the batches readers make ahead as prefetch_factor x num_workers (mixer.runtime.feedback).
-        adaptive = isinstance(mixture.schedule, Adaptive)
-        group = 1 if adaptive else group_size(mixture.max_batch_elements * np.dtype(mixture.dtype).itemsize)
-        self._pool_options = (num_workers, prefetch_factor, multiprocessing_context, group)
-        self.pool = _slot_pool(mixture, *self._pool_options)
-        # validated now (a ConfigError for "cuda" without CUDA); each iter() builds its own feed
-        self.device = to_device((), device, prefetch=device_prefetch).device if device is not None else None
-        self.device_prefetch = device_prefetch
-        pin_memory = pin_memory or (self.device is not None and self.device.type == "cuda")
-        generator = torch.Generator()
-        generator.manual_seed(seed_for(mixture.seed, "dataloader", mixture.rank) % 2**63)
-        self.dataloader = DataLoader(
-            _LoaderDataset(mixture, self.pool, group),
-            batch_size=None,
-            num_workers=num_workers,
-            pin_memory=pin_memory,
-            prefetch_factor=prefetch_factor if num_workers > 0 else None,
-            persistent_workers=persistent_workers and num_workers > 0,
-            timeout=timeout,
-            worker_init_fn=_init_worker if num_workers > 0 else None,
-            multiprocessing_context=multiprocessing_context if num_workers > 0 else None,
-            generator=generator,
-        )
-        self.persistent_workers = persistent_workers and num_workers > 0
-        self._started = False
-        self._resume: Resume | None = None
-        self._reset_bookkeeping(None)
-        self._stats = Stats(
-            mixture.names,
-            window=stats_window,
-            num_workers=num_workers,
-            max_tokens=mixture.batching.max_tokens,
-            unit=mixture.unit,
-        )
-        # Equal batch counts over the data-parallel ranks in finite modes (see mixer.runtime.distributed).
-        self.sync: StopSync | None = stop_sync(
-            mixture, sync_stop=sync_stop, sync_end=sync_end, sync_group=sync_group, sync_timeout=sync_timeout
-        )
-        self._feedback = make_feedback(
-            mixture,
-            num_workers=num_workers,
-            prefetch_factor=prefetch_factor,
-            device_prefetch=device_prefetch if self.device is not None else 0,
-            synced=self.sync is not None,
-            forked=self.pool is not None,
-            persistent=self.persistent_workers,
-            group=sync_group,
-            timeout=sync_timeout,
-        )
 
     def __iter__(self) -> Iterator[Batch]:
         self._stats.reset(resumed=self._resume is not None)
@@ -466,21 +409,59 @@ def make_loader(
     ranks that did not answer (a frozen or dead rank would otherwise hold the others for the process
     group's timeout).
     """
+    # The one list of the options is this signature: the loader is set up here, not in a method
+    # that would repeat it.
     loader = Loader.__new__(Loader)
-    loader._setup(
-        mixture,
+    loader.mixture = mixture
+    loader.num_workers = num_workers
+    # Batches per DataLoader item (see mixer.runtime.transport). One under an Adaptive schedule: its lag
+    # counts the batches readers make ahead as prefetch_factor x num_workers (mixer.runtime.feedback).
+    adaptive = isinstance(mixture.schedule, Adaptive)
+    group = 1 if adaptive else group_size(mixture.max_batch_elements * np.dtype(mixture.dtype).itemsize)
+    loader._pool_options = (num_workers, prefetch_factor, multiprocessing_context, group)
+    loader.pool = _slot_pool(mixture, *loader._pool_options)
+    # validated now (a ConfigError for "cuda" without CUDA); each iter() builds its own feed
+    loader.device = to_device((), device, prefetch=device_prefetch).device if device is not None else None
+    loader.device_prefetch = device_prefetch
+    pin_memory = pin_memory or (loader.device is not None and loader.device.type == "cuda")
+    generator = torch.Generator()
+    generator.manual_seed(seed_for(mixture.seed, "dataloader", mixture.rank) % 2**63)
+    loader.dataloader = DataLoader(
+        _LoaderDataset(mixture, loader.pool, group),
+        batch_size=None,
         num_workers=num_workers,
         pin_memory=pin_memory,
-        prefetch_factor=prefetch_factor,
-        persistent_workers=persistent_workers,
+        prefetch_factor=prefetch_factor if num_workers > 0 else None,
+        persistent_workers=persistent_workers and num_workers > 0,
         timeout=timeout,
-        multiprocessing_context=multiprocessing_context,
-        device=device,
-        device_prefetch=device_prefetch,
-        stats_window=stats_window,
-        sync_stop=sync_stop,
-        sync_end=sync_end,
-        sync_group=sync_group,
-        sync_timeout=sync_timeout,
+        worker_init_fn=_init_worker if num_workers > 0 else None,
+        multiprocessing_context=multiprocessing_context if num_workers > 0 else None,
+        generator=generator,
+    )
+    loader.persistent_workers = persistent_workers and num_workers > 0
+    loader._started = False
+    loader._resume = None
+    loader._reset_bookkeeping(None)
+    loader._stats = Stats(
+        mixture.names,
+        window=stats_window,
+        num_workers=num_workers,
+        max_tokens=mixture.batching.max_tokens,
+        unit=mixture.unit,
+    )
+    # Equal batch counts over the data-parallel ranks in finite modes (see mixer.runtime.distributed).
+    loader.sync = stop_sync(
+        mixture, sync_stop=sync_stop, sync_end=sync_end, sync_group=sync_group, sync_timeout=sync_timeout
+    )
+    loader._feedback = make_feedback(
+        mixture,
+        num_workers=num_workers,
+        prefetch_factor=prefetch_factor,
+        device_prefetch=device_prefetch if loader.device is not None else 0,
+        synced=loader.sync is not None,
+        forked=loader.pool is not None,
+        persistent=loader.persistent_workers,
+        group=sync_group,
+        timeout=sync_timeout,
     )
     return loader

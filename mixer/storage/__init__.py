@@ -3,14 +3,19 @@ installed fsspec protocols; listing and expanding shard patterns; redacting URLs
 
 One concern per module, from the bottom up:
 
-* `urls`: schemes, validation at the door (`check_url`), redaction (`redact`).
+* `registry`: `SCHEMES`, the one table of schemes (scheme name → backend); every other module asks
+  it what a scheme means. `schemes`: one module per scheme (local files, ``http(s)``, ``s3``, ``pipe:``,
+  every other fsspec protocol), each declaring its `backend.Backend`: extra, URL rule, filesystem,
+  listing, error classification, whether it may be written to.
+* `urls`: validation at the door (`check_url`), redaction (`redact`).
 * `faults`: transient or permanent, and the one retry loop (backoff with jitter).
 * `options`: `IOOptions`, how a source reads its remote shards.
-* `filesystems`: the fsspec filesystems remote shards are read through.
+* `filesystems`: the fsspec filesystems remote shards are read through (one per process and options).
+* `backend`: `Backend`, what a scheme declares; `FsspecBackend`, the schemes read through fsspec.
 * `listing`: `expand_urls`, the shards of a pattern, folder or prefix; `shard_list`: `ShardList`,
   the listed URLs held compactly (prefix, suffix, and a run of numbers or packed parts).
-* `streams`, `remote`, `pump`, `backends`: `RemoteStream`, which resumes at the byte after a fault;
-  the async pump that reads a response ahead; HTTP, S3, other fsspec protocols and ``pipe:``.
+* `streams`, `remote`, `pump`: `RemoteStream`, which resumes at the byte after a fault; the async
+  pump that reads a response ahead (HTTP and S3).
 * `windows`: `WindowedStream`, a shard as ranged requests with an end byte (about what is read).
 * `pool`: `ConnectionPool`, at most ``max_connections`` open responses per process for all sources.
 * `compressed`: ``.tar.gz`` / ``.tgz`` / ``.tar.xz`` shards, decompressed as they stream.

@@ -3,12 +3,12 @@
 ``pip install 'wds-mixer[zstd]'``), decompressed as they stream. `CODECS` is the one table of them:
 name endings, magic bytes, decompressor, the errors it raises.
 
-The codec follows from the shard's name (its path, without an http query string), as webdataset's
-shard names say it; the bytes must then be what the name says (a ``.tar`` holding gzip data, or a
-``.tar.gz`` holding a plain tar, is an error that says so, naming the compression found).
-Concatenated members or frames (as ``pigz``, ``pbzip2``, ``zstd -T`` or ``cat a.gz b.gz`` write them) and
-zero padding between or after them are read as the codec's own tool reads them; every member's
-checksum is verified where the format has one.
+The codec follows from the shard's name (the part of its URL that names the file, as its scheme's
+backend says: without an http query string), as webdataset's shard names say it; the bytes must
+then be what the name says (a ``.tar`` holding gzip data, or a ``.tar.gz`` holding a plain tar, is
+an error that says so, naming the compression found). Concatenated members or frames (as ``pigz``,
+``pbzip2``, ``zstd -T`` or ``cat a.gz b.gz`` write them) and zero padding between or after them are
+read as the codec's own tool reads them; every member's checksum is verified where the format has one.
 
 **Offsets and resume.** Everything above this layer (sample offsets, ``__end__``, saved states) sees
 offsets into the *uncompressed* tar, exactly as for a plain ``.tar``. A compressed stream cannot
@@ -25,18 +25,17 @@ from __future__ import annotations
 import bz2
 import importlib
 import lzma
-import re
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import BinaryIO, Protocol
 
 from mixer.errors import ConfigError, ShardError
+from mixer.storage.registry import SCHEMES
 from mixer.storage.streams import ForwardStream
 
 __all__ = ["CODECS", "SHARD_SUFFIXES", "CodecError", "DecompressingStream", "codec_of", "compression_hint"]
 
-_WEB = re.compile(r"^https?://", re.IGNORECASE)
 READ_SIZE = 1 << 20  # compressed bytes asked of the underlying stream at a time
 
 
@@ -174,8 +173,7 @@ SHARD_SUFFIXES: dict[str, str | None] = {".tar": None} | {
 def codec_of(url: str) -> str | None:
     """A codec name of `CODECS` (``"gzip"``, ``"xz"``, ...) or None (a plain tar), from the name's ending
     (case-insensitive)."""
-    path = re.split(r"[?#]", url, maxsplit=1)[0] if _WEB.match(url) else url
-    lower = path.lower()
+    lower = SCHEMES.for_url(url).name(url).lower()  # without an http query string
     for suffix, codec in SHARD_SUFFIXES.items():
         if codec is not None and lower.endswith(suffix):
             return codec

@@ -10,15 +10,15 @@ import concurrent.futures
 import errno
 import logging
 import random
-import sys
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
 from mixer.errors import ShardError
+from mixer.storage.registry import SCHEMES
 from mixer.storage.urls import redact
 
-__all__ = ["Backoff", "EndOfShard", "Fault", "classify", "http_status", "retrying", "safe_cause"]
+__all__ = ["Backoff", "EndOfShard", "Fault", "classify", "describe", "retrying", "safe_cause"]
 
 log = logging.getLogger(__name__)
 
@@ -58,43 +58,9 @@ _TRANSIENT_ERRNOS = {
     errno.ENETRESET,
     errno.EAGAIN,
 }
-_S3_NOT_FOUND = {"NoSuchKey", "NoSuchBucket", "NotFound", "404", "NoSuchVersion"}
-_S3_DENIED = {
-    "AccessDenied",
-    "InvalidAccessKeyId",
-    "SignatureDoesNotMatch",
-    "AllAccessDisabled",
-    "InvalidToken",
-    "ExpiredToken",
-    "403",
-}
-_S3_TRANSIENT = {
-    "SlowDown",
-    "Throttling",
-    "ThrottlingException",
-    "RequestLimitExceeded",
-    "RequestTimeout",
-    "RequestTimeoutException",
-    "InternalError",
-    "ServiceUnavailable",
-    "503",
-    "500",
-}
 
 
-def http_status(status: int, retry_after: float | None = None) -> Fault:
-    if status in (408, 425, 429) or status >= 500:
-        return Fault(f"HTTP {status}", transient=True, retry_after=retry_after)
-    if status in (404, 410):
-        return Fault(f"not found (HTTP {status})", transient=False)
-    if status in (401, 403):
-        return Fault(f"access denied (HTTP {status})", transient=False)
-    if status == 412:
-        return Fault("the shard changed while it was being read (HTTP 412: ETag no longer matches)", transient=False)
-    return Fault(f"HTTP {status}", transient=False)
-
-
-def _describe(exc: BaseException) -> str:
+def describe(exc: BaseException) -> str:
     text = redact(str(exc))
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
@@ -112,68 +78,30 @@ _PROGRAMMING_ERRORS = (
 
 
 def classify(exc: BaseException) -> Fault | None:
-    """Transient (retry) or permanent (raise a ShardError now), with a redacted reason; None for a bug."""
+    """Transient (retry) or permanent (raise a ShardError now), with a redacted reason; None for a bug.
+    Each storage backend classifies the errors of its own libraries (aiohttp's, botocore's: see
+    `mixer.storage.backend.Backend.classify`); what none of them claims follows the rules here."""
     if isinstance(exc, Fault):
         return exc
-    aiohttp = sys.modules.get("aiohttp")
-    if aiohttp is not None:
-        if isinstance(exc, aiohttp.ClientResponseError):
-            return http_status(exc.status)
-        if isinstance(exc, aiohttp.ServerTimeoutError):  # a stalled connection: say so, as for other timeouts
-            return Fault(f"timed out ({_describe(exc)})", transient=True)
-        if isinstance(exc, (aiohttp.ClientSSLError, aiohttp.InvalidURL)):
-            return Fault(_describe(exc), transient=False)
-        if isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)):
-            return Fault(_describe(exc), transient=True)
-    botoexc = sys.modules.get("botocore.exceptions")
-    if botoexc is not None:
-        if isinstance(exc, botoexc.ClientError):
-            error = exc.response.get("Error", {}) or {}
-            code = str(error.get("Code", ""))
-            status = int((exc.response.get("ResponseMetadata", {}) or {}).get("HTTPStatusCode", 0) or 0)
-            reason = f"{code or 'error'} (HTTP {status or '?'})"
-            if code in _S3_NOT_FOUND or status == 404:
-                return Fault(f"not found: {reason}", transient=False)
-            if code in _S3_DENIED or status == 403:
-                return Fault(f"access denied: {reason}", transient=False)
-            if code == "PreconditionFailed" or status == 412:
-                return Fault(f"the shard changed while it was being read: {reason}", transient=False)
-            if code in _S3_TRANSIENT or status in (408, 429) or status >= 500:
-                return Fault(reason, transient=True)
-            return Fault(reason, transient=False)
-        if isinstance(exc, (botoexc.NoCredentialsError, botoexc.PartialCredentialsError)):
-            return Fault(
-                f"{_describe(exc)} (set AWS_ACCESS_KEY_ID / AWS_PROFILE, or key/secret in storage_options; "
-                "anon=True for public buckets)",
-                transient=False,
-            )
-        if isinstance(exc, botoexc.SSLError):
-            return Fault(_describe(exc), transient=False)
-        if isinstance(
-            exc,
-            (
-                botoexc.HTTPClientError,
-                botoexc.IncompleteReadError,
-                botoexc.ResponseStreamingError,
-                botoexc.ConnectionError,
-            ),
-        ):
-            return Fault(_describe(exc), transient=True)
+    for backend in SCHEMES.backends():  # the errors of each scheme's own libraries first
+        fault = backend.classify(exc)
+        if fault is not None:
+            return fault
     if isinstance(exc, FileNotFoundError):
         return Fault("not found", transient=False)
     if isinstance(exc, PermissionError):
         return Fault("access denied", transient=False)
     if isinstance(exc, (IsADirectoryError, NotADirectoryError)):
-        return Fault(_describe(exc), transient=False)
+        return Fault(describe(exc), transient=False)
     if isinstance(exc, (TimeoutError, asyncio.TimeoutError, concurrent.futures.TimeoutError)):
-        return Fault(f"timed out ({_describe(exc)})", transient=True)
+        return Fault(f"timed out ({describe(exc)})", transient=True)
     if isinstance(exc, ConnectionError):
-        return Fault(_describe(exc), transient=True)
+        return Fault(describe(exc), transient=True)
     if isinstance(exc, OSError):
-        return Fault(_describe(exc), transient=exc.errno is None or exc.errno in _TRANSIENT_ERRNOS)
+        return Fault(describe(exc), transient=exc.errno is None or exc.errno in _TRANSIENT_ERRNOS)
     if isinstance(exc, _PROGRAMMING_ERRORS):
         return None
-    return Fault(_describe(exc), transient=False)  # e.g. another fsspec backend's own error type
+    return Fault(describe(exc), transient=False)  # e.g. another fsspec backend's own error type
 
 
 def safe_cause(exc: BaseException) -> BaseException:

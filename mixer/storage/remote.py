@@ -1,5 +1,6 @@
 """`RemoteStream`: a remote shard as a byte stream that resumes at the byte after a transient fault;
-`Remote`: the one way of GETting a shard from a byte position that it drives (see `backends`).
+`Remote`: the one way of GETting a shard from a byte position that it drives (each scheme's own:
+see `mixer.storage.schemes`).
 
 Not through fsspec's file objects: those retry nothing and misreport faults (fsspec's HTTP ``open()`` /
 ``info()`` turn a 503 or a refused connection into ``FileNotFoundError``; s3fs hides up to ~12 s of
@@ -10,6 +11,7 @@ byte it has not handed out yet.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +19,7 @@ from mixer.storage.faults import Backoff, EndOfShard, Fault, retrying
 from mixer.storage.streams import ForwardStream
 from mixer.storage.urls import redact
 
-__all__ = ["Remote", "RemoteStream"]
+__all__ = ["Remote", "RemoteStream", "parse_content_range"]
 
 
 class Remote:
@@ -64,6 +66,19 @@ class Remote:
         raise Fault(
             f"byte {pos} is past the end of the shard ({total if total is not None else '?'} bytes)", transient=False
         )
+
+
+def parse_content_range(value: str | None) -> tuple[int | None, int | None]:
+    """(first byte, total size) of ``bytes first-last/total`` or ``bytes */total`` (an HTTP
+    ``Content-Range``, also what S3 answers a ranged GET with); None where unknown."""
+    if not value:
+        return None, None
+    m = re.match(r"\s*bytes\s+(?:(\d+)-\d+|\*)/(\d+|\*)\s*$", value)
+    if not m:
+        return None, None
+    first = int(m.group(1)) if m.group(1) is not None else None
+    total = int(m.group(2)) if m.group(2) != "*" else None
+    return first, total
 
 
 class RemoteStream(ForwardStream):

@@ -9,13 +9,12 @@ from collections.abc import Iterable, Mapping
 from typing import Any, BinaryIO, cast
 
 from mixer.errors import ConfigError, MixerError, ShardError
-from mixer.storage.backends import PUMPED, PipeStream, remote_for
+from mixer.storage.backend import Request
 from mixer.storage.compressed import DecompressingStream, codec_of
-from mixer.storage.filesystems import filesystem
 from mixer.storage.options import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_CONNECTIONS, IOOptions
+from mixer.storage.registry import SCHEMES
 from mixer.storage.remote import RemoteStream
-from mixer.storage.streams import ForwardStream
-from mixer.storage.urls import check_url, is_local, local_path, redact, scheme_of
+from mixer.storage.urls import check_url, redact
 from mixer.storage.windows import WindowedStream
 
 __all__ = ["ReadAhead", "open_shard", "stream_size"]
@@ -53,8 +52,11 @@ def open_shard(
     """
     codec = codec_of(url)
     if end_offset is not None:
-        if codec is not None or scheme_of(url) == "pipe":
-            raise ConfigError(f"{redact(url)}: end_offset needs an uncompressed shard file (not {codec or 'pipe:'})")
+        scheme = SCHEMES.scheme_of(url)
+        if codec is not None or not SCHEMES.for_scheme(scheme).ranged:
+            raise ConfigError(
+                f"{redact(url)}: end_offset needs an uncompressed shard file (not {codec or f'{scheme}:'})"
+            )
         if end_offset < start_offset:
             raise ConfigError(f"{redact(url)}: end_offset must be >= start_offset ({start_offset}), got {end_offset}")
     stream = _new_stream(
@@ -106,27 +108,11 @@ def _new_stream(
     if timeout <= 0 or retries < 0 or backoff < 0:
         raise ConfigError(f"need timeout > 0, retries >= 0 and backoff >= 0 (got {timeout}, {retries}, {backoff})")
     check_url(url, allow_pipe=allow_pipe)
-    scheme = scheme_of(url)
-    if scheme == "pipe":
-        if start_offset:
-            raise ConfigError(f"{redact(url)}: a pipe: stream cannot start at an offset")
-        return cast(BinaryIO, PipeStream(url))
-    if is_local(scheme):
-        local = _open_local(local_path(url), start_offset)
-        return local if end_offset is None else cast(BinaryIO, _LocalRange(local, end_offset))
-    assert scheme is not None
-    fs = filesystem(scheme, storage_options, timeout, max_connections)
-    remote = remote_for(scheme, fs, url, timeout, block_size, max_connections)
-    stream = RemoteStream(
-        url,
-        remote,
-        start_offset=start_offset,
-        retries=retries,
-        backoff=backoff,
-        block_size=block_size,
-        end_offset=end_offset,
+    scheme = SCHEMES.scheme_of(url)
+    request = Request(
+        url, scheme, start_offset, end_offset, storage_options, timeout, retries, backoff, block_size, max_connections
     )
-    return cast(BinaryIO, stream)
+    return SCHEMES.for_scheme(scheme).open(request)
 
 
 class ReadAhead:
@@ -177,7 +163,7 @@ class ReadAhead:
         window: int | None = None,
     ) -> BinaryIO:
         codec = codec_of(url)  # a compressed shard is always read from its first byte
-        if window is not None and codec is None and scheme_of(url) in PUMPED:
+        if window is not None and codec is None and SCHEMES.for_url(url).pumped:
             return self._windowed(url, start_offset, end_offset, window)
         stream = self._begun.pop(url, None)
         if stream is not None and (start_offset != 0 or end_offset is not None) and codec is None:
@@ -198,7 +184,7 @@ class ReadAhead:
         finally:
             # Only now: the shard needed first gets its answer before the ones after it compete.
             for u in nxt:
-                if u not in self._begun and scheme_of(u) in PUMPED:
+                if u not in self._begun and SCHEMES.for_url(u).pumped:
                     self._begin(u)
         return _decoded(cast(BinaryIO, stream), url, codec, start_offset)
 
@@ -238,29 +224,6 @@ class ReadAhead:
         return f"<ReadAhead {len(self._begun)} begun: {[redact(u) for u in self._begun]}>"
 
 
-class _LocalRange(ForwardStream):
-    """A local file's bytes up to ``end`` (`open_shard`'s ``end_offset``)."""
-
-    def __init__(self, f: BinaryIO, end: int) -> None:
-        super().__init__()
-        self._f = f
-        self._end = end
-        self._pos = f.tell()
-        self.retries = 0
-
-    def read(self, size: int | None = -1) -> bytes:
-        left = max(self._end - self._pos, 0)
-        data = self._f.read(left if size is None or size < 0 else min(size, left))
-        self._pos += len(data)
-        return data
-
-    def read1(self, size: int = -1) -> bytes:
-        return self.read(size)
-
-    def _release(self) -> None:
-        self._f.close()
-
-
 def stream_size(handle: Any) -> int | None:
     """The size in tar bytes of an open shard stream, when it tells (None for compressed shards)."""
     if handle is None:
@@ -272,21 +235,3 @@ def stream_size(handle: Any) -> int | None:
         return os.fstat(handle.fileno()).st_size
     except (AttributeError, OSError, ValueError):
         return None
-
-
-def _open_local(path: str, start_offset: int) -> BinaryIO:
-    try:
-        f = open(path, "rb")  # noqa: SIM115 (the caller closes it)
-    except OSError as exc:
-        raise ShardError(f"cannot open shard {path!r}: {exc.strerror or exc}") from exc
-    try:
-        if start_offset:
-            size = os.fstat(f.fileno()).st_size
-            if start_offset > size:
-                raise ShardError(f"shard {path!r}: start_offset {start_offset} is past its end ({size} bytes)")
-            f.seek(start_offset)
-        f.retries = 0  # type: ignore[attr-defined]  # the same counter a remote stream has
-    except BaseException:
-        f.close()
-        raise
-    return f

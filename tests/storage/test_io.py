@@ -287,7 +287,10 @@ def test_expand_local_nothing_matches(root: Path) -> None:
         mio.expand_urls(str(root / "data" / "a{,-1}.tar"))  # a.tar exists, a-1.tar does not
     with pytest.raises(ShardError, match="no shards match"):
         mio.expand_urls(str(root / "data" / "*.tgz"))
-    with pytest.raises(ShardError, match=r"holds no shards \(\*\.tar, \*\.tar\.gz, \*\.tgz, \*\.tar\.xz\)"):
+    with pytest.raises(
+        ShardError,
+        match=r"holds no shards \(\*\.tar, \*\.tar\.gz, \*\.tgz, \*\.tar\.xz, \*\.tar\.bz2, .*\*\.tar\.zst, \*\.tzst\)",
+    ):
         mio.expand_urls(str(root / "empty"))
 
 

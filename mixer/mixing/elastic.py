@@ -67,7 +67,17 @@ import numpy as np
 from mixer.batching.batchers import make_batcher
 from mixer.errors import StateError
 from mixer.mixing.adaptive import Adaptive
-from mixer.mixing.leftover import Plans, Split, Stood, epochs, slice_bytes, sorted_unique, stood, taken_units, unread
+from mixer.mixing.leftover import (
+    Plans,
+    Split,
+    Stood,
+    epochs,
+    location_rows,
+    slice_bytes,
+    stood,
+    taken_units,
+    unread,
+)
 from mixer.mixing.selector import Selector, make_selector
 from mixer.plan.shards import slice_row
 from mixer.plan.world import World
@@ -96,7 +106,8 @@ def resume_state(
     readers = max(num_workers, 1)
     rank, world = mixture.rank, mixture.world_size
     if saved.world == world and saved.readers_per_rank(rank) == readers:
-        return saved.read(rank)  # the same shape: the rank's own state, exactly
+        own = saved.read(rank)  # the same shape: the rank's own state, exactly
+        return dict(own, readers=[Saved.reader(own, w) for w in range(readers)])
     if isinstance(mixture.batching, Packed) and mixture.batching.split_documents:
         raise StateError(
             "elastic resume: not supported with Packed(split_documents=True) (a buffered row may hold the rest of a "
@@ -144,6 +155,7 @@ class Saved:
         self.mixture, self.states, self.world = mixture, states, len(states)
         self._index: dict[int, int] | None = None  # rank -> place in a list
         self._per: int | None = None
+        self._kept: dict[int, dict[str, Any]] = {}  # the states of a lazy sequence read so far
         if isinstance(states, (list, tuple)):
             self._check_list(states)
 
@@ -170,10 +182,12 @@ class Saved:
             self._per = int(self.read(probe)["num_workers"])
         return self._per
 
-    def read(self, rank: int) -> dict[str, Any]:
-        """Rank ``rank``'s saved state, checked."""
+    def read(self, rank: int, *, keep: bool = True) -> dict[str, Any]:
+        """Rank ``rank``'s saved state, checked; read from a lazy sequence once while ``keep``."""
         if self._index is not None:
             state = self.states[self._index[rank]]
+        elif rank in self._kept:
+            return self._kept[rank]
         else:
             state = checkpoint.check_saved(self.states[rank], self.mixture)
             if int(state["rank"]) != rank or int(state["world_size"]) != self.world:
@@ -187,11 +201,23 @@ class Saved:
                     f"{self._per} and {state['num_workers']})"
                 )
         per = int(state["num_workers"])
-        if not isinstance(state["readers"], list) or len(state["readers"]) != per:
+        readers = state["readers"]
+        if isinstance(readers, (str, bytes, Mapping)) or not isinstance(readers, Sequence) or len(readers) != per:
             raise StateError(f"elastic resume: the state of rank {rank} must list {per} reader state(s)")
-        for k, reader in enumerate(state["readers"]):
-            checkpoint.expect_keys(f"rank {rank} loader reader {k}", reader, checkpoint.READER_KEYS)
+        if keep and self._index is None:
+            self._kept[rank] = state
         return state
+
+    def forget(self, rank: int) -> None:
+        """Rank ``rank``'s state is not needed again (a lazy sequence's is let go)."""
+        self._kept.pop(rank, None)
+
+    @staticmethod
+    def reader(state: dict[str, Any], w: int) -> dict[str, Any]:
+        """Reader ``w``'s state in a rank's saved state, checked (only the readers a rank takes are read:
+        ``state["readers"]`` may be a sequence that reads them when asked, too)."""
+        reader = state["readers"][w]
+        return checkpoint.expect_keys(f"rank {state['rank']} loader reader {w}", reader, checkpoint.READER_KEYS)
 
 
 def _check_agreed(agreed: np.ndarray, world: int, per: int) -> tuple[int, list[int]]:
@@ -217,26 +243,21 @@ class Taken:
         self.fresh = pack_parts([b.state_dict() for b in fresh], self.batcher.STATE_DEPTHS)
         self.ks = split.readers_of(rank)
         self.step = 0  # the most batches the old ranks taken handed out
-        self.settled: dict[int, dict[str, Any]] = {}  # snapshots rebuilt by replay, by old reader
         self.olds: list[Stood] = []
         for r in range(self.ks.start // self.per, (self.ks.stop - 1) // self.per + 1):
             state = saved.read(r)
             self.step = max(self.step, int(state["delivered"]))
-            for w, reader in enumerate(state["readers"]):
+            for w in range(self.per):
                 k = r * self.per + w
                 if k in self.ks:
-                    self.olds.append(self._stood(k, self._settled(k, reader)))
+                    self.olds.append(self._stood(k, self._settled(k, Saved.reader(state, w))))
+            saved.forget(r)  # its readers are read: memory follows what this rank takes
 
     def _world(self, k: int) -> World:
         return World(rank=k // self.per, world_size=self.saved.world, worker=k % self.per, num_workers=self.per)
 
     def _settled(self, k: int, state: dict[str, Any]) -> dict[str, Any]:
-        if k not in self.settled:
-            snapshot = settled_snapshot(self.mixture, self._world(k), state)
-            if snapshot is state["snapshot"]:
-                return snapshot
-            self.settled[k] = snapshot
-        return self.settled[k]
+        return settled_snapshot(self.mixture, self._world(k), state)
 
     def _stood(self, k: int, snapshot: dict[str, Any]) -> Stood:
         return stood(
@@ -259,28 +280,39 @@ class Taken:
         """:meth:`contribution` over every old reader, from every saved state (no process group)."""
         log.info("elastic resume: no process group of the new ranks; reading all %d saved states", self.saved.world)
         step, last = 0, np.zeros(self.sources, dtype=np.int64)
+        taken = {o.reader: o.position["epoch"] for o in self.olds}  # (settled already)
         for r in range(self.saved.world):
-            state = self.saved.read(r)
+            state = self.saved.read(r, keep=False)
             step = max(step, int(state["delivered"]))
-            for w, reader in enumerate(state["readers"]):
-                np.maximum(last, epochs(self._settled(r * self.per + w, reader), self.sources), out=last)
+            for w in range(self.per):
+                k = r * self.per + w
+                at = taken[k] if k in taken else epochs(self._settled(k, Saved.reader(state, w)), self.sources)
+                np.maximum(last, at, out=last)
         world, per = self.saved.world, self.per
         return np.asarray([step, world, -world, per, -per, *last.tolist()], dtype=np.int64)
 
     def snapshots(self, step: int, last: Sequence[int]) -> list[dict[str, Any]]:
-        """This rank's new readers' snapshots, the leftover it took re-split among them."""
+        """This rank's new readers' snapshots, the leftover it took re-split among them (each reader's
+        locations made rows only while its snapshot is packed)."""
         readers, mixture = self.split.per_rank, self.mixture
-        streams: list[list[dict[str, Any]]] = [[] for _ in range(readers)]
         plans = Plans(mixture, self.split.old, self.ks)
-        for i in range(self.sources):
-            inherit = self._slices(i, last[i], plans)
-            for j, (rows, buffer) in enumerate(zip(inherit, self._buffered(i))):
-                streams[j].append(
-                    SourceStream.inheriting_state(
-                        epoch=last[i], buffer_size=mixture.shuffle_buffer, buffer=buffer, inherit=rows
-                    )
+        inherit = [self._slices(i, last[i], plans) for i in range(self.sources)]
+        buffered = [self._buffered(i) for i in range(self.sources)]
+        out = []
+        for j in range(readers):
+            streams = [
+                SourceStream.inheriting_state(
+                    epoch=last[i],
+                    buffer_size=mixture.shuffle_buffer,
+                    buffer=location_rows(buffered[i][j]),
+                    inherit=inherit[i][j],
                 )
-        return [self._snapshot(j, streams[j], step) for j in range(readers)]
+                for i in range(self.sources)
+            ]
+            out.append(self._snapshot(j, streams, step))
+            for runs in buffered:
+                runs[j] = runs[j][:0]  # packed: let its keys go
+        return out
 
     def _slices(self, i: int, last: int, plans: Plans) -> list[list[list[int]]]:
         """Per new reader of this rank, the slice rows of source ``i`` it inherits, in epoch order."""
@@ -300,12 +332,15 @@ class Taken:
         return out
 
     def _buffered(self, i: int) -> list[np.ndarray]:
-        """Per new reader of this rank, a run of the buffered samples of source ``i`` it took, by location."""
+        """Per new reader of this rank, a run of the buffered samples of source ``i`` it took (location
+        keys, sorted: a reader re-reads runs of nearby samples)."""
         parts = [o.buffered[i] for o in self.olds]
         for o in self.olds:
             o.buffered[i] = None  # handed on: the memory follows the samples still to re-split
-        rows = sorted_unique(np.concatenate([p for p in parts if p is not None]))
-        return np.array_split(rows, self.split.per_rank)
+        keys = np.sort(np.concatenate([p for p in parts if p is not None]))
+        if len(keys) > 1 and not (keys[1:] != keys[:-1]).all():
+            keys = keys[np.concatenate([[True], keys[1:] != keys[:-1]])]  # each once
+        return [run.copy() for run in np.array_split(keys, self.split.per_rank)]
 
     def _snapshot(self, j: int, streams: list[dict[str, Any]], step: int) -> dict[str, Any]:
         """New reader ``j``'s snapshot: the re-split streams, fresh batchers, the step where the old

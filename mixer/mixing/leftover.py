@@ -13,7 +13,8 @@ ranks (``W / W'`` rounded up, plus one on each side), whatever the size of eithe
 **The table.** What a new rank needs of an old reader is a few integers per source (where its
 stream stood) and the locations of its buffered samples (:class:`Stood`), read from its snapshot's
 columns a whole column at a time (:func:`mixer.state.columns.unpack_rows`): no Python object per
-buffered sample, so memory follows the samples the rank takes, at 16 bytes each.
+buffered sample. A location is kept as one int64 key (:func:`location_keys`: the shard, then the tar
+block), so memory follows the samples the rank takes, at 8 bytes each.
 """
 
 from __future__ import annotations
@@ -87,8 +88,8 @@ POSITION = ("epoch", "slice_pos", "next_index", "next_offset", "inherit_epoch")
 class Stood:
     """Where old reader ``reader`` stood (its settled snapshot), as far as a new rank needs it: per
     source its stream's :data:`POSITION` (one int array per field) and inherited slice rows, and,
-    sorted by location, the buffered samples of its part that go to this rank (``(samples, 2)``
-    arrays of shard and byte offset); its totals and its selector's state."""
+    sorted, the :func:`location_keys` of the buffered samples of its part that go to this rank;
+    its totals and its selector's state."""
 
     reader: int
     batches: int
@@ -97,7 +98,7 @@ class Stood:
     selector: dict[str, Any]
     position: dict[str, np.ndarray]
     inherit: list[list[list[int]]]
-    buffered: list[np.ndarray | None]  # None once handed on
+    buffered: list[np.ndarray | None]  # location keys; None once handed on
 
 
 def stood(
@@ -128,10 +129,7 @@ def stood(
             raise StateError(f"{where}: a location names source {int(source.max())}, this mixture has {n}")
         order = np.argsort(source, kind="stable")
         _by_part(held, np.bincount(source, minlength=n), located[order, 1:3])
-    buffered: list[np.ndarray | None] = []
-    for parts in held:
-        rows = sorted_unique(np.concatenate(parts) if parts else np.zeros((0, 2), dtype=np.int64))
-        buffered.append(rows[take(len(rows))])
+    buffered: list[np.ndarray | None] = [keys[take(len(keys))] for keys in _sorted_by_source(held)]
     return Stood(
         reader=reader,
         batches=int(snapshot["batches"]),
@@ -167,14 +165,50 @@ def _by_part(out: list[list[np.ndarray]], per: np.ndarray, rows: np.ndarray) -> 
             out[i].append(part)
 
 
-def sorted_unique(rows: np.ndarray) -> np.ndarray:
-    """``(shard, offset)`` rows sorted, each once."""
-    if len(rows) < 2:
-        return rows
-    rows = rows[np.lexsort((rows[:, 1], rows[:, 0]))]
-    keep = np.ones(len(rows), dtype=bool)
-    keep[1:] = (rows[1:] != rows[:-1]).any(axis=1)
-    return rows[keep]
+def _sorted_by_source(held: list[list[np.ndarray]]) -> list[np.ndarray]:
+    """Per source, the :func:`location_keys` of its rows, sorted, each once: one sort for all sources
+    (a reader holds a few hundred samples of each of hundreds of sources)."""
+    pieces = [(i, p) for i, parts in enumerate(held) for p in parts]
+    if not pieces:
+        return [np.zeros(0, dtype=np.int64) for _ in held]
+    keys = location_keys(np.concatenate([p for _, p in pieces]))
+    source = np.repeat(np.array([i for i, _ in pieces]), [len(p) for _, p in pieces])
+    order = np.lexsort((keys, source))
+    keys, source = keys[order], source[order]
+    keep = np.ones(len(keys), dtype=bool)
+    keep[1:] = (keys[1:] != keys[:-1]) | (source[1:] != source[:-1])
+    keys, source = keys[keep], source[keep]
+    return np.split(keys, np.cumsum(np.bincount(source, minlength=len(held)))[:-1])
+
+
+_BLOCK_BITS, _BLOCKS = 9, 31  # tar blocks are 512 bytes; 2**31 of them: shards up to 1 TiB
+
+
+def location_keys(rows: np.ndarray) -> np.ndarray:
+    """``(shard, byte offset)`` rows as one int64 each, in the same order: the shard in the high bits,
+    the offset's tar block (samples start at 512-byte boundaries) in the low 31. A StateError for a
+    location that is not one (a negative or unaligned offset, one past 1 TiB, a shard past 2**32)."""
+    shard, offset = rows[:, 0], rows[:, 1]
+    if len(rows) and (
+        int(shard.min()) < 0
+        or int(shard.max()) >> 32
+        or int(offset.min()) < 0
+        or int(offset.max()) >> (_BLOCK_BITS + _BLOCKS)
+        or np.any(offset & ((1 << _BLOCK_BITS) - 1))
+    ):
+        raise StateError(
+            "elastic resume: a buffered sample's location is not a (shard, byte offset) of a tar member "
+            f"(shards {int(shard.min())}..{int(shard.max())}, offsets {int(offset.min())}..{int(offset.max())})"
+        )
+    return (shard << _BLOCKS) | (offset >> _BLOCK_BITS)
+
+
+def location_rows(keys: np.ndarray) -> np.ndarray:
+    """The ``(shard, byte offset)`` rows of :func:`location_keys`."""
+    rows = np.empty((len(keys), 2), dtype=np.int64)
+    rows[:, 0] = keys >> _BLOCKS
+    rows[:, 1] = (keys & ((1 << _BLOCKS) - 1)) << _BLOCK_BITS
+    return rows
 
 
 class Plans:

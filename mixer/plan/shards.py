@@ -105,7 +105,7 @@ def plan(
         shard_pos = me % num_shards
         parts = len(range(shard_pos, readers, num_shards))
         return [ShardSlice(int(order[shard_pos]), me // num_shards, parts)]
-    if sizes is None or any(s is None for s in sizes):
+    if sizes is None or _unsized(sizes):
         return [ShardSlice(s) for s in order[me::readers].tolist()]
     mine = order[_owners_by_size(order, sizes, readers)[order] == me]  # in the shuffled order
     return [ShardSlice(s) for s in mine.tolist()]
@@ -158,10 +158,17 @@ def plan_some(
             ]
             for k in ks
         }
-    if sizes is None or any(s is None for s in sizes):
+    if sizes is None or _unsized(sizes):
         return {k: [ShardSlice(s) for s in order[k::readers].tolist()] for k in ks}
     owners = _owners_by_size(order, sizes, readers)[order]  # the owner of each place of the order
     return {k: [ShardSlice(s) for s in order[owners == k].tolist()] for k in ks}
+
+
+def _unsized(sizes: Sequence[int | None]) -> bool:
+    """Whether some shard's size is unknown (a C-level scan: a source lists up to ~1e5 shards)."""
+    if isinstance(sizes, np.ndarray):
+        return sizes.dtype == object and any(s is None for s in sizes)
+    return None in sizes
 
 
 # The greedy assignment works on one integer per reader, ``load * readers + reader``: its order is

@@ -22,14 +22,18 @@ What is measured, per new rank (two ranks per shape: the first and one in the mi
 * peak memory: tracemalloc over the same call (Python and numpy allocations), in a second run;
 * bytes read: the JSON bytes of the old ranks' states the rank asked for, against its own share (all old
   states' bytes / new ranks; the bytes per old rank are the mean of the ranks built in this run);
-* old ranks read: how many of the old world's states it asked for (the rest are never built).
+* old ranks read: how many of the old world's states it asked for (the rest are never built);
+* the worst new rank of the shape, from the split (exact, every rank): the most it reads against its
+  share when a state is one file per old rank, and when a storage reads an old rank's readers one
+  by one (a rank's ``"readers"`` given as a lazy sequence).
 
 Beside it, the old path's lower bound in the same run: every new rank used to unpack every old reader's
 snapshot (then re-read every buffered sample and rebuild readers, not counted here): the time of
 `unpack_snapshot` on a sample of old readers times the old readers. The curve over old worlds of 64, 256
 and 1,024 ranks (16 workers each) shows which cost grows with the world.
 
-`--quick`: 10 sources, 4 / 8 / 16 old ranks x 4 workers, and a check that the simulated agreement gives
+The same at 1,000 sources (median 2,048 shards each: most split in-shard over 16,384 readers), one
+timed rank per shape. `--quick`: 10 sources, 4 / 8 / 16 old ranks x 4 workers, and a check that the simulated agreement gives
 the states a rank computes by reading every saved state (`agree=None`), JSON for JSON.
 """
 
@@ -69,8 +73,11 @@ class Scale:
 
 
 SCALES = {
-    "full": Scale(sources=100, shards=16_384, workers=16, worlds=(64, 256, 1024)),
-    "quick": Scale(sources=10, shards=64, workers=4, worlds=(4, 8, 16)),
+    "full": (
+        Scale(sources=100, shards=16_384, workers=16, worlds=(64, 256, 1024)),
+        Scale(sources=1000, shards=2048, workers=16, worlds=(64, 256, 1024), timed=1),
+    ),
+    "quick": (Scale(sources=10, shards=64, workers=4, worlds=(4, 8, 16)),),
 }
 
 
@@ -316,6 +323,18 @@ def old_ranks_for(old: OldWorld, world: int, workers: int, rank: int) -> range:
     return range(ks.start // old.workers, (ks.stop - 1) // old.workers + 1)
 
 
+def worst_ratios(old: OldWorld, world: int, workers: int) -> tuple[float, float]:
+    """Over every new rank of ``world`` x ``workers`` (from the split, exactly): the most it reads
+    against its share, when each old rank's state is one object (a file per rank) and when each old
+    reader's is (a storage that reads a rank's readers one by one), all old ranks and readers alike."""
+    from mixer.mixing.leftover import Split
+
+    split = Split(old.readers, world * workers, workers)
+    files = max(len(old_ranks_for(old, world, workers, r)) for r in range(world))
+    readers = max(len(split.readers_of(r)) for r in range(world))
+    return files * world / old.ranks, readers * world / old.readers
+
+
 def load(
     mix: Any, old: OldWorld, texts: dict[int, str], world: int, workers: int, rank: int, *, trace: bool
 ) -> dict[str, Any]:
@@ -372,7 +391,8 @@ def simulate(scale: Scale, log: Callable[[str], None] = lambda m: None) -> list[
         old = OldWorld(mix, ranks, scale.workers)
         texts: dict[int, str] = {}
         for label, world, workers in shapes(ranks, scale.workers):
-            for rank in sorted({0, world // 2}):
+            worst = worst_ratios(old, world, workers)
+            for rank in sorted({0, world // 2})[-scale.timed :]:
                 for r in old_ranks_for(old, world, workers, rank):  # built before the clock starts
                     if r not in texts:
                         texts[r] = old.text(r)
@@ -397,6 +417,8 @@ def simulate(scale: Scale, log: Callable[[str], None] = lambda m: None) -> list[
                         "read_mb": files.bytes / 2**20,
                         "share_mb": share / 2**20,
                         "read_ratio": files.bytes / share,
+                        "worst_files_ratio": worst[0],
+                        "worst_readers_ratio": worst[1],
                         "old_state_mb_per_rank": per_rank / 2**20,
                         "new_state_mb": timed["state_bytes"] / 2**20,
                     }
@@ -423,6 +445,8 @@ def simulate(scale: Scale, log: Callable[[str], None] = lambda m: None) -> list[
                 "read_mb": per_rank * ranks / 2**20,
                 "share_mb": None,
                 "read_ratio": None,
+                "worst_files_ratio": None,
+                "worst_readers_ratio": None,
                 "old_state_mb_per_rank": per_rank / 2**20,
                 "new_state_mb": None,
             }
@@ -448,12 +472,12 @@ def agreement_check(scale: Scale) -> dict[str, Any]:
     return {"section": "elastic", "check": "simulated all_reduce == reading every state (4x2 -> 3x2)", "ok": same}
 
 
-def run(quick: bool) -> list[dict[str, Any]]:
+def run(quick: bool, log: Callable[[str], None] = lambda m: None) -> list[dict[str, Any]]:
     """The rows of the module docstring (``quick``: the small scale, and the agreement check)."""
-    scale = SCALES["quick" if quick else "full"]
-    rows = simulate(scale)
+    scales = SCALES["quick" if quick else "full"]
+    rows = [row for scale in scales for row in simulate(scale, log)]
     if quick:
-        rows.append(agreement_check(scale))
+        rows.append(agreement_check(scales[0]))
     return rows
 
 
@@ -475,13 +499,15 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
             str(r["old_ranks_read"]),
             f(r["read_mb"], ".2f"),
             f(r["read_ratio"], ".2f"),
+            f(r["worst_files_ratio"], ".2f"),
+            f(r["worst_readers_ratio"], ".2f"),
             f(r["old_state_mb_per_rank"], ".2f"),
         ]
         for r in rows
         if "check" not in r
     ]
     header = ["old -> new", "shape", "sources", "new rank", "load s", "CPU s", "peak MB", "old ranks read"]
-    header += ["MB read", "x own share", "MB per old rank"]
+    header += ["MB read", "x own share", "worst rank: x share, file per rank", "per reader", "MB per old rank"]
     checks = [f"{r['check']}: {'yes' if r['ok'] else 'NO'}" for r in rows if "check" in r]
     return markdown_table(header, body) + ("\n\n" + "\n".join(checks) if checks else "")
 
@@ -490,10 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.world_scale_elastic", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     opts = p.parse_args(argv)
-    scale = SCALES["quick" if opts.quick else "full"]
-    rows = simulate(scale, lambda m: print(f"[{NAME} {time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True))
-    if opts.quick:
-        rows.append(agreement_check(scale))
+    rows = run(opts.quick, lambda m: print(f"[{NAME} {time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True))
     print(table(rows))
     return 0 if all(r.get("ok", True) for r in rows) else 1
 

@@ -321,7 +321,9 @@ class Taken:
         for old in self.olds:
             left = unread(self.mixture, i, old, last, plans)
             sizes = [slice_bytes(sl, sizes_of[sl.shard]) for _, _, sl in left]
-            for u in taken_units(self.split, self.rank, old.reader, left, sizes):
+            whole = self.split.overlap(self.rank, old.reader) == self.split.new  # not cut by a boundary
+            mine = range(len(left)) if whole else taken_units(self.split, self.rank, old.reader, left, sizes)
+            for u in mine:
                 e, p, sl = left[u]
                 units.append((e, old.reader, p, sl, sizes[u]))
         units.sort(key=lambda u: u[:3])

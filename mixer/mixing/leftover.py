@@ -113,28 +113,33 @@ def stood(
     batchers = expect_keys("batchers", snapshot["batchers"], tuple(batcher.STATE_DEPTHS))
     n = sources
     position = {f: np.asarray(unpack(streams[f], 0, n, f"streams state: {f!r}"), dtype=np.int64) for f in POSITION}
-    held: list[list[np.ndarray]] = [[] for _ in range(n)]
+    of_source: list[np.ndarray] = []  # the source of each row of `rows`, piece by piece
+    rows: list[np.ndarray] = []
     for f in SourceStream.LOCATED:
-        per, rows = unpack_rows(streams[f], SourceStream.STATE_DEPTHS[f], n, f"streams state: {f!r}")
-        _by_part(held, per, _columns(rows, 0, 2))
+        per, found = unpack_rows(streams[f], SourceStream.STATE_DEPTHS[f], n, f"streams state: {f!r}")
+        of_source.append(np.repeat(np.arange(n), per))
+        rows.append(_columns(found, 0, 2))
     for f in batcher.LOCATED:
         where = f"batchers state: {f!r}"
-        per, rows = unpack_rows(batchers[f], batcher.STATE_DEPTHS[f], 1 if shared else n, where)
+        per, found = unpack_rows(batchers[f], batcher.STATE_DEPTHS[f], 1 if shared else n, where)
         if not shared:
-            _by_part(held, per, _columns(rows, 0, 2))
+            of_source.append(np.repeat(np.arange(n), per))
+            rows.append(_columns(found, 0, 2))
             continue
-        located = _columns(rows, 0, 3)
-        source = located[:, 0]
-        if located.size and (source.min() < 0 or source.max() >= n):
-            raise StateError(f"{where}: a location names source {int(source.max())}, this mixture has {n}")
-        order = np.argsort(source, kind="stable")
-        _by_part(held, np.bincount(source, minlength=n), located[order, 1:3])
-    buffered: list[np.ndarray | None] = [keys[take(len(keys))] for keys in _sorted_by_source(held)]
+        located = _columns(found, 0, 3)
+        if located.size and (located[:, 0].min() < 0 or located[:, 0].max() >= n):
+            raise StateError(f"{where}: a location names source {int(located[:, 0].max())}, this mixture has {n}")
+        of_source.append(located[:, 0])
+        rows.append(located[:, 1:3])
+    buffered: list[np.ndarray | None] = [
+        keys[take(len(keys))] for keys in _sorted_by_source(np.concatenate(of_source), np.concatenate(rows), n)
+    ]
+    _, counters = unpack_rows(snapshot["counters"], 1, n, "reader snapshot state: 'counters'")
     return Stood(
         reader=reader,
         batches=int(snapshot["batches"]),
         tokens=int(snapshot["tokens"]),
-        counters=np.asarray(unpack(snapshot["counters"], 1, n, "reader snapshot state: 'counters'"), dtype=np.int64),
+        counters=counters,
         selector=snapshot["selector"],
         position=position,
         inherit=unpack(streams["inherit"], 2, n, "streams state: 'inherit'"),
@@ -158,27 +163,17 @@ def _columns(rows: np.ndarray, lo: int, hi: int) -> np.ndarray:
     return rows[:, lo:hi]
 
 
-def _by_part(out: list[list[np.ndarray]], per: np.ndarray, rows: np.ndarray) -> None:
-    """Appends to ``out[i]`` the ``per[i]`` rows of part ``i`` (parts one after the other in ``rows``)."""
-    for i, part in enumerate(np.split(rows, np.cumsum(per)[:-1])):
-        if len(part):
-            out[i].append(part)
-
-
-def _sorted_by_source(held: list[list[np.ndarray]]) -> list[np.ndarray]:
-    """Per source, the :func:`location_keys` of its rows, sorted, each once: one sort for all sources
-    (a reader holds a few hundred samples of each of hundreds of sources)."""
-    pieces = [(i, p) for i, parts in enumerate(held) for p in parts]
-    if not pieces:
-        return [np.zeros(0, dtype=np.int64) for _ in held]
-    keys = location_keys(np.concatenate([p for _, p in pieces]))
-    source = np.repeat(np.array([i for i, _ in pieces]), [len(p) for _, p in pieces])
+def _sorted_by_source(source: np.ndarray, rows: np.ndarray, sources: int) -> list[np.ndarray]:
+    """Per source, the :func:`location_keys` of its rows (``source[j]`` is row ``j``'s), sorted, each
+    once: one sort for all sources (a reader holds a few hundred samples of each of hundreds)."""
+    keys = location_keys(rows)
     order = np.lexsort((keys, source))
     keys, source = keys[order], source[order]
-    keep = np.ones(len(keys), dtype=bool)
-    keep[1:] = (keys[1:] != keys[:-1]) | (source[1:] != source[:-1])
-    keys, source = keys[keep], source[keep]
-    return np.split(keys, np.cumsum(np.bincount(source, minlength=len(held)))[:-1])
+    if len(keys) > 1:
+        keep = np.concatenate([[True], (keys[1:] != keys[:-1]) | (source[1:] != source[:-1])])
+        keys, source = keys[keep], source[keep]
+    ends = np.cumsum(np.bincount(source, minlength=sources)).tolist()
+    return [keys[a:b] for a, b in zip([0, *ends[:-1]], ends)]
 
 
 _BLOCK_BITS, _BLOCKS = 9, 31  # tar blocks are 512 bytes; 2**31 of them: shards up to 1 TiB

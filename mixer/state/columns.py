@@ -168,15 +168,15 @@ def unpack(text: Any, depth: int | None, parts: int | None, where: str) -> list[
 
 
 def unpack_rows(text: Any, depth: int, parts: int, where: str) -> tuple[np.ndarray, np.ndarray]:
-    """The innermost lists of a packed column ``depth`` deep (``>= 2``) as rows, for columns of
-    fixed-width rows (locations, packer pieces): how many rows each of the ``parts`` holds (the
-    levels in between flattened, a part's batches one after the other) and the rows as one
-    ``(rows, width)`` int64 array, without a Python object per row. A StateError naming ``where``
-    when the column is not that, or its rows differ in width."""
+    """The innermost lists of a packed column ``depth`` deep as rows, for columns of fixed-width rows
+    (locations, packer pieces; at depth 1 each part is one row: counters): how many rows each of the
+    ``parts`` holds (the levels in between flattened, a part's batches one after the other) and the
+    rows as one ``(rows, width)`` int64 array, without a Python object per row. A StateError naming
+    ``where`` when the column is not that, or its rows differ in width."""
     data = _bytes(text, where)
     try:
         saved, width = struct.unpack_from("<BQ", data, 0)
-        if saved != depth or depth < 2:
+        if saved != depth or depth < 1:
             raise StateError(f"{where}: a column {saved} deep, expected {depth}")
         at, lengths = 9, []
         for _ in range(depth - (1 if width else 0)):
@@ -194,6 +194,10 @@ def unpack_rows(text: Any, depth: int, parts: int, where: str) -> tuple[np.ndarr
         raise StateError(f"{where}: rows of different widths, expected one width (locations)")
     else:
         rows = np.zeros((0, 0), dtype=np.int64)
+    if depth == 1:  # each part a row
+        if len(rows) != parts:
+            raise StateError(f"{where}: {len(rows)} values, this mixture has {parts}")
+        return np.ones(parts, dtype=np.int64), rows
     per = lengths[depth - 2]  # rows per innermost container
     for level in reversed(lengths[: depth - 2]):  # rows per container one level up
         ends = np.cumsum(level)

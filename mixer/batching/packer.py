@@ -173,6 +173,9 @@ class Packer(Generic[T]):
 
     STATE_DEPTHS: ClassVar[dict[str, int]] = {"ready": 3, "buffers": 3, "emitted": 0}
 
+    # The fields that list items by location: pieces, each a location and four placement ints.
+    LOCATED: ClassVar[tuple[str, ...]] = ("ready", "buffers")
+
     def state_dict(self) -> dict[str, Any]:
         """Groups of pieces ``[*locate(item), row, col, start, count]``: ``ready`` (batches) and
         ``buffers`` (open batches), as a Bucketer's state lists its items."""

@@ -1,35 +1,45 @@
 """Elastic resume: a run saved on ``W`` ranks x ``N`` readers continues on ``W'`` x ``N'``.
 
 Each rank saves its own loader state (``Loader.state_dict()``); on resume every new rank passes the
-list of all the saved ranks' states to ``Loader.load_state_dict`` and computes, independently and
-identically, the whole re-split below, keeping its own part (no communication, as for the plan). With
-the same shape the list resumes exactly as the rank's own state does (batch for batch).
+saved ranks' states to ``Loader.load_state_dict``: a list, or any sequence that reads ``states[r]``
+(rank ``r``'s state) when asked, so that a rank reads only the states it needs. Each new rank
+works out its own part; all of them together settle every old reader once. With the same shape
+the rank's own state resumes exactly (batch for batch).
 
 For every source:
 
 1. **Where each old reader really stood.** A saved reader state is a snapshot plus ``replay``
-   batches made after it; the reader is rebuilt in its old place, restored and replayed
-   (:meth:`mixer.mixing.mixture.Reader.settle`), so that its state is that of its last batch handed out.
-2. **What is left of the source-epochs.** Let ``E`` be the latest epoch any old reader reached. Left
-   are, per old reader at epoch ``e``: the unread slices of its part of ``e`` (the slice it was in
-   continues from its sample index and byte offset; an in-shard split or an index range keeps its
-   sample filter), and its whole planned part of every epoch ``e < e' <= E`` (some other reader
-   already reached them). Plus every sample read but not delivered: those in shuffle buffers and in
-   buckets (ready batches and packer rows included), by location.
-3. **The re-split.** The slices are dealt to the ``W' x N'`` new readers by bytes (greedy, largest
-   first, onto the least-loaded reader, as :func:`mixer.plan.shards.plan` assigns shards), each slice whole
-   to one reader (a partly read shard continues on one reader), each reader reading its slices in
-   epoch order; the buffered samples are dealt round-robin and read again by location
-   (:mod:`mixer.stream.reread`) into the new readers' shuffle buffers. A new reader's stream holds its slices
-   as a stand-in for epoch ``E`` (``SourceStream.inherited``) and then continues with epoch ``E + 1``
-   planned for the new world. So every sample of every source-epoch up to ``E`` is delivered exactly
-   once across the change, and later epochs are the new world's.
+   batches made after it; unless it was saved at a snapshot, the reader is rebuilt in its old
+   place, restored and replayed (:meth:`mixer.mixing.mixture.Reader.settle`), so that its state is
+   that of its last batch handed out. Only the new rank that takes its leftover does this
+   (:mod:`mixer.mixing.leftover`: old reader ``k``'s leftover goes to the new ranks whose stretch of a
+   common line overlaps its part; a new rank takes about ``W / W'`` old ranks' worth).
+2. **The step and the last epochs, agreed.** Let ``E`` be the latest epoch any old reader reached
+   (per source) and the step the most batches any old rank handed out. Each new rank knows them for
+   the old readers it took; one ``all_reduce`` (max) of those few integers over the new ranks gives
+   every rank the whole run's (the loader does it over its process group). Without a process group
+   of the new ranks, each rank reads every saved state for them (the epoch column of every snapshot;
+   a reader saved between snapshots is settled), which gives the same integers at a cost that grows
+   with the old world.
+3. **What is left, and the re-split.** Left are, per old reader at epoch ``e``: the unread slices of
+   its part of ``e`` (the slice it was in continues from its sample index and byte offset; an
+   in-shard split or an index range keeps its sample filter), its whole planned part of every epoch
+   ``e < e' <= E``, and every sample it read but did not deliver (shuffle buffers, buckets, ready
+   batches and packer rows), by location. A new rank deals the slices it took to its readers by
+   bytes (:func:`deal`: greedy, largest first, onto the least-loaded reader, as
+   :func:`mixer.plan.shards.plan` assigns shards), each slice whole to one reader, each reader reading
+   its slices in epoch order; it splits the buffered samples it took, sorted by location, into one
+   run per reader (re-read by location, :mod:`mixer.stream.reread`, into the new readers' shuffle
+   buffers). A new reader's stream holds its slices as a stand-in for epoch ``E``
+   (``SourceStream.inherited``) and then continues with epoch ``E + 1`` planned for the new world.
+   So every sample of every source-epoch up to ``E`` is delivered exactly once across the change,
+   and later epochs are the new world's.
 
-The mixing state carries over: the global step (the most batches any old rank handed out; the new
-readers continue from there in DataLoader order), tokens and selector totals spread evenly over the
-new readers (see :func:`merge_selector`), the per-source counters summed onto new reader 0 of rank 0
-(the loaders' sums over all ranks stay right). The result is a loader state of the usual format for
-this rank. It is deterministic, not identical to any uninterrupted run.
+The mixing state carries over: the global step (the new readers continue from there in DataLoader
+order); tokens seen and the selector's totals, each old reader's weighed by the part of its work a
+new reader takes (see :func:`merge_selector`); each old reader's counters on one new reader (the
+loaders' sums over all ranks stay right). The result is a loader state of the usual format for this
+rank. It is deterministic, not identical to any uninterrupted run.
 
 With ``stop="first_exhausted"`` a new reader ends when the first of its sources runs out, as any
 reader does, so what it inherited of the others may stay undelivered (that policy never promises
@@ -37,23 +47,39 @@ every sample). Not supported (a :class:`~mixer.StateError` says so): ``Packed(sp
 row may hold the tail of a document whose head was delivered) and :class:`~mixer.Adaptive` schedules
 (the replay needs the shares in effect then).
 
-Cost: every new rank settles every old reader; a reader saved with ``replay = k`` re-runs ``k``
-batches (under ``state_every``) of reading, and every buffered sample is read again by its new reader.
-Like MosaicML streaming's elastic resume, but by slices and locations rather than sample ids.
+Cost per new rank (measured in ``benchmarks/world_scale_elastic.py``): reading the states of at most
+``W / W' + 2`` old ranks; settling the old readers it takes (a reader saved with ``replay = k``
+re-runs ``k`` batches, under ``state_every``); one plan per source of the old world (what every
+reader pays once at its start); a pass over the buffered samples it takes, at 16 bytes each. Like
+MosaicML streaming's elastic resume, but by slices and locations rather than sample ids.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from mixer.batching.batchers import make_batcher
 from mixer.errors import StateError
+from mixer.mixing.adaptive import Adaptive
+from mixer.mixing.leftover import (
+    Plans,
+    Split,
+    Stood,
+    epochs,
+    location_rows,
+    slice_bytes,
+    stood,
+    taken_units,
+    unread,
+)
 from mixer.mixing.selector import Selector, make_selector
-from mixer.plan.shards import ShardSlice, plan_all, slice_of, slice_row
+from mixer.plan.shards import slice_row
 from mixer.plan.world import World
 from mixer.spec.budget import Packed
 from mixer.state import checkpoint
@@ -63,10 +89,317 @@ from mixer.stream.source_stream import SourceStream
 if TYPE_CHECKING:
     from mixer.mixing.mixture import Mixture, Reader
 
+log = logging.getLogger(__name__)
+
+#: ``agree(values)``: the elementwise max of ``values`` (int64) over every rank of the new run.
+Agree = Callable[[np.ndarray], np.ndarray]
+
+
+def resume_state(
+    mixture: Mixture, states: Sequence[Any], *, num_workers: int, agree: Agree | None = None
+) -> dict[str, Any]:
+    """This rank's loader state, from the loader states of all the ranks of a saved run (``states[r]``:
+    rank ``r``'s; read only when needed). ``agree``: the max over the new ranks (see :data:`Agree`;
+    the loader passes one over its process group); None: this rank works the whole run's step and
+    last epochs out itself, reading every saved state."""
+    saved = Saved(mixture, states)
+    readers = max(num_workers, 1)
+    rank, world = mixture.rank, mixture.world_size
+    if saved.world == world and saved.readers_per_rank(rank) == readers:
+        own = saved.read(rank)  # the same shape: the rank's own state, exactly
+        return dict(own, readers=[Saved.reader(own, w) for w in range(readers)])
+    if isinstance(mixture.batching, Packed) and mixture.batching.split_documents:
+        raise StateError(
+            "elastic resume: not supported with Packed(split_documents=True) (a buffered row may hold the rest of a "
+            "document whose head was delivered); resume with the saved world_size and num_workers"
+        )
+    if isinstance(mixture.schedule, Adaptive):
+        raise StateError(
+            "elastic resume: not supported with an Adaptive schedule; resume with the saved world_size and num_workers"
+        )
+    per = saved.readers_per_rank((rank * saved.world) // world)
+    split = Split(saved.world * per, world * readers, readers)
+    took = Taken(mixture, saved, split, rank)
+    local = took.contribution()
+    if world == 1:
+        agreed = local  # the one new rank took every old reader
+    elif agree is not None:
+        agreed = np.asarray(agree(local.copy()), dtype=np.int64)
+    else:
+        agreed = np.maximum(local, took.everyone())
+    step, last = _check_agreed(agreed, saved.world, per)
+    out = [checkpoint.reader_state(s) for s in took.snapshots(step, last)]
+    return checkpoint.loader_state(
+        fingerprint=mixture.fingerprint,
+        rank=rank,
+        world_size=world,
+        num_workers=readers,
+        delivered=step,
+        readers=out,
+        adaptive=None,
+    )
+
+
+class Saved:
+    """The saved ranks' loader states, each read (``states[r]``) and checked when needed: kind, version,
+    fingerprint, shape. A list or tuple is in memory already: it is checked whole, as one run's
+    states, and may list the ranks in any order; any other sequence is read lazily and must list
+    them in rank order (``states[r]`` is rank ``r``'s)."""
+
+    def __init__(self, mixture: Mixture, states: Sequence[Any]) -> None:
+        if isinstance(states, (str, bytes, Mapping)) or not isinstance(states, Sequence) or not len(states):
+            raise StateError(
+                "elastic resume: expected a non-empty list of loader states, one per saved rank "
+                f"(got {type(states).__name__})"
+            )
+        self.mixture, self.states, self.world = mixture, states, len(states)
+        self._index: dict[int, int] | None = None  # rank -> place in a list
+        self._per: int | None = None
+        self._kept: dict[int, dict[str, Any]] = {}  # the states of a lazy sequence read so far
+        if isinstance(states, (list, tuple)):
+            self._check_list(states)
+
+    def _check_list(self, states: Sequence[Any]) -> None:
+        for s in states:
+            checkpoint.check_saved(s, self.mixture)
+        shapes = {(int(s["world_size"]), int(s["num_workers"])) for s in states}
+        if len(shapes) != 1:
+            raise StateError(
+                f"elastic resume: the states were saved by runs of different shapes (world_size, readers): {sorted(shapes)}"
+            )
+        ((world, self._per),) = shapes
+        self._index = {int(s["rank"]): j for j, s in enumerate(states)}
+        missing = sorted(set(range(world)) - set(self._index))
+        if missing or len(states) != world:
+            raise StateError(
+                f"elastic resume: need the state of every one of the {world} saved ranks, once each (missing ranks "
+                f"{missing}, got {len(states)} states)"
+            )
+
+    def readers_per_rank(self, probe: int) -> int:
+        """The saved run's readers per rank (read from rank ``probe``'s state, unless known)."""
+        if self._per is None:
+            self._per = int(self.read(probe)["num_workers"])
+        return self._per
+
+    def read(self, rank: int, *, keep: bool = True) -> dict[str, Any]:
+        """Rank ``rank``'s saved state, checked; read from a lazy sequence once while ``keep``."""
+        if self._index is not None:
+            state = self.states[self._index[rank]]
+        elif rank in self._kept:
+            return self._kept[rank]
+        else:
+            state = checkpoint.check_saved(self.states[rank], self.mixture)
+            if int(state["rank"]) != rank or int(state["world_size"]) != self.world:
+                raise StateError(
+                    f"elastic resume: states[{rank}] is the state of rank {state['rank']} of {state['world_size']}; a "
+                    f"sequence of {self.world} states other than a list must give the saved ranks' states in rank order"
+                )
+            if self._per is not None and int(state["num_workers"]) != self._per:
+                raise StateError(
+                    "elastic resume: the states were saved by runs of different shapes (readers per rank "
+                    f"{self._per} and {state['num_workers']})"
+                )
+        per = int(state["num_workers"])
+        readers = state["readers"]
+        if isinstance(readers, (str, bytes, Mapping)) or not isinstance(readers, Sequence) or len(readers) != per:
+            raise StateError(f"elastic resume: the state of rank {rank} must list {per} reader state(s)")
+        if keep and self._index is None:
+            self._kept[rank] = state
+        return state
+
+    def forget(self, rank: int) -> None:
+        """Rank ``rank``'s state is not needed again (a lazy sequence's is let go)."""
+        self._kept.pop(rank, None)
+
+    @staticmethod
+    def reader(state: dict[str, Any], w: int) -> dict[str, Any]:
+        """Reader ``w``'s state in a rank's saved state, checked (only the readers a rank takes are read:
+        ``state["readers"]`` may be a sequence that reads them when asked, too)."""
+        reader = state["readers"][w]
+        return checkpoint.expect_keys(f"rank {state['rank']} loader reader {w}", reader, checkpoint.READER_KEYS)
+
+
+def _check_agreed(agreed: np.ndarray, world: int, per: int) -> tuple[int, list[int]]:
+    """The whole run's step and last epochs from the agreed integers (:meth:`Taken.contribution`)."""
+    if agreed.shape[0] < 5 or agreed[1:5].tolist() != [world, -world, per, -per]:
+        raise StateError(
+            "elastic resume: the ranks of the new run were given different saved runs (world size x readers per rank "
+            f"{world} x {per} here); every rank must pass the states of the same saved run"
+        )
+    return int(agreed[0]), [int(e) for e in agreed[5:]]
+
+
+class Taken:
+    """What new rank ``rank`` takes of the saved run (:mod:`mixer.mixing.leftover`): the old readers its
+    stretch overlaps, settled and read as :class:`~mixer.mixing.leftover.Stood`, each read once."""
+
+    def __init__(self, mixture: Mixture, saved: Saved, split: Split, rank: int) -> None:
+        self.mixture, self.saved, self.split, self.rank = mixture, saved, split, rank
+        self.per = split.old // saved.world
+        self.sources = len(mixture.listed)
+        fresh = _fresh_batchers(mixture)
+        self.batcher = type(fresh[0])
+        self.fresh = pack_parts([b.state_dict() for b in fresh], self.batcher.STATE_DEPTHS)
+        self.ks = split.readers_of(rank)
+        self.step = 0  # the most batches the old ranks taken handed out
+        self.olds: list[Stood] = []
+        for r in range(self.ks.start // self.per, (self.ks.stop - 1) // self.per + 1):
+            state = saved.read(r)
+            self.step = max(self.step, int(state["delivered"]))
+            for w in range(self.per):
+                k = r * self.per + w
+                if k in self.ks:
+                    self.olds.append(self._stood(k, self._settled(k, Saved.reader(state, w))))
+            saved.forget(r)  # its readers are read: memory follows what this rank takes
+
+    def _world(self, k: int) -> World:
+        return World(rank=k // self.per, world_size=self.saved.world, worker=k % self.per, num_workers=self.per)
+
+    def _settled(self, k: int, state: dict[str, Any]) -> dict[str, Any]:
+        return settled_snapshot(self.mixture, self._world(k), state)
+
+    def _stood(self, k: int, snapshot: dict[str, Any]) -> Stood:
+        return stood(
+            snapshot,
+            k,
+            sources=self.sources,
+            batcher=self.batcher,
+            shared=self.mixture.mix == "sample",
+            take=lambda n: self.split.take(k, n, self.rank),
+        )
+
+    def contribution(self) -> np.ndarray:
+        """``[step, W, -W, N, -N, E per source]`` over what this rank took (the max of these over the
+        new ranks is the whole run's: every old reader is taken by some rank)."""
+        last = np.max(np.stack([o.position["epoch"] for o in self.olds]), axis=0)
+        world, per = self.saved.world, self.per
+        return np.asarray([self.step, world, -world, per, -per, *last.tolist()], dtype=np.int64)
+
+    def everyone(self) -> np.ndarray:
+        """:meth:`contribution` over every old reader, from every saved state (no process group)."""
+        log.info("elastic resume: no process group of the new ranks; reading all %d saved states", self.saved.world)
+        step, last = 0, np.zeros(self.sources, dtype=np.int64)
+        taken = {o.reader: o.position["epoch"] for o in self.olds}  # (settled already)
+        for r in range(self.saved.world):
+            state = self.saved.read(r, keep=False)
+            step = max(step, int(state["delivered"]))
+            for w in range(self.per):
+                k = r * self.per + w
+                at = taken[k] if k in taken else epochs(self._settled(k, Saved.reader(state, w)), self.sources)
+                np.maximum(last, at, out=last)
+        world, per = self.saved.world, self.per
+        return np.asarray([step, world, -world, per, -per, *last.tolist()], dtype=np.int64)
+
+    def snapshots(self, step: int, last: Sequence[int]) -> list[dict[str, Any]]:
+        """This rank's new readers' snapshots, the leftover it took re-split among them (each reader's
+        locations made rows only while its snapshot is packed)."""
+        readers, mixture = self.split.per_rank, self.mixture
+        plans = Plans(mixture, self.split.old, self.ks)
+        inherit = [self._slices(i, last[i], plans) for i in range(self.sources)]
+        buffered = [self._buffered(i) for i in range(self.sources)]
+        out = []
+        for j in range(readers):
+            streams = [
+                SourceStream.inheriting_state(
+                    epoch=last[i],
+                    buffer_size=mixture.shuffle_buffer,
+                    buffer=location_rows(buffered[i][j]),
+                    inherit=inherit[i][j],
+                )
+                for i in range(self.sources)
+            ]
+            out.append(self._snapshot(j, streams, step))
+            for runs in buffered:
+                runs[j] = runs[j][:0]  # packed: let its keys go
+        return out
+
+    def _slices(self, i: int, last: int, plans: Plans) -> list[list[list[int]]]:
+        """Per new reader of this rank, the slice rows of source ``i`` it inherits, in epoch order."""
+        sizes_of = self.mixture.listed[i].shard_bytes
+        units = []  # (epoch, old reader, place, slice, bytes) taken by this rank
+        for old in self.olds:
+            left = unread(self.mixture, i, old, last, plans)
+            sizes = [slice_bytes(sl, sizes_of[sl.shard]) for _, _, sl in left]
+            whole = self.split.overlap(self.rank, old.reader) == self.split.new  # not cut by a boundary
+            mine = range(len(left)) if whole else taken_units(self.split, self.rank, old.reader, left, sizes)
+            for u in mine:
+                e, p, sl = left[u]
+                units.append((e, old.reader, p, sl, sizes[u]))
+        units.sort(key=lambda u: u[:3])
+        owner = deal([u[4] for u in units], self.split.per_rank)
+        out: list[list[list[int]]] = [[] for _ in range(self.split.per_rank)]
+        for unit, j in zip(units, owner):
+            out[j].append(slice_row(unit[3]))
+        return out
+
+    def _buffered(self, i: int) -> list[np.ndarray]:
+        """Per new reader of this rank, a run of the buffered samples of source ``i`` it took (location
+        keys, sorted: a reader re-reads runs of nearby samples)."""
+        parts = [o.buffered[i] for o in self.olds]
+        for o in self.olds:
+            o.buffered[i] = None  # handed on: the memory follows the samples still to re-split
+        keys = np.sort(np.concatenate([p for p in parts if p is not None]))
+        if len(keys) > 1 and not (keys[1:] != keys[:-1]).all():
+            keys = keys[np.concatenate([[True], keys[1:] != keys[:-1]])]  # each once
+        return [run.copy() for run in np.array_split(keys, self.split.per_rank)]
+
+    def _snapshot(self, j: int, streams: list[dict[str, Any]], step: int) -> dict[str, Any]:
+        """New reader ``j``'s snapshot: the re-split streams, fresh batchers, the step where the old
+        run stopped, its part of the old readers' totals (see the module docstring)."""
+        mixture, split, n = self.mixture, self.split, self.sources
+        weigh = split.new * split.per_rank  # overlap / weigh: the part of an old reader this reader takes
+        shares = [split.overlap(self.rank, o.reader) for o in self.olds]
+        selectors = []
+        for o in self.olds:
+            old = make_selector(
+                mixture.selector, n, seed=mixture.seed, stream=(o.reader // self.per, o.reader % self.per)
+            )
+            old.load_state_dict(o.selector)
+            selectors.append(old)
+        leader = max(range(len(self.olds)), key=lambda m: (self.olds[m].batches, -m))
+        template = make_selector(mixture.selector, n, seed=mixture.seed, stream=(self.rank, j))
+        selector = merge_selector(selectors, template, [s / weigh for s in shares], leader=leader)
+        counters = np.zeros_like(self.olds[0].counters)
+        for o in self.olds:
+            if split.counted_on(o.reader) == (self.rank, j):
+                counters += o.counters
+        # reader j's k-th batch is step k * N' + j: it made the steps below `step` that are its own
+        batches = max(0, -(-(step - j) // split.per_rank))
+        return checkpoint.snapshot(
+            batches=batches,
+            tokens=sum(s * o.tokens for s, o in zip(shares, self.olds)) // weigh,
+            active=pack([1] * n, 0),
+            counters=pack(counters.tolist(), 1),
+            selector=selector.state_dict(),
+            streams=pack_parts(streams, SourceStream.STATE_DEPTHS),
+            batchers=self.fresh,
+        )
+
+
+def _fresh_batchers(mixture: Mixture) -> list[Any]:
+    """A new reader's batchers, empty (one shared in mix="sample"): their state is the same for all."""
+    if mixture.mix == "sample":
+        return [make_batcher(mixture.edges[0], mixture.batching, locate=checkpoint.locate_pair)]
+    return [make_batcher(e, mixture.batching) for e in mixture.edges]
+
+
+def settled_snapshot(mixture: Mixture, world: World, state: dict[str, Any]) -> dict[str, Any]:
+    """An old reader's snapshot where it stood: as saved when it was saved at one, else rebuilt in its
+    place, restored and replayed."""
+    if state["snapshot"] is not None and int(state["replay"]) == 0 and not state["skips"]:
+        return state["snapshot"]
+    reader: Reader = mixture.reader(world)
+    try:
+        reader.load_state_dict(state)
+        return reader.settle()["snapshot"]
+    finally:
+        _close(reader)
+
 
 @dataclass
 class Settled:
-    """One old reader where it stood: its world and its snapshot's parts, unpacked."""
+    """One old reader where it stood: its world and its snapshot's parts, unpacked (for inspection)."""
 
     world: World
     batches: int
@@ -77,104 +410,15 @@ class Settled:
     batchers: list[dict[str, Any]]
 
 
-def resume_state(mixture: Mixture, states: Sequence[Any], *, num_workers: int) -> dict[str, Any]:
-    """This rank's loader state, from the loader states of all the ranks of a saved run."""
-    old_world, old_readers, by_rank = _check_states(mixture, states)
-    readers = max(num_workers, 1)
-    if (old_world, old_readers) == (mixture.world_size, readers):
-        return by_rank[mixture.rank]  # the same shape: the rank's own state, exactly
-    if isinstance(mixture.batching, Packed) and mixture.batching.split_documents:
-        raise StateError(
-            "elastic resume: not supported with Packed(split_documents=True) (a buffered row may hold the rest of a "
-            "document whose head was delivered); resume with the saved world_size and num_workers"
-        )
-    if any(s["adaptive"] is not None for s in states):
-        raise StateError(
-            "elastic resume: not supported with an Adaptive schedule; resume with the saved world_size and num_workers"
-        )
-    template = mixture.reader(
-        World(rank=mixture.rank, world_size=mixture.world_size)
-    )  # unpacks the snapshots saved as they are
+def settle(mixture: Mixture, world: World, state: dict[str, Any]) -> Settled:
+    """An old reader where it stood (:func:`settled_snapshot`), unpacked into one state per part."""
+    snapshot = settled_snapshot(mixture, world, state)
+    template = mixture.reader(world)
     try:
-        settled = [
-            settle(
-                mixture,
-                World(rank=r, world_size=old_world, worker=w, num_workers=old_readers),
-                by_rank[r]["readers"][w],
-                template,
-            )
-            for r in range(old_world)
-            for w in range(old_readers)
-        ]
+        batchers = template.batchers[:1] if mixture.mix == "sample" else template.batchers
+        parts = checkpoint.unpack_snapshot(snapshot, streams=template.streams, batchers=batchers)
     finally:
         _close(template)
-    step = max(int(s["delivered"]) for s in states)
-    new = mixture.world_size * readers
-    mine = range(mixture.rank * readers, (mixture.rank + 1) * readers)
-    streams: list[list[dict[str, Any]]] = [[] for _ in mine]
-    plans = Plans(mixture, old_world * old_readers)
-    for i in range(len(mixture.listed)):
-        for j, st in enumerate(split_source(mixture, i, settled, new, mine, plans)):
-            streams[j].append(st)
-    out = []
-    for j, g in enumerate(mine):
-        world = World(rank=mixture.rank, world_size=mixture.world_size, worker=j, num_workers=readers)
-        out.append(checkpoint.reader_state(_snapshot(mixture, world, g, settled, streams[j], step, new)))
-    return checkpoint.loader_state(
-        fingerprint=mixture.fingerprint,
-        rank=mixture.rank,
-        world_size=mixture.world_size,
-        num_workers=readers,
-        delivered=step,
-        readers=out,
-        adaptive=None,
-    )
-
-
-def _check_states(mixture: Mixture, states: Sequence[Any]) -> tuple[int, int, dict[int, dict[str, Any]]]:
-    """The saved world size, readers per rank and states by rank; a StateError unless ``states`` are
-    one state of this mixture per saved rank, all of the same shape."""
-    if not isinstance(states, (list, tuple)) or not states:
-        raise StateError(
-            f"elastic resume: expected a non-empty list of loader states, one per saved rank (got {type(states).__name__})"
-        )
-    for s in states:
-        checkpoint.check_saved(s, mixture)
-    shapes = {(int(s["world_size"]), int(s["num_workers"])) for s in states}
-    if len(shapes) != 1:
-        raise StateError(
-            f"elastic resume: the states were saved by runs of different shapes (world_size, readers): {sorted(shapes)}"
-        )
-    ((world, readers),) = shapes
-    by_rank = {int(s["rank"]): s for s in states}
-    missing = sorted(set(range(world)) - set(by_rank))
-    if missing or len(states) != world:
-        raise StateError(
-            f"elastic resume: need the state of every one of the {world} saved ranks, once each (missing ranks {missing}, got {len(states)} states)"
-        )
-    for r, s in by_rank.items():
-        if not isinstance(s["readers"], list) or len(s["readers"]) != readers:
-            raise StateError(f"elastic resume: the state of rank {r} must list {readers} reader state(s)")
-        for k, reader in enumerate(s["readers"]):
-            checkpoint.expect_keys(f"rank {r} loader reader {k}", reader, checkpoint.READER_KEYS)
-    return world, readers, by_rank
-
-
-def settle(mixture: Mixture, world: World, state: dict[str, Any], template: Reader | None = None) -> Settled:
-    """An old reader where it stood: its snapshot as saved, or rebuilt in its place, restored and
-    replayed. ``template``: any reader of the mixture, to unpack a snapshot without building one."""
-    if state["snapshot"] is not None and int(state["replay"]) == 0 and not state["skips"] and template is not None:
-        snapshot = state["snapshot"]
-    else:
-        reader: Reader = mixture.reader(world)
-        try:
-            reader.load_state_dict(state)
-            snapshot = reader.settle()["snapshot"]
-        finally:
-            _close(reader)
-        template = reader
-    batchers = template.batchers[:1] if mixture.mix == "sample" else template.batchers
-    parts = checkpoint.unpack_snapshot(snapshot, streams=template.streams, batchers=batchers)
     selector = make_selector(
         mixture.selector, len(mixture.listed), seed=mixture.seed, stream=(world.rank, world.worker)
     )
@@ -195,81 +439,6 @@ def _close(reader: Reader) -> None:
         st.close()
 
 
-class Plans:
-    """The old world's plans, one :func:`mixer.plan.shards.plan_all` per (source, epoch) for all its readers."""
-
-    def __init__(self, mixture: Mixture, readers: int) -> None:
-        self.mixture, self.readers = mixture, readers
-        self._done: dict[tuple[int, int], list[list[ShardSlice]]] = {}
-
-    def of(self, i: int, epoch: int, reader: int) -> list[ShardSlice]:
-        if (i, epoch) not in self._done:
-            listed = self.mixture.listed[i]
-            self._done[i, epoch] = plan_all(
-                len(listed.shards),
-                self.readers,
-                seed=self.mixture.seed,
-                source=listed.name,
-                epoch=epoch,
-                sizes=listed.shard_bytes,
-                index=listed.index,
-            )
-        return self._done[i, epoch][reader]
-
-
-def split_source(
-    mixture: Mixture, i: int, settled: Sequence[Settled], new: int, mine: range, plans: Plans
-) -> list[dict[str, Any]]:
-    """Stream states of source ``i`` for the new readers ``mine`` (of ``new``): what the old
-    readers left of its source-epochs, re-split (see the module docstring)."""
-    listed = mixture.listed[i]
-    last = max(int(s.streams[i]["epoch"]) for s in settled)
-    units: list[tuple[int, ShardSlice]] = []  # (epoch, slice), in epoch order, then old reader, then plan order
-    for e in range(min(int(s.streams[i]["epoch"]) for s in settled), last + 1):
-        for s in settled:
-            st = s.streams[i]
-            if int(st["epoch"]) > e:
-                continue
-            slices = _old_plan(mixture, i, s, e, plans)
-            if int(st["epoch"]) < e:
-                units.extend((e, sl) for sl in slices)
-                continue
-            pos, index, offset = int(st["slice_pos"]), int(st["next_index"]), int(st["next_offset"])
-            for p, sl in enumerate(slices[pos:], start=pos):
-                if p == pos and (index or offset):
-                    if sl.stop is not None and index >= sl.stop:
-                        continue  # [index] the range was read to its end
-                    sl = sl._replace(start=index, begin=offset)  # continues at its sample and byte
-                units.append((e, sl))
-    sizes = [_bytes(sl, listed.shard_bytes[sl.shard]) for _, sl in units]
-    owner = deal(sizes, new)
-    buffered = sorted(_buffered(mixture, i, settled))
-    out = []
-    for g in mine:
-        inherit = [slice_row(sl) for (_, sl), o in zip(units, owner) if o == g]
-        out.append(
-            SourceStream.inheriting_state(
-                epoch=last, buffer_size=mixture.shuffle_buffer, buffer=buffered[g::new], inherit=inherit
-            )
-        )
-    return out
-
-
-def _old_plan(mixture: Mixture, i: int, s: Settled, epoch: int, plans: Plans) -> list[ShardSlice]:
-    """An old reader's slices of source ``i`` in ``epoch``: what it inherited, or its planned part."""
-    st = s.streams[i]
-    if int(st["inherit_epoch"]) == epoch:
-        return [slice_of(row, f"source {mixture.listed[i].name!r} stream") for row in st["inherit"]]
-    return plans.of(i, epoch, s.world.reader)
-
-
-def _bytes(sl: ShardSlice, size: int | None) -> int:
-    """The bytes a reader reads for a slice (the whole rest of the shard for an in-shard split); at
-    least 1, so that slices of shards of unknown size are dealt evenly."""
-    end = sl.end if sl.end is not None else size
-    return max((end or 0) - sl.begin, 1)
-
-
 def deal(sizes: Sequence[int], readers: int) -> list[int]:
     """The reader of each unit: greedy longest-first onto the least-loaded reader (ties: the earlier
     unit, the lower reader), so loads differ by at most the largest unit."""
@@ -282,69 +451,16 @@ def deal(sizes: Sequence[int], readers: int) -> list[int]:
     return owner
 
 
-def _buffered(mixture: Mixture, i: int, settled: Sequence[Settled]) -> set[tuple[int, int]]:
-    """The (shard, offset) of every sample of source ``i`` the old readers read but did not deliver."""
-    out: set[tuple[int, int]] = set()
-    shared = mixture.mix == "sample"
-    for s in settled:
-        out.update((int(a), int(b)) for a, b in s.streams[i]["buffer"])
-        for loc in _batcher_locations(s.batchers[0] if shared else s.batchers[i]):
-            if not shared:
-                out.add((int(loc[0]), int(loc[1])))
-            elif int(loc[0]) == i:
-                out.add((int(loc[1]), int(loc[2])))
-    return out
-
-
-def _batcher_locations(state: dict[str, Any]) -> list[Sequence[int]]:
-    """Every location a bucketer's or packer's state holds (a packer piece ends in 4 placement ints)."""
-    if "items" in state:
-        return [*state["items"], *(loc for batch in state["ready"] for loc in batch)]
-    return [piece[:-4] for group in (*state["ready"], *state["buffers"]) for piece in group]
-
-
-def merge_selector(selectors: Sequence[Selector], template: Selector, new: int, *, leader: int = 0) -> Selector:
-    """One new reader's selector from all the old readers' (``template``: a fresh one of its kind,
-    ``new`` readers in all, ``leader``: the old reader that made the most batches); each selector
-    class merges its own kind (:meth:`mixer.mixing.selector.Selector.merge`)."""
+def merge_selector(
+    selectors: Sequence[Selector], template: Selector, weights: int | Sequence[float], *, leader: int = 0
+) -> Selector:
+    """One new reader's selector from old readers' (``template``: a fresh one of its kind): ``weights[k]``
+    is the part of old reader ``k``'s work the new reader takes (a count ``n``: ``1 / n`` of each),
+    ``leader`` the old reader that made the most batches; each selector class merges its own kind
+    (:meth:`mixer.mixing.selector.Selector.merge`)."""
     olds = [s for s in selectors if type(s) is type(template)]
     if len(olds) != len(selectors):
         raise StateError(f"elastic resume: the saved readers' selectors are not all {template.name!r} selectors")
-    template.merge(olds, readers=new, leader=leader)
+    parts = [1.0 / weights] * len(olds) if isinstance(weights, int) else [float(w) for w in weights]
+    template.merge(olds, weights=parts, leader=leader)
     return template
-
-
-def _snapshot(
-    mixture: Mixture,
-    world: World,
-    g: int,
-    settled: Sequence[Settled],
-    streams: list[dict[str, Any]],
-    step: int,
-    new: int,
-) -> dict[str, Any]:
-    """New reader ``g``'s snapshot (at ``world``): fresh batchers, the re-split streams, the step
-    where the old run stopped, the old totals (see the module docstring)."""
-    reader = mixture.reader(world)
-    try:
-        n = len(mixture.listed)
-        most = max(range(len(settled)), key=lambda k: (settled[k].batches, -k))
-        selector = merge_selector([s.selector for s in settled], reader.selector, new, leader=most)
-        counters = np.zeros((n, len(settled[0].counters[0]) if n else 0), dtype=np.int64)
-        if g == 0:
-            for s in settled:
-                counters += np.asarray(s.counters, dtype=np.int64)
-        batchers = reader.batchers[:1] if mixture.mix == "sample" else reader.batchers
-        # reader w's k-th batch is step k * N' + w: it made the steps below `step` that are its own
-        batches = max(0, -(-(step - world.worker) // world.num_workers))
-        return checkpoint.snapshot(
-            batches=batches,
-            tokens=sum(s.tokens for s in settled) // new,
-            active=pack([1] * n, 0),
-            counters=pack(counters.tolist(), 1),
-            selector=selector.state_dict(),
-            streams=pack_parts(streams, reader.streams[0].STATE_DEPTHS),
-            batchers=pack_parts([b.state_dict() for b in batchers], batchers[0].STATE_DEPTHS),
-        )
-    finally:
-        _close(reader)

@@ -47,10 +47,11 @@ class Selector(Protocol):
         """``source`` delivered ``amount`` (in the mixture's unit) at shares ``probs``."""
         ...
 
-    def merge(self, olds: Sequence[Any], *, readers: int, leader: int) -> None:
+    def merge(self, olds: Sequence[Any], *, weights: Sequence[float], leader: int) -> None:
         """Elastic resume: take over this reader's part of the old readers' selectors (``olds``, all of
-        this class), ``readers`` new readers in all, ``leader`` the index of the old reader that made the
-        most batches. The new readers together must owe what the old ones owed (:mod:`mixer.mixing.elastic`)."""
+        this class): ``weights[k]`` is the part of old reader ``k``'s work this reader takes (each old
+        reader's parts sum to 1 over the new readers), ``leader`` the index of the old reader that made
+        the most batches. The new readers together must owe what the old ones owed (:mod:`mixer.mixing.elastic`)."""
         ...
 
     def state_dict(self) -> dict[str, Any]: ...
@@ -91,12 +92,12 @@ class Deficit:
         ahead of its target, over its share (the source just picked is the furthest)."""
         return (self.delivered - self.target) / np.maximum(probs, 1e-12)
 
-    def merge(self, olds: Sequence[Deficit], *, readers: int, leader: int) -> None:
-        """The old readers' targets and deliveries summed and divided by the new readers: the sum of
-        ``target - delivered`` over the readers is the whole run's deficit per source, each new reader
-        takes an equal share of it, and each reader's totals stay on one reader's scale."""
-        self.target = sum((s.target for s in olds), np.zeros_like(self.target)) / readers
-        self.delivered = sum((s.delivered for s in olds), np.zeros_like(self.delivered)) / readers
+    def merge(self, olds: Sequence[Deficit], *, weights: Sequence[float], leader: int) -> None:
+        """The old readers' targets and deliveries, each weighed by the part of its work this reader
+        takes: the sum of ``target - delivered`` over the readers is the whole run's deficit per
+        source before and after, and each reader's totals stay on one reader's scale."""
+        self.target = sum((w * s.target for s, w in zip(olds, weights)), np.zeros_like(self.target))
+        self.delivered = sum((w * s.delivered for s, w in zip(olds, weights)), np.zeros_like(self.delivered))
 
     def state_dict(self) -> dict[str, Any]:
         # Exact float64 bytes, compressed: a float per source, most of them alike or zero.
@@ -141,11 +142,12 @@ class RandomPick:
         self.amount[source] += amount
         self.picks[source] += 1
 
-    def merge(self, olds: Sequence[RandomPick], *, readers: int, leader: int) -> None:
-        """Amounts and picks summed and divided by the new readers (the mean amount per pick, which
-        weighs the picks, is the whole run's); the generator stays this reader's own."""
-        self.amount = sum((s.amount for s in olds), np.zeros_like(self.amount)) / readers
-        self.picks = sum((s.picks for s in olds), np.zeros_like(self.picks)) / readers
+    def merge(self, olds: Sequence[RandomPick], *, weights: Sequence[float], leader: int) -> None:
+        """Amounts and picks weighed as :meth:`Deficit.merge` weighs its totals (the mean amount per
+        pick, which weighs the picks, is that of the old readers taken over); the generator stays this
+        reader's own."""
+        self.amount = sum((w * s.amount for s, w in zip(olds, weights)), np.zeros_like(self.amount))
+        self.picks = sum((w * s.picks for s, w in zip(olds, weights)), np.zeros_like(self.picks))
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -182,7 +184,7 @@ class RoundRobin:
     def update(self, source: int, amount: float, probs: np.ndarray) -> None:
         pass
 
-    def merge(self, olds: Sequence[RoundRobin], *, readers: int, leader: int) -> None:
+    def merge(self, olds: Sequence[RoundRobin], *, weights: Sequence[float], leader: int) -> None:
         """The position of the old reader that made the most batches: the cycle carries on from there."""
         self.next = olds[leader].next
 

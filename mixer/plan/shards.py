@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -105,7 +105,7 @@ def plan(
         shard_pos = me % num_shards
         parts = len(range(shard_pos, readers, num_shards))
         return [ShardSlice(int(order[shard_pos]), me // num_shards, parts)]
-    if sizes is None or any(s is None for s in sizes):
+    if sizes is None or _unsized(sizes):
         return [ShardSlice(s) for s in order[me::readers].tolist()]
     mine = order[_owners_by_size(order, sizes, readers)[order] == me]  # in the shuffled order
     return [ShardSlice(s) for s in mine.tolist()]
@@ -122,27 +122,53 @@ def plan_all(
     index: Ranges | None = None,
 ) -> list[list[ShardSlice]]:
     """Every reader's :func:`plan` of one source-epoch at once (reader ``k``'s is ``plan`` with
-    ``world.reader == k``): one order and one assignment instead of one per reader, for whoever needs
-    the whole world's plans (an elastic resume settles every old reader)."""
+    ``world.reader == k``): one order and one assignment instead of one per reader."""
+    some = plan_some(
+        num_shards, readers, range(readers), seed=seed, source=source, epoch=epoch, sizes=sizes, index=index
+    )
+    return [some[k] for k in range(readers)]
+
+
+def plan_some(
+    num_shards: int,
+    readers: int,
+    ks: Iterable[int],
+    *,
+    seed: int,
+    source: str,
+    epoch: int,
+    sizes: Sequence[int | None] | None = None,
+    index: Ranges | None = None,
+) -> dict[int, list[ShardSlice]]:
+    """The :func:`plan` of readers ``ks`` of ``readers``, by reader: one order and one assignment for
+    all of them (an elastic resume plans the old readers whose leftover a new rank takes). The cost
+    is one plan's, whatever the number of readers asked for."""
+    ks = sorted(set(ks))
     if num_shards <= 0:
-        return [[] for _ in range(readers)]
+        return {k: [] for k in ks}
     order = _order(num_shards, seed=seed, source=source, epoch=epoch)
     if index is not None:
-        bounds = range_bounds(order, index, readers, list(range(readers + 1)))
-        return [_range_slices(order, index, bounds[k], bounds[k + 1]) for k in range(readers)]
+        points = sorted({*ks, *(k + 1 for k in ks)})
+        at = dict(zip(points, range_bounds(order, index, readers, points)))
+        return {k: _range_slices(order, index, at[k], at[k + 1]) for k in ks}
     if num_shards < readers:
-        return [
-            [ShardSlice(int(order[k % num_shards]), k // num_shards, len(range(k % num_shards, readers, num_shards)))]
-            for k in range(readers)
-        ]
-    out: list[list[ShardSlice]] = [[] for _ in range(readers)]
-    if sizes is None or any(s is None for s in sizes):
-        owners = np.arange(num_shards) % readers
-    else:
-        owners = _owners_by_size(order, sizes, readers)[order]
-    for shard, owner in zip(order.tolist(), owners.tolist()):
-        out[owner].append(ShardSlice(shard))
-    return out
+        return {
+            k: [
+                ShardSlice(int(order[k % num_shards]), k // num_shards, len(range(k % num_shards, readers, num_shards)))
+            ]
+            for k in ks
+        }
+    if sizes is None or _unsized(sizes):
+        return {k: [ShardSlice(s) for s in order[k::readers].tolist()] for k in ks}
+    owners = _owners_by_size(order, sizes, readers)[order]  # the owner of each place of the order
+    return {k: [ShardSlice(s) for s in order[owners == k].tolist()] for k in ks}
+
+
+def _unsized(sizes: Sequence[int | None]) -> bool:
+    """Whether some shard's size is unknown (a C-level scan: a source lists up to ~1e5 shards)."""
+    if isinstance(sizes, np.ndarray):
+        return sizes.dtype == object and any(s is None for s in sizes)
+    return None in sizes
 
 
 # The greedy assignment works on one integer per reader, ``load * readers + reader``: its order is

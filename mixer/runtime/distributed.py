@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -130,6 +130,48 @@ def stop_sync(
     if not collective.handles_cpu(group):
         group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
     return StopSync(group, mixture.names, end=sync_end, timeout=float(sync_timeout))
+
+
+def max_over_ranks(
+    mixture: Mixture, *, group: Any = None, timeout: float = DEFAULT_SYNC_TIMEOUT
+) -> Callable[[np.ndarray], np.ndarray] | None:
+    """An elastic resume's agreement (:data:`mixer.mixing.elastic.Agree`): the elementwise max of a few
+    integers over the mixture's ranks, one bounded ``all_reduce`` over ``group`` (default: the default
+    group; a gloo group over the same ranks when its backend has no CPU collectives). None when the
+    mixture has one rank or no process group of its ranks is initialized: the resume then reads every
+    saved state for those integers."""
+    if mixture.world_size == 1:
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    group = group if group is not None else dist.group.WORLD
+    if (dist.get_rank(group), dist.get_world_size(group)) != (mixture.rank, mixture.world_size):
+        log.warning(
+            "elastic resume: the mixture is rank %d of %d but this process is rank %d of %d in the %s; each rank "
+            "reads every saved state (pass make_loader(sync_group=<the data-parallel group>) to agree over it)",
+            mixture.rank,
+            mixture.world_size,
+            dist.get_rank(group),
+            dist.get_world_size(group),
+            "given sync_group" if group is not dist.group.WORLD else "default process group",
+        )
+        return None
+
+    def agree(values: np.ndarray) -> np.ndarray:
+        cpu = (
+            group
+            if collective.handles_cpu(group)
+            else dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
+        )
+        t = torch.from_numpy(np.array(values, dtype=np.int64))
+        Bounded(cpu, timeout=float(timeout), label="elastic resume").all_reduce(
+            t, dist.ReduceOp.MAX, "the all_reduce that agrees on the saved run's step and last epochs"
+        )
+        return t.numpy()
+
+    return agree
 
 
 def _flag(pending: Batch | None, error: Exception | None) -> int:

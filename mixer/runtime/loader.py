@@ -15,7 +15,7 @@ import random
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -33,7 +33,7 @@ from mixer.observe.stats import DEFAULT_WINDOW, Stats
 from mixer.plan.world import seed_for
 from mixer.read.counters import Counters
 from mixer.runtime.device import DeviceLike, to_device
-from mixer.runtime.distributed import DEFAULT_SYNC_TIMEOUT, StopSync, SyncEnd, stop_sync
+from mixer.runtime.distributed import DEFAULT_SYNC_TIMEOUT, StopSync, SyncEnd, max_over_ranks, stop_sync
 from mixer.runtime.feedback import Feedback, SharesTable, make_feedback
 from mixer.runtime.transport import SlotPool, group_size, grouped, ungrouped
 from mixer.state import checkpoint
@@ -190,6 +190,7 @@ class Loader:
     _resume: Resume | None
     _stats: Stats
     _feedback: Feedback | None
+    _sync_options: tuple[Any, float]
     _position: Position  # as of the last batch handed out (or where a pass resumes, before its first)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -312,14 +313,18 @@ class Loader:
             )
         return position
 
-    def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
+    def load_state_dict(self, state: dict[str, Any] | Sequence[dict[str, Any]]) -> None:
         """Continue from ``state`` on the next iteration. Refused (``StateError``) for a state of another
         mixture, version or topology (rank, world_size, num_workers). Elastic resume: ``state`` is the
         list of the states of all the saved ranks (any world_size and num_workers; see
-        :mod:`mixer.mixing.elastic`); every rank of the new run passes the same list."""
+        :mod:`mixer.mixing.elastic`), or any sequence whose ``state[r]`` reads rank ``r``'s state when
+        asked (a rank then reads only the states of the old ranks it takes over). Every rank of the
+        new run passes the same saved run; under ``torch.distributed`` they agree on a few integers
+        with one ``all_reduce`` over ``sync_group`` (bounded by ``sync_timeout``), so every rank must call it."""
         _refuse_fetching_ahead("load")
-        if isinstance(state, (list, tuple)):
-            state = elastic.resume_state(self.mixture, state, num_workers=self.num_workers)
+        if isinstance(state, Sequence) and not isinstance(state, (str, bytes)):
+            agree = max_over_ranks(self.mixture, group=self._sync_options[0], timeout=self._sync_options[1])
+            state = elastic.resume_state(self.mixture, state, num_workers=self.num_workers, agree=agree)
         checkpoint.check(state, self.mixture, num_workers=self.num_workers)
         if self.persistent_workers and self._started:
             raise StateError(
@@ -450,6 +455,7 @@ def make_loader(
         unit=mixture.unit,
     )
     # Equal batch counts over the data-parallel ranks in finite modes (see mixer.runtime.distributed).
+    loader._sync_options = (sync_group, sync_timeout)  # also for an elastic resume's agreement
     loader.sync = stop_sync(
         mixture, sync_stop=sync_stop, sync_end=sync_end, sync_group=sync_group, sync_timeout=sync_timeout
     )

@@ -43,6 +43,15 @@ with unknown or missing keys (:func:`expect_keys`); parts that hold samples (:cl
 their locations after ``load_state_dict`` and take the re-read samples with ``attach``. A
 snapshot locates the items of its batchers a column at a time (:func:`pack_located`): the same
 columns as locating each item, without a Python object per buffered sample.
+
+An elastic resume (:mod:`mixer.mixing.elastic`) reads this same format, and only part of it: of
+each old rank whose readers a new rank takes over, ``num_workers``, ``delivered`` and those readers'
+states; of their snapshots, the streams' positions and inherited slices, the buffered locations (a
+column at a time, :func:`mixer.state.columns.unpack_rows`), the counters, tokens and selector.
+Nothing is recorded for it at save time: what an old reader left is a pure function of its
+snapshot and the old world's plan, and a table written with every snapshot would either repeat the
+snapshot's locations or list the reader's whole remaining plan (every shard of a source, for a lone
+reader) every ``state_every`` batches.
 """
 
 from __future__ import annotations

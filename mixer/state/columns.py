@@ -76,7 +76,13 @@ def _bytes(text: Any, where: str) -> memoryview:
 
 
 def pack(values: Sequence[Any], depth: int) -> str:
-    """``values`` (one per part, nested ``depth`` lists deep, int leaves) as a packed column."""
+    """``values`` (one per part, nested ``depth`` lists deep, int leaves) as a packed column. At depth
+    2 the parts may also be ``(rows, width)`` int arrays (locations): the same column, built without
+    a Python object per row."""
+    if depth == 2 and values and all(isinstance(v, np.ndarray) and v.ndim == 2 for v in values):
+        rows = np.concatenate(values).astype(np.int64, copy=False)
+        counts2 = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+        return pack_flat([counts2], [rows[:, c] for c in range(rows.shape[1])])
     counts: list[np.ndarray] = []
     flat: Any = values
     for _ in range(depth):
@@ -159,6 +165,51 @@ def unpack(text: Any, depth: int | None, parts: int | None, where: str) -> list[
     if parts is not None and len(leaves) != parts:
         raise StateError(f"{where}: {len(leaves)} values, this mixture has {parts}")
     return leaves
+
+
+def unpack_rows(text: Any, depth: int, parts: int, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """The innermost lists of a packed column ``depth`` deep as rows, for columns of fixed-width rows
+    (locations, packer pieces; at depth 1 each part is one row: counters): how many rows each of the
+    ``parts`` holds (the levels in between flattened, a part's batches one after the other) and the
+    rows as one ``(rows, width)`` int64 array, without a Python object per row. A StateError naming
+    ``where`` when the column is not that, or its rows differ in width."""
+    data = _bytes(text, where)
+    try:
+        saved, width = struct.unpack_from("<BQ", data, 0)
+        if saved != depth or depth < 1:
+            raise StateError(f"{where}: a column {saved} deep, expected {depth}")
+        at, lengths = 9, []
+        for _ in range(depth - (1 if width else 0)):
+            counts, at = _get(data, at)
+            lengths.append(counts)
+        cols = []
+        for _ in range(width if width else 1):
+            col, at = _get(data, at)
+            cols.append(col)
+    except struct.error as exc:
+        raise StateError(f"{where}: a truncated packed column") from exc
+    if width:
+        rows = np.stack(cols, axis=1)
+    elif cols[0].size:
+        raise StateError(f"{where}: rows of different widths, expected one width (locations)")
+    else:
+        rows = np.zeros((0, 0), dtype=np.int64)
+    if depth == 1:  # each part a row
+        if len(rows) != parts:
+            raise StateError(f"{where}: {len(rows)} values, this mixture has {parts}")
+        return np.ones(parts, dtype=np.int64), rows
+    per = lengths[depth - 2]  # rows per innermost container
+    for level in reversed(lengths[: depth - 2]):  # rows per container one level up
+        ends = np.cumsum(level)
+        if (int(ends[-1]) if ends.size else 0) != per.size:
+            raise StateError(f"{where}: a packed column whose lengths do not add up")
+        total = np.concatenate([[0], np.cumsum(per)])
+        per = total[ends] - total[ends - level]
+    if per.size != parts:
+        raise StateError(f"{where}: {per.size} values, this mixture has {parts}")
+    if int(per.sum()) != len(rows):
+        raise StateError(f"{where}: a packed column whose lengths do not add up")
+    return per, rows
 
 
 def expect_keys(part: str, state: Any, keys: Collection[str]) -> dict[str, Any]:

@@ -7,6 +7,8 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
+import numpy as np
+
 from mixer import storage
 from mixer._warn import warn
 from mixer.errors import ShardError
@@ -387,10 +389,11 @@ class SourceStream:
 
     @staticmethod
     def inheriting_state(
-        *, epoch: int, buffer_size: int, buffer: Sequence[Sequence[int]], inherit: list[list[int]]
+        *, epoch: int, buffer_size: int, buffer: Sequence[Sequence[int]] | np.ndarray, inherit: list[list[int]]
     ) -> dict[str, Any]:
         """The state of a stream that an elastic resume gives inherited slices and buffered samples
-        (by location) in place of epoch ``epoch``'s plan (:mod:`mixer.mixing.elastic`): the same fields as
+        (by location; a ``(samples, 2)`` array stays one, for :func:`mixer.state.columns.pack`) in
+        place of epoch ``epoch``'s plan (:mod:`mixer.mixing.elastic`): the same fields as
         :meth:`state_dict`, declared here once."""
         return {
             "epoch": epoch,
@@ -401,11 +404,14 @@ class SourceStream:
             "exhausted": 0,
             "buffer_size": buffer_size,
             "draws": 0,
-            "buffer": [list(loc) for loc in buffer],
+            "buffer": buffer if isinstance(buffer, np.ndarray) else [list(loc) for loc in buffer],
             "skips": [],
             "inherit": inherit,
             "inherit_epoch": epoch,
         }
+
+    # The fields that list samples by location, (shard, byte offset) each.
+    LOCATED: ClassVar[tuple[str, ...]] = ("buffer",)
 
     # How deep each field's lists go (0: an int), as mixer.state.columns packs them.
     STATE_DEPTHS: ClassVar[dict[str, int]] = {

@@ -7,12 +7,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from servers import free_port
 from shardutil import LogNormal
 
 pytest.importorskip("accelerate", reason="accelerate is not installed")
@@ -54,12 +54,6 @@ def test_save_state_and_load_state_resume_the_stream_exactly(source_args, tmp_pa
     assert _keys(tmp_path / "resumed") == full[EVERY:]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.slow
 def test_two_processes_resume_every_rank_through_all_ranks(source_args, tmp_path):
     """Accelerate writes registered objects from the main process only; AllRanks gathers both
@@ -80,7 +74,7 @@ def test_two_processes_resume_every_rank_through_all_ranks(source_args, tmp_path
             "--nproc_per_node=2",
             "--nnodes=1",
             "--master_addr=127.0.0.1",
-            f"--master_port={_free_port()}",
+            f"--master_port={free_port()}",
             str(EXAMPLE),
             *source_args,
             "--workers",

@@ -7,12 +7,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from servers import free_port
 from shardutil import LogNormal
 
 import mixer
@@ -74,12 +74,6 @@ def test_the_data_module_resumes_at_the_next_untrained_batch(example, sources, t
     _assert_resumed_exactly(tmp_path)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.slow
 def test_the_data_module_resumes_every_ddp_rank_at_the_next_untrained_batch(sources, tmp_path):
     """Lightning's DDP strategy on 2 CPU processes (torchrun, gloo): every rank's position is gathered
@@ -91,7 +85,7 @@ def test_the_data_module_resumes_every_ddp_rank_at_the_next_untrained_batch(sour
         "--nproc_per_node=2",
         "--nnodes=1",
         "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}",
+        f"--master_port={free_port()}",
         str(HERE.parents[1] / "tests" / "support" / "lightning_dist_worker.py"),
         str(tmp_path),
         *(f"{name}={pattern}" for name, pattern in sources.items()),

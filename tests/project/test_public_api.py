@@ -114,10 +114,11 @@ def test_user_facing_text_builds_loaders_and_device_feeds_one_way():
 
 
 def test_elastic_resume_is_load_state_dict_with_the_list_of_all_rank_states():
-    # One spelling: a new rank passes the list of every saved rank's state to load_state_dict
-    # (mixer.mixing.elastic re-splits it); there is no merge function to call first.
+    # One spelling: a new rank passes every saved rank's state to load_state_dict, as a list or a
+    # sequence that reads them when asked (mixer.mixing.elastic re-splits it); there is no merge
+    # function to call first.
     import inspect
 
     annotation = str(inspect.signature(mixer.Loader.load_state_dict).parameters["state"].annotation)
-    assert annotation == "dict[str, Any] | list[dict[str, Any]]"
+    assert annotation == "dict[str, Any] | Sequence[dict[str, Any]]"
     assert not hasattr(mixer, "merge_states") and not hasattr(mixer, "elastic_resume")

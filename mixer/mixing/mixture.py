@@ -26,8 +26,9 @@ from mixer.mixing.options import DEFAULT_BUFFER_BUDGET, MixMode, Stop, Unit, che
 from mixer.mixing.schedule import Schedule, SourceInfo, Static, check_schedule
 from mixer.mixing.selector import Deficit, make_selector
 from mixer.plan.edges import bucket_edges
-from mixer.plan.profiling import Profile, check_profile_cache, check_profile_share, list_source, profile_sources
+from mixer.plan.profiling import Profile, check_profile_cache, check_profile_share
 from mixer.plan.shards import warn_shared_shards
+from mixer.plan.startup import start_up
 from mixer.plan.world import World, resolve_rank, worker_place
 from mixer.read.counters import Counters
 from mixer.spec.budget import Field, Packed, TokenBudget
@@ -96,11 +97,12 @@ class Mixture(IterableDataset[Batch]):
     ``Source.size`` is not given, their lengths when the bucket edges are derived; see
     :mod:`mixer.plan.profiling`), in parallel, with bounded reads. ``profile_cache``: a directory where
     those looks are kept, keyed by each source's shard listing, so that a restarted job reads no
-    shard to start (default None: no cache; see :mod:`mixer.plan.profile_cache` for what the key
-    covers). ``profile_share``: under ``torch.distributed``, rank 0 of ``dp_group`` (else of the
-    default group) looks and broadcasts the result, so the other ranks read nothing (None: when a
-    group of several ranks is initialized; every rank of it must then build the mixture; False:
-    every rank looks for itself).
+    shard to start, and the listings of remote prefixes, so that it lists none (default None: no
+    cache; see :mod:`mixer.plan.profile_cache` for what the keys cover). ``profile_share``: under
+    ``torch.distributed``, rank 0 of ``dp_group`` (else of the default group) lists, verifies the
+    shard indexes, looks and broadcasts the result, so the other ranks ask the storage nothing
+    (:mod:`mixer.plan.startup`; None: when a group of several ranks is initialized; every rank of it
+    must then build the mixture; False: every rank does it all itself).
 
     ``buffer_budget``: the most samples a reader holds in shuffle buffers and buckets together, over
     all sources (default 65,536, not reached by a few sources; None: none), apportioned by share
@@ -195,8 +197,10 @@ class Mixture(IterableDataset[Batch]):
         # Judges every sample it reads as the readers do: too long for the budget is a SampleError
         # naming shard and key, raised or skipped by the source's on_error, as mid-stream.
         cache, share = check_profile_cache(profile_cache), check_profile_share(profile_share)
-        self.listed: list[ListedSource] = [list_source(s) for s in sources]  # the only listing of shards
-        self.profiles: list[Profile] = profile_sources(self.listed, batching, cache=cache, share=share, group=dp_group)
+        # The only listing of shards, and the look: once per job (mixer.plan.startup).
+        self.listed: list[ListedSource]
+        self.profiles: list[Profile]
+        self.listed, self.profiles = start_up(sources, batching, cache=cache, share=share, group=dp_group)
         self.info = SourceInfo(
             names=tuple(names),
             weights=np.array([s.weight for s in sources], dtype=np.float64),

@@ -17,7 +17,7 @@ from mixer.storage.faults import Backoff, retrying
 from mixer.storage.filesystems import filesystem
 from mixer.storage.urls import check_url, is_local, local_path, redact, scheme_of
 
-__all__ = ["expand_urls"]
+__all__ = ["expand_urls", "lists_remotely"]
 
 _T = TypeVar("_T")
 
@@ -51,6 +51,24 @@ def expand_urls(
             if found.get(url) is None:
                 found[url] = size
     return sorted(found.items())
+
+
+def lists_remotely(patterns: str | Sequence[str]) -> bool:
+    """Whether expanding ``patterns`` sends a listing request: a remote prefix ending in ``/`` or a
+    remote glob among them (what `expand_urls` lists; brace patterns and local paths list nothing remote)."""
+    if isinstance(patterns, (str, os.PathLike)):
+        patterns = [os.fspath(patterns)]
+    for pattern in map(os.fspath, patterns):
+        scheme = scheme_of(pattern)
+        if scheme is None or scheme == "pipe" or is_local(scheme):
+            continue
+        web = scheme in ("http", "https")
+        for url in braceexpand(pattern):
+            if (re.split(r"[?#]", url, maxsplit=1)[0] if web else url).endswith("/"):
+                return True
+            if not web and _has_magic(url[len(scheme) + 3 :]):
+                return True
+    return False
 
 
 def _expand_one(pattern: str, storage_options: dict[str, Any] | None) -> list[tuple[str, int | None]]:

@@ -252,3 +252,13 @@ def test_a_first_sample_longer_than_the_bound_is_still_read(tmp_path: Path) -> N
     listed = [list_source(mixer.Source("long", str(tmp_path / "long-{000000..000001}.tar")))]
     (p,) = profile_sources(listed, mixer.TokenBudget(1 << 17), share=False, max_bytes=2 * profiling.MIN_WINDOW)
     assert p.lengths.tolist()[:1] == [60_000]
+
+
+def test_sources_sharing_an_index_file_are_indexed_one_after_the_other(tmp_path: Path) -> None:
+    # Both write tmp_path/mixer-index.json.gz: loaded at once, one would drop the other's entries.
+    rng = np.random.default_rng(3)
+    patterns = [write_token_shards(tmp_path, name, [rng.integers(8, 99, 20).tolist()] * 2) for name in "ab"]
+    sources = [mixer.Source(name, p, index=True) for name, p in zip("ab", patterns)]
+    mixer.Mixture(sources, batching=mixer.TokenBudget(4096))
+    for p in patterns:
+        assert mixer.load_index(p, stale="refuse").reindexed == ()  # every entry there, none stale

@@ -197,10 +197,13 @@ class Mixture(IterableDataset[Batch]):
         # Judges every sample it reads as the readers do: too long for the budget is a SampleError
         # naming shard and key, raised or skipped by the source's on_error, as mid-stream.
         cache, share = check_profile_cache(profile_cache), check_profile_share(profile_share)
-        # The only listing of shards, and the look: once per job (mixer.plan.startup).
+        # The only listing of shards, the look and the bucket edges: once per job (mixer.plan.startup).
         self.listed: list[ListedSource]
         self.profiles: list[Profile]
-        self.listed, self.profiles = start_up(sources, batching, cache=cache, share=share, group=dp_group)
+        self.edges: list[list[int]]
+        self.listed, self.profiles, self.edges = start_up(
+            sources, batching, cache=cache, share=share, group=dp_group, derive=self._bucket_edges
+        )
         self.info = SourceInfo(
             names=tuple(names),
             weights=np.array([s.weight for s in sources], dtype=np.float64),
@@ -210,16 +213,20 @@ class Mixture(IterableDataset[Batch]):
         # Check the whole schedule now (every phase of a curriculum, all-zero weights...), so that
         # it fails here and not in a worker process hours into the run.
         check_schedule(self.schedule, self.info)
-        if isinstance(batching, Packed):
-            self.edges: list[list[int]] = [[] for _ in sources]  # no buckets: the Packer places documents
-        elif batching.buckets is not None:
-            self.edges = [list(batching.buckets)] * len(sources)
-        elif mix == "sample":
-            shared = bucket_edges(np.concatenate([p.lengths for p in self.profiles]), **self._edge_options())
-            self.edges = [shared] * len(sources)
-        else:
-            self.edges = [bucket_edges(p.lengths, **self._edge_options()) for p in self.profiles]
         self.fingerprint = fingerprint(self, fields)  # once: checked on every load_state_dict
+
+    def _bucket_edges(self, profiles: Sequence[Profile]) -> list[list[int]]:
+        """Each source's bucket edges (a pure function of the profiles and the batching: computed by
+        the rank that looks, and shared)."""
+        batching = self.batching
+        if isinstance(batching, Packed):
+            return [[] for _ in profiles]  # no buckets: the Packer places documents
+        if batching.buckets is not None:
+            return [list(batching.buckets)] * len(profiles)
+        if self.mix == "sample":
+            shared = bucket_edges(np.concatenate([p.lengths for p in profiles]), **self._edge_options())
+            return [shared] * len(profiles)
+        return [bucket_edges(p.lengths, **self._edge_options()) for p in profiles]
 
     def _edge_options(self) -> dict[str, Any]:
         b = self.batching

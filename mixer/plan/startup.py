@@ -11,8 +11,8 @@ Building a :class:`~mixer.Mixture` asks the storage three things before the firs
 
 :func:`start_up` asks them once per job. Under ``torch.distributed`` (``Mixture(profile_share=)``,
 see :func:`mixer.plan.profiling.profile_sources` for when it shares), rank 0 of the group asks
-everything and broadcasts what it found, listings, shard states and profiles, in one
-``broadcast_object_list``; the other ranks send the storage nothing for it (they read the index
+everything and broadcasts what it found, listings, shard states and profiles (and the bucket
+edges the mixture derives from them), in one ``broadcast_object_list``; the other ranks send the storage nothing for it (they read the index
 files themselves, one GET each). So a job of 1,024 ranks sends the requests a job of one sends, and
 an error on rank 0 (a prefix that lists nothing, a shard that cannot be read) is raised on every rank.
 
@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 
 from mixer import storage
 from mixer.errors import ConfigError, MixerError
-from mixer.plan.index import stat_shard
+from mixer.plan.index import _default_location, stat_shard
 from mixer.plan.profile_cache import ProfileCache, listing_key
 from mixer.plan.profiling import Profile, _broadcast, _share_group, listed_from, profile_sources
 from mixer.spec.budget import Packed, TokenBudget
@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
+_D = TypeVar("_D")
 
 AHEAD = 4
 """Requests queued per thread beyond those running: a million shards to ``stat`` never hold a
@@ -78,43 +79,97 @@ def start_up(
     cache: str | os.PathLike[str] | None = None,
     share: bool | None = None,
     group: Any = None,
-) -> tuple[list[ListedSource], list[Profile]]:
-    """Every source listed (its index loaded and verified) and profiled, once per job (see the module
-    docstring): by this process alone, or by rank 0 of ``group`` and broadcast when the start-up is
-    shared (``share``, as :func:`~mixer.plan.profiling.profile_sources` takes it). A collective when
-    shared: every rank of the group must build the mixture."""
+    derive: Callable[[list[Profile]], _D],
+) -> tuple[list[ListedSource], list[Profile], _D]:
+    """Every source listed (its index loaded and verified) and profiled, and ``derive(profiles)``
+    (what the mixture computes from the profiles alone: its bucket edges), once per job (see the
+    module docstring): by this process alone, or by rank 0 of ``group`` and broadcast when the
+    start-up is shared (``share``, as :func:`~mixer.plan.profiling.profile_sources` takes it). A
+    collective when shared: every rank of the group must build the mixture."""
     shared = _share_group(share, group)
     if shared is None:
         listed = list_sources(sources, cache=cache)
-        return listed, profile_sources(listed, budget, cache=cache, share=False)
+        profiles = profile_sources(listed, budget, cache=cache, share=False)
+        return listed, profiles, derive(profiles)
     names = [s.name for s in sources]
     mine: list[list[ListedSource]] = []  # rank 0's own, kept rather than built again from what it sends
 
-    def work() -> tuple[list[str], list[Found], list[Profile]]:
+    def work() -> tuple[list[str], list[Found], list[Profile], _D]:
         started = time.perf_counter()
         found = survey(sources, cache=cache)
-        mine.append([listed_from(s, f.listing(), f.states) for s, f in zip(sources, found)])
+        mine.append(_listed(sources, found))
         profiles = profile_sources(mine[0], budget, cache=cache, share=False)
+        derived = derive(profiles)
         log.debug(
             "start-up: %d sources listed, verified and looked at in %.2f s; sharing it with the group",
             len(sources),
             time.perf_counter() - started,
         )
-        return names, found, profiles
+        return names, found, profiles, derived
 
-    theirs, found, profiles = _broadcast(work, [], shared[0])
+    theirs, found, profiles, derived = _broadcast(work, [], shared[0])
     if theirs != names:
         raise ConfigError(
             f"sources: this rank builds the mixture of {_shown(names)}, rank 0 of the group of {_shown(theirs)}; "
             "every rank must list the same sources in the same order"
         )
-    listed = mine[0] if mine else [listed_from(s, f.listing(), f.states) for s, f in zip(sources, found)]
-    return listed, list(profiles)
+    listed = mine[0] if mine else _listed(sources, found)
+    return listed, list(profiles), derived
 
 
 def list_sources(sources: Sequence[Source], *, cache: str | os.PathLike[str] | None = None) -> list[ListedSource]:
     """Every source listed (concurrently, see :func:`survey`) and its shard index loaded and verified."""
-    return [listed_from(s, f.listing(), f.states) for s, f in zip(sources, survey(sources, cache=cache))]
+    return _listed(sources, survey(sources, cache=cache))
+
+
+def _listed(sources: Sequence[Source], found: Sequence[Found]) -> list[ListedSource]:
+    """The sources as the mixture holds them, from what the storage said of them; their index files
+    (a GET each when remote) read concurrently, as :func:`survey` asks, except that sources sharing
+    an index file are loaded one after another, in source order (each may re-index its shards and
+    rewrite the file: at once, one would drop the other's entries)."""
+    if not any(s.index for s in sources):  # nothing to read: the shard lists only
+        return [listed_from(s, f.listing(), f.states) for s, f in zip(sources, found)]
+    out: list[ListedSource | None] = [None] * len(sources)
+
+    def load(group: list[int]) -> None:
+        for i in group:
+            out[i] = listed_from(sources[i], found[i].listing(), found[i].states)
+
+    limit = _connections(sources)
+    with ThreadPoolExecutor(max_workers=limit, thread_name_prefix="mixer-index") as pool:
+        _in_order(pool, load, _sharing_files(sources, found), limit * AHEAD)
+    return [ls for ls in out if ls is not None]
+
+
+def _sharing_files(sources: Sequence[Source], found: Sequence[Found]) -> list[list[int]]:
+    """The sources in groups that share no index file with another group (a source without an index
+    is a group of its own), each group in source order, the groups by their first source."""
+    owner: dict[str, int] = {}  # index file -> the group (by its first source) that reads it
+    parent = list(range(len(sources)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i, (s, f) in enumerate(zip(sources, found)):
+        if not s.index:
+            continue
+        files = {s.index} if isinstance(s.index, str) else {_default_location(url) for url in f.shards}
+        for name in files:
+            j = owner.setdefault(name, i)
+            a, b = root(i), root(j)
+            parent[max(a, b)] = min(a, b)
+    groups: dict[int, list[int]] = {}
+    for i in range(len(sources)):
+        groups.setdefault(root(i), []).append(i)
+    return list(groups.values())
+
+
+def _connections(sources: Sequence[Source]) -> int:
+    """Requests a start-up sends at once: the smallest ``max_connections`` of the sources."""
+    return max(1, min(storage.IOOptions.of(s.io_options).max_connections for s in sources))
 
 
 def survey(
@@ -126,7 +181,7 @@ def survey(
     raised, naming its source, as asking one source at a time would."""
     if not sources:
         return []
-    limit = concurrency or min(storage.IOOptions.of(s.io_options).max_connections for s in sources)
+    limit = concurrency or _connections(sources)
     store = ProfileCache(cache) if cache is not None else None
     with ThreadPoolExecutor(
         max_workers=max(1, limit), thread_name_prefix="mixer-list"

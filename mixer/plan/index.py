@@ -13,7 +13,8 @@ chosen ``location`` (local or any fsspec URL), keyed by the shard's path relativ
 directory, else by its URL. Building is incremental: a shard whose size and validator match its
 entry is not read again. Loading verifies every entry against the storage (``stat`` for local
 shards; ``info()`` for remote ones, a HEAD request each, in parallel) and reports a stale or missing
-entry by name; ``stale`` chooses what then happens.
+entry by name; ``stale`` chooses what then happens. A mixture asks the storage once per job and
+shares the answers with every rank (:mod:`mixer.plan.startup`, :func:`stat_shard`).
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ A source that needs neither is not read at all. The others (:func:`profile_sourc
 * read only what they use: remote shards as ranged requests with an end byte, sized from what the
   samples read so far measure (:class:`mixer.storage.windows.WindowedStream`), stopping at ``max_samples``;
 * under ``torch.distributed`` (``Mixture(profile_share=)``), are profiled by rank 0 of the group
-  only, and the result (or the error) is broadcast to the other ranks, which read nothing.
+  only, and the result (or the error) is broadcast to the other ranks, which read nothing (a
+  mixture shares its listings and index checks the same way: :mod:`mixer.plan.startup`).
 """
 
 from __future__ import annotations

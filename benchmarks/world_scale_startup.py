@@ -432,7 +432,8 @@ def _line(row: dict[str, Any]) -> str:
         f"{row['sources']:>5} sources: before {before['seconds']:.2f} s ({before['list_s']:.2f} s listing), "
         f"{before['bytes'] / 1e6:.1f} MB, {before['requests']}; now world 1 {look['world1']['work_s']:.2f} s, "
         f"world {r}: rank 0 {look[f'world{r}']['work_s']:.2f} s, others <= {look[f'world{r}']['others_s_max']:.2f} s, "
-        f"{look['world1']['bytes'] / 1e6:.1f} MB, requests {look['world1']['requests']} / {look[f'world{r}']['requests']}; "
+        f"{look['world1']['bytes'] / 1e6:.1f} MB, "
+        f"requests {look['world1']['requests']} / {look[f'world{r}']['requests']}; "
         f"size error mean {look['world1']['size_error_mean']:.3%} max {look['world1']['size_error_max']:.3%} "
         f"(before {before['size_error_mean']:.3%} / {before['size_error_max']:.3%}); "
         f"indexed: world 1 {index['world1']['work_s']:.2f} s, world {r} rank 0 {index[f'world{r}']['work_s']:.2f} s, "
@@ -445,7 +446,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     """The figures as one Markdown table."""
     r = rows[0]["ranks"] if rows else RANKS
     head = (
-        f"| sources | before: s (listing s) | before: MB | world 1: s (CPU s) | world {r}: rank 0 s | world {r}: others s | "
+        f"| sources | before: s (listing s) | before: MB | world 1: s (CPU s) | world {r}: rank 0 s "
+        f"| world {r}: others s | "
         f"MB read | requests (LIST/HEAD/GET) at 1 / {r} ranks | size error mean / max (before) | "
         f"indexed: rank 0 / others s | indexed LIST/HEAD/GET at 1 / {r} ranks |"
     )
@@ -458,9 +460,11 @@ def table(rows: list[dict[str, Any]]) -> str:
 
         lines.append(
             f"| {row['sources']:,} | {before['seconds']:.2f} ({before['list_s']:.2f}) | {before['bytes'] / 1e6:.1f} | "
-            f"{look['world1']['work_s']:.2f} ({look['world1']['work_cpu_s']:.2f}) | {look[f'world{r}']['work_s']:.2f} | "
+            f"{look['world1']['work_s']:.2f} ({look['world1']['work_cpu_s']:.2f}) | "
+            f"{look[f'world{r}']['work_s']:.2f} | "
             f"{look[f'world{r}']['others_s_max']:.2f} | "
-            f"{look['world1']['bytes'] / 1e6:.1f} | {req(look['world1']['requests'])} / {req(look[f'world{r}']['requests'])} | "
+            f"{look['world1']['bytes'] / 1e6:.1f} | "
+            f"{req(look['world1']['requests'])} / {req(look[f'world{r}']['requests'])} | "
             f"{look['world1']['size_error_mean']:.2%} / {look['world1']['size_error_max']:.2%} "
             f"({before['size_error_mean']:.2%} / {before['size_error_max']:.2%}) | "
             f"{index[f'world{r}']['work_s']:.2f} / {index[f'world{r}']['others_s_max']:.2f} | "

@@ -328,10 +328,10 @@ def profile_sources(
     """The profile of every source, in source order (see the module docstring): ``"given"`` for a
     source that needs none (:func:`needs_profile`), else from ``cache`` (a directory, or None for
     no cache) or read, ``concurrency`` (None: :data:`MAX_CONCURRENT`, at most the sources' smallest
-    ``max_connections``) sources at once, each at most
-    ``max_samples`` lengths and together about ``max_total`` (see :data:`MAX_TOTAL_SAMPLES`), and
-    each at most ``max_bytes`` shard bytes and together about ``max_total_bytes`` (see
-    :data:`MAX_TOTAL_BYTES`; fewer shards when a source's bound is under three :data:`MIN_WINDOW` requests). ``share``: None shares the look over the
+    ``max_connections``) sources at once, each at most ``max_samples`` lengths and together about
+    ``max_total`` (see :data:`MAX_TOTAL_SAMPLES`), and each at most ``max_bytes`` shard bytes and
+    together about ``max_total_bytes`` (see :data:`MAX_TOTAL_BYTES`; fewer shards when a source's
+    bound is under three :data:`MIN_WINDOW` requests). ``share``: None shares the look over the
     process group ``group`` (None: the default group) when one with more than one rank is
     initialized; True requires one; False looks on every rank. Sharing is a collective: every rank
     of the group must build the mixture."""

@@ -12,9 +12,10 @@ Building a :class:`~mixer.Mixture` asks the storage three things before the firs
 :func:`start_up` asks them once per job. Under ``torch.distributed`` (``Mixture(profile_share=)``,
 see :func:`mixer.plan.profiling.profile_sources` for when it shares), rank 0 of the group asks
 everything and broadcasts what it found, listings, shard states and profiles (and the bucket
-edges the mixture derives from them), in one ``broadcast_object_list``; the other ranks send the storage nothing for it (they read the index
-files themselves, one GET each). So a job of 1,024 ranks sends the requests a job of one sends, and
-an error on rank 0 (a prefix that lists nothing, a shard that cannot be read) is raised on every rank.
+edges the mixture derives from them), in one ``broadcast_object_list``; the other ranks send the
+storage nothing for it (they read the index files themselves, one GET each). So a job of 1,024
+ranks sends the LISTs and HEADs a job of one sends, and an error on rank 0 (a prefix that lists
+nothing, a shard that cannot be read) is raised on every rank.
 
 The listings and the shard states are asked for concurrently: at most ``max_connections``
 requests at once (the smallest :class:`mixer.IOOptions` value of the sources, default 64), with the

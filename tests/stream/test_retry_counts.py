@@ -2,9 +2,9 @@
 
 A retry is counted when it is made, not when its shard closes: the counters a batch carries (and so
 ``loader.counters()``, ``loader.stats()`` and the report made of them) include the retries of the
-shards a reader is in the middle of, and so do the states saved then. What is compared: the retries the loader reports mid-shard with
-what the loopback server saw (`FaultyHTTPServer`: each GET that asked again after a retriable fault it
-served), never with timing.
+shards a reader is in the middle of, and so do the states saved then. What is compared: the
+retries the loader reports mid-shard with what the loopback server saw (`FaultyHTTPServer`: each
+GET that asked again after a retriable fault it served), never with timing.
 
 Set-up: one source of two shards, each far longer than what the test takes from it (so no shard
 closes), read without a shuffle buffer and with one bucket (so a batch reads about what it holds),

@@ -31,7 +31,7 @@ from mixer.plan.profiling import list_source, profile_sources
 from mixer.plan.startup import survey
 
 PREFIXES = 6  # sources listed from a remote prefix, 3 shards each
-HERE = Path(__file__).parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -82,16 +82,16 @@ def _torchrun(nproc: int, spec: dict[str, Any], out: Path) -> list[dict[str, Any
         "--nnodes=1",
         "--master_addr=127.0.0.1",
         f"--master_port={port}",
-        str(HERE / "startup_worker.py"),
+        str(REPO / "tests" / "support" / "startup_worker.py"),
         str(out / "spec.json"),
         str(out),
     ]
     env = dict(
         os.environ,
         OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     )
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=HERE.parent)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
     assert proc.returncode == 0, f"torchrun x{nproc} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 

@@ -1,6 +1,6 @@
-"""One rank of a `torchrun` job for tests/test_startup.py (gloo on CPU, 127.0.0.1 only).
+"""One rank of a `torchrun` job for tests/plan/test_startup.py (gloo on CPU, 127.0.0.1 only).
 
-    python -m torch.distributed.run --nproc_per_node=N tests/startup_worker.py SPEC.json OUT_DIR
+    python -m torch.distributed.run --nproc_per_node=N tests/support/startup_worker.py SPEC.json OUT_DIR
 
 SPEC.json: ``{"sources": [{"name", "urls", "index"}], "cache": dir or null}``. Every rank builds the
 Mixture (``TokenBudget(4096)``, the start-up shared as by default) and writes ``OUT_DIR/rank<r>.json``:

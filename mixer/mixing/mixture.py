@@ -26,8 +26,9 @@ from mixer.mixing.options import DEFAULT_BUFFER_BUDGET, STREAM_OPTIONS, MixMode,
 from mixer.mixing.schedule import Schedule, SourceInfo, Static, check_schedule
 from mixer.mixing.selector import Deficit, make_selector
 from mixer.plan.edges import bucket_edges
-from mixer.plan.profiling import Profile, list_source, profile_sources
+from mixer.plan.profiling import Profile
 from mixer.plan.shards import warn_shared_shards
+from mixer.plan.startup import start_up
 from mixer.plan.world import World, resolve_rank, worker_place
 from mixer.read.counters import Counters
 from mixer.spec.budget import Field, Packed, TokenBudget
@@ -96,11 +97,12 @@ class Mixture(IterableDataset[Batch]):
     ``Source.size`` is not given, their lengths when the bucket edges are derived; see
     :mod:`mixer.plan.profiling`), in parallel, with bounded reads. ``profile_cache``: a directory where
     those looks are kept, keyed by each source's shard listing, so that a restarted job reads no
-    shard to start (default None: no cache; see :mod:`mixer.plan.profile_cache` for what the key
-    covers). ``profile_share``: under ``torch.distributed``, rank 0 of ``dp_group`` (else of the
-    default group) looks and broadcasts the result, so the other ranks read nothing (None: when a
-    group of several ranks is initialized; every rank of it must then build the mixture; False:
-    every rank looks for itself).
+    shard to start, and the listings of remote prefixes, so that it lists none (default None: no
+    cache; see :mod:`mixer.plan.profile_cache` for what the keys cover). ``profile_share``: under
+    ``torch.distributed``, rank 0 of ``dp_group`` (else of the default group) lists, verifies the
+    shard indexes, looks and broadcasts the result, so the other ranks ask the storage nothing
+    (:mod:`mixer.plan.startup`; None: when a group of several ranks is initialized; every rank of it
+    must then build the mixture; False: every rank does it all itself).
 
     ``buffer_budget``: the most samples a reader holds in shuffle buffers and buckets together, over
     all sources (default 65,536, not reached by a few sources; None: none), apportioned by share
@@ -186,8 +188,13 @@ class Mixture(IterableDataset[Batch]):
         # Judges every sample it reads as the readers do: too long for the budget is a SampleError
         # naming shard and key, raised or skipped by the source's on_error, as mid-stream.
         cache, share = options["profile_cache"], options["profile_share"]
-        self.listed: list[ListedSource] = [list_source(s) for s in sources]  # the only listing of shards
-        self.profiles: list[Profile] = profile_sources(self.listed, batching, cache=cache, share=share, group=dp_group)
+        # The only listing of shards, the look and the bucket edges: once per job (mixer.plan.startup).
+        self.listed: list[ListedSource]
+        self.profiles: list[Profile]
+        self.edges: list[list[int]]
+        self.listed, self.profiles, self.edges = start_up(
+            sources, batching, cache=cache, share=share, group=dp_group, derive=self._bucket_edges
+        )
         self.info = SourceInfo(
             names=tuple(names),
             weights=np.array([s.weight for s in sources], dtype=np.float64),
@@ -197,16 +204,20 @@ class Mixture(IterableDataset[Batch]):
         # Check the whole schedule now (every phase of a curriculum, all-zero weights...), so that
         # it fails here and not in a worker process hours into the run.
         check_schedule(self.schedule, self.info)
-        if isinstance(batching, Packed):
-            self.edges: list[list[int]] = [[] for _ in sources]  # no buckets: the Packer places documents
-        elif batching.buckets is not None:
-            self.edges = [list(batching.buckets)] * len(sources)
-        elif self.mix == "sample":
-            shared = bucket_edges(np.concatenate([p.lengths for p in self.profiles]), **self._edge_options())
-            self.edges = [shared] * len(sources)
-        else:
-            self.edges = [bucket_edges(p.lengths, **self._edge_options()) for p in self.profiles]
         self.fingerprint = fingerprint(self, fields)  # once: checked on every load_state_dict
+
+    def _bucket_edges(self, profiles: Sequence[Profile]) -> list[list[int]]:
+        """Each source's bucket edges (a pure function of the profiles and the batching: computed by
+        the rank that looks, and shared)."""
+        batching = self.batching
+        if isinstance(batching, Packed):
+            return [[] for _ in profiles]  # no buckets: the Packer places documents
+        if batching.buckets is not None:
+            return [list(batching.buckets)] * len(profiles)
+        if self.mix == "sample":
+            shared = bucket_edges(np.concatenate([p.lengths for p in profiles]), **self._edge_options())
+            return [shared] * len(profiles)
+        return [bucket_edges(p.lengths, **self._edge_options()) for p in profiles]
 
     def _edge_options(self) -> dict[str, Any]:
         b = self.batching

@@ -13,7 +13,8 @@ chosen ``location`` (local or any fsspec URL), keyed by the shard's path relativ
 directory, else by its URL. Building is incremental: a shard whose size and validator match its
 entry is not read again. Loading verifies every entry against the storage (``stat`` for local
 shards; ``info()`` for remote ones, a HEAD request each, in parallel) and reports a stale or missing
-entry by name; ``stale`` chooses what then happens.
+entry by name; ``stale`` chooses what then happens. A mixture asks the storage once per job and
+shares the answers with every rank (:mod:`mixer.plan.startup`, :func:`stat_shard`).
 """
 
 from __future__ import annotations
@@ -97,10 +98,16 @@ def _as_source(source: Source | str | Sequence[str]) -> Source:
     raise ConfigError(f"index: expected a Source or shard patterns, got {source!r}")
 
 
-def index_for(source: Source, listed: Sequence[tuple[str, int | None]]) -> ShardIndex:
-    """The index a mixture uses for ``source`` (``Source.index``), over the listing it made."""
+def index_for(
+    source: Source,
+    listed: Sequence[tuple[str, int | None]],
+    current: Sequence[tuple[int, str | None]] | None = None,
+) -> ShardIndex:
+    """The index a mixture uses for ``source`` (``Source.index``), over the listing it made.
+    ``current``: every shard's (size, validator) as :func:`stat_shard` found them, when another
+    rank already asked the storage (start-up once per job, :mod:`mixer.plan.startup`); None asks now."""
     location = source.index if isinstance(source.index, str) else None
-    return _index(source, location, "auto", True, WORKERS, False, build=False, listed=listed)
+    return _index(source, location, "auto", True, WORKERS, False, build=False, listed=listed, current=current)
 
 
 def _index(
@@ -113,6 +120,7 @@ def _index(
     *,
     build: bool,
     listed: Sequence[tuple[str, int | None]] | None = None,
+    current: Sequence[tuple[int, str | None]] | None = None,
 ) -> ShardIndex:
     if workers < 1:
         raise ConfigError(f"index: workers must be >= 1, got {workers}")
@@ -127,7 +135,10 @@ def _index(
         by_loc.setdefault(location or _default_location(url), []).append(i)
     want = tokens_by(source)
     files = {loc: _read(loc, source, want) for loc in by_loc}
-    current = _current(source, [(u, n) for u, n in listed], files, by_loc, verify, workers)
+    if current is None:
+        current = _current(source, [(u, n) for u, n in listed], files, by_loc, verify, workers)
+    elif len(current) != len(urls):
+        raise ConfigError(f"source {source.name!r}: index: {len(current)} shard states for {len(urls)} listed shards")
     entries: list[Entry | None] = [None] * len(urls)
     todo: list[int] = []
     reasons: list[str] = []
@@ -305,13 +316,15 @@ def _current(
         url, size = listed[i]
         if i in known and local_path(url) is None:
             return (size if size is not None else known[i].size), None
-        return _stat(url, source)
+        return stat_shard(url, source)
 
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mixer-index") as pool:
         return list(pool.map(one, range(len(listed))))
 
 
-def _stat(url: str, source: Source) -> tuple[int, str]:
+def stat_shard(url: str, source: Source) -> tuple[int, str]:
+    """A shard's size and validator now, what loading an index checks its entry against: one
+    ``stat`` for a local shard, one ``info()`` (a HEAD request) for a remote one."""
     path = local_path(url)
     try:
         if path is not None:
@@ -357,7 +370,7 @@ def _index_shard(source: Source, url: str, current: tuple[int, str | None]) -> E
     """Read one shard and measure every sample (decoded as the readers decode it)."""
     size, validator = current
     if validator is None:
-        size, validator = _stat(url, source)
+        size, validator = stat_shard(url, source)
     offsets: list[int] = []
     lengths: list[int] = []
     scratch = Counters()

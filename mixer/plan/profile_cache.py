@@ -6,11 +6,17 @@ where the listing gave one), for local shards the size and modification time of 
 profile reads, the source's ``decode``/``length`` (a function by module, name and a digest of its
 code; a field name as itself), its ``on_error``, the batching's length policy (kind, ``max_tokens``,
 ``max_length``, ``overlong``, longest sample) and the profiling parameters (``max_samples``,
-``max_shards``). Not covered, by nature: a remote shard rewritten in place under the same URL when
+``max_shards``, ``max_bytes``). Not covered, by nature: a remote shard rewritten in place under the same URL when
 the listing gave no sizes (brace patterns over HTTP/S3 list no sizes), and what a ``decode`` reads
 besides its code (a tokenizer file, a global): clear the directory after changing those. A
 ``decode`` that is not a plain function (a ``functools.partial``, a callable object, a closure over
 anything but numbers and strings) has no key: such a source is profiled every time.
+
+The same directory keeps the shard listings of sources that list a remote prefix or glob
+(:func:`listing_key`: the patterns and the storage options but credentials), so that a restarted job
+sends no LIST either. A listing is a snapshot: shards added under the prefix later are not seen
+until its entry (``listing-<digest>.json``) is removed; building the mixture logs each listing taken
+from the cache, with the file to remove.
 
 Writes are atomic (a temporary file in the same directory, then ``os.replace``), so concurrent
 jobs sharing the directory never read half a file; an unreadable or foreign entry is a miss.
@@ -23,6 +29,7 @@ import json
 import logging
 import marshal
 import os
+import re
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from mixer.spec.budget import Packed, TokenBudget
-from mixer.spec.source import ListedSource
+from mixer.spec.source import ListedSource, Source
 from mixer.storage.registry import local_path
 
 log = logging.getLogger(__name__)
@@ -63,7 +70,13 @@ def function_key(fn: Any) -> str | None:
 
 
 def cache_key(
-    listed: ListedSource, budget: TokenBudget | Packed, picks: Sequence[int], *, max_samples: int, max_shards: int
+    listed: ListedSource,
+    budget: TokenBudget | Packed,
+    picks: Sequence[int],
+    *,
+    max_samples: int,
+    max_shards: int,
+    max_bytes: int | None = None,
 ) -> str | None:
     """The digest naming ``listed``'s profile (see the module docstring), or None when the source's
     ``decode`` or ``length`` has no stable name."""
@@ -91,10 +104,31 @@ def cache_key(
         "local": local,
         "shards": len(listed.shards),
     }
+    if max_bytes is not None:  # (None: the default bound, absent from the key)
+        head["max_bytes"] = max_bytes
     h = hashlib.sha256(json.dumps(head, sort_keys=True).encode())
     for url, nbytes in zip(listed.shards, listed.shard_bytes):
         h.update(f"\n{url}\t{nbytes}".encode())
     return h.hexdigest()
+
+
+_CREDENTIAL = re.compile(r"(?i)(key|secret|token|passw|credential|signature|auth|cookie)")
+
+
+def listing_key(source: Source) -> str:
+    """The name of ``source``'s cached shard listing: a digest of its URL patterns and its storage
+    options (endpoint, region...; values under credential-like names are left out, so rotating a
+    key does not miss and no secret is hashed into a file name)."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {str(k): plain(v) for k, v in sorted(value.items()) if not _CREDENTIAL.search(str(k))}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value if isinstance(value, (int, float, str, bool, type(None))) else repr(type(value))
+
+    head = {"version": VERSION, "urls": list(source.urls), "storage": plain(dict(source.storage_options or {}))}
+    return "listing-" + hashlib.sha256(json.dumps(head, sort_keys=True).encode()).hexdigest()
 
 
 class ProfileCache:

@@ -11,10 +11,14 @@ A source that needs neither is not read at all. The others (:func:`profile_sourc
   would, and the warnings are emitted in source order from the calling thread;
 * read at most :data:`MAX_TOTAL_SAMPLES` lengths over all sources (each at least :data:`MIN_SAMPLES`),
   so a mixture of hundreds of sources does not read (and decode) 2,048 samples of each;
+* read at most :data:`MAX_BYTES` of each source, and beyond 32 sources :data:`MAX_TOTAL_BYTES`
+  over all of them (each at least :data:`MIN_BYTES`), whatever the samples weigh: a source's shards
+  are read no further than that bound, local and remote alike, so 1,000 sources read about 130 MB;
 * read only what they use: remote shards as ranged requests with an end byte, sized from what the
   samples read so far measure (:class:`mixer.storage.windows.WindowedStream`), stopping at ``max_samples``;
 * under ``torch.distributed`` (``Mixture(profile_share=)``), are profiled by rank 0 of the group
-  only, and the result (or the error) is broadcast to the other ranks, which read nothing.
+  only, and the result (or the error) is broadcast to the other ranks, which read nothing (a
+  mixture shares its listings and index checks the same way: :mod:`mixer.plan.startup`).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from mixer.spec.budget import Packed, TokenBudget
 from mixer.spec.source import ListedSource, Source
 from mixer.storage.compressed import codec_of
 from mixer.storage.registry import backend_for
-from mixer.storage.windows import MIN_WINDOW, WindowedStream  # noqa: F401 (MIN_WINDOW: the least a window asks for)
+from mixer.storage.windows import MIN_WINDOW, WindowedStream
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +55,19 @@ MAX_TOTAL_SAMPLES = 65_536
 (at 100 sources, 655 each: 16 equal-mass bucket edges still rest on ~40 lengths apiece)."""
 MIN_SAMPLES = 512
 MAX_SHARDS = 3  # shards read per source: the first, the middle and the last
-MAX_CONCURRENT = 16
-"""Sources profiled at once (threads; each holds at most one open shard). Enough to hide 50-100 ms
-of time to first byte over a hundred sources, few enough not to stampede one object store."""
+MAX_BYTES = 4 << 20
+"""Shard bytes one source's look reads at most (split evenly over the shards it reads): 2,048
+samples of up to 2 kB (~400 int32 tokens); a source of longer samples reads fewer."""
+MAX_TOTAL_BYTES = 128 << 20
+"""Shard bytes read over all the sources looked at together: beyond 32 sources each reads at most
+``max(MIN_BYTES, MAX_TOTAL_BYTES / sources)`` (131 kB each at 1,000)."""
+MIN_BYTES = 128 << 10
+"""The least byte bound of one source's look (two :data:`MIN_WINDOW` requests: at this bound a
+source reads two shards, the first and the last, one request each)."""
+MAX_CONCURRENT = 64
+"""Sources profiled at once (threads; each holds at most one open shard), and no more than the
+smallest ``max_connections`` of the sources (:class:`mixer.IOOptions`): enough to hide 50-100 ms of
+time to first byte over a thousand sources, within the connections the sources allow."""
 FIRST_WINDOW = 1 << 20  # the most the first request for a source asks for, before any sample is measured
 FIRST_BYTES_PER_SAMPLE = 2048  # ... sized for the samples wanted at this many bytes each (token samples are ~1-2 kB)
 SLACK = 1.15  # requests ask for this much more than the samples measured so far predict
@@ -91,19 +105,40 @@ def _picks(n: int, max_shards: int) -> list[int]:
     return sorted({round(i * (n - 1) / max(max_shards - 1, 1)) for i in range(min(max_shards, n))})
 
 
-def _open(url: str, source: Source, want: int, size: int | None) -> BinaryIO:
+def _open(url: str, source: Source, want: int, size: int | None, limit: int | None) -> BinaryIO:
+    """The shard from its first byte; ``limit``: it ends before that byte (None: at its end)."""
     kwargs = {
         "storage_options": dict(source.storage_options or {}),
         "allow_pipe": source.allow_pipe,
         **storage.IOOptions.of(source.io_options).open_kwargs(),
     }
     if not backend_for(url).remote or codec_of(url) is not None:
-        return storage.open_shard(url, **kwargs)  # local: no over-read to bound; compressed: from the start
+        # Local: the same bytes a remote look gets, so both give the same profile; compressed: from the start.
+        return storage.open_shard(url, end_offset=limit, **kwargs)
 
     def open_range(start: int, end: int) -> BinaryIO:
         return storage.open_shard(url, start_offset=start, end_offset=end, **kwargs)
 
-    return cast(BinaryIO, WindowedStream(open_range, want=want, size=size))
+    return cast(BinaryIO, WindowedStream(open_range, want=want, size=size, end=limit))
+
+
+def _bound(url: str, size: int | None, limit: int | None) -> int | None:
+    """The byte a look at one shard stops before: None when the bound does not cut the shard (or
+    cannot: compressed shards and pipes are read from their start, without an end byte)."""
+    if (
+        limit is None
+        or (size is not None and size <= limit)
+        or codec_of(url) is not None
+        or not backend_for(url).ranged
+    ):
+        return None
+    return limit
+
+
+def _cut_by_bound(exc: ShardError, limit: int | None) -> bool:
+    """Whether ``exc`` is the tar reader running out of bytes at the look's own bound (the samples
+    before it were whole), not damage: the shard goes on past the bound."""
+    return limit is not None and bool(getattr(exc, "truncated", False)) and int(getattr(exc, "stop", -1)) >= limit
 
 
 def _given(p: Profile, source: Source) -> Profile:
@@ -126,10 +161,13 @@ def _look(
     *,
     max_samples: int = MAX_SAMPLES,
     max_shards: int = MAX_SHARDS,
+    max_bytes: int | None = None,
     warn: Callable[[str], None] = _warn.warn,
 ) -> Profile:
     """Read up to ``max_samples`` samples from up to ``max_shards`` shards spread over the sorted
-    list (the same number from each); the size is always the estimate. Runs once per job; the
+    list (the same number from each), and of each shard at most ``max_bytes / shards`` bytes from
+    its start (None: no bound; a shard whose first sample is longer is read up to four times as far,
+    and again, until it gives one); the size is always the estimate. Runs once per job; the
     result travels to every reader with the mixture. Remote shards are read with ranged requests that end about where the last sample
     wanted ends (the first request of a source asks for :data:`FIRST_BYTES_PER_SAMPLE` per sample wanted, at most
     :data:`FIRST_WINDOW` bytes; later ones for
@@ -144,6 +182,7 @@ def _look(
     n = len(shards)
     picks = _picks(n, max_shards)
     per_shard = max(1, max_samples // len(picks))
+    shard_limit = None if max_bytes is None else max(1, max_bytes // len(picks))
     lengths: list[int] = []
     scratch = Counters()  # the policy's counts while profiling (skipped_samples is reported)
     warned: set[int] = set()
@@ -159,6 +198,7 @@ def _look(
     told: list[int] = []  # shard sizes the servers gave while we read (remote shards listed without sizes)
     for shard in picks:
         url = shards[shard]
+        limit = _bound(url, listed.shard_bytes[shard], shard_limit)
         start = None
         end = 0
         count = 0
@@ -168,35 +208,47 @@ def _look(
         want = (
             math.ceil((per_shard + 1) * bps * SLACK) if bps else min(FIRST_WINDOW, per_shard * FIRST_BYTES_PER_SAMPLE)
         )
-        try:
-            with _open(url, source, want, listed.shard_bytes[shard]) as stream:
-                for raw in read_samples(stream, url=storage.redact(url)):
-                    if start is None:
-                        start = raw["__offset__"]
-                    end = raw["__end__"]
-                    count += 1
-                    if isinstance(stream, WindowedStream):  # what the samples still wanted will take
-                        stream.want = math.ceil((per_shard - count + 1) * (end - start) / count * SLACK)
-                    try:
-                        decoded = _decoded(source, raw, scratch)
-                        if decoded is not None:  # else the decode filtered the sample out
-                            _fit(source, budget, scratch, raw, *decoded)
-                            got.append(decoded[1])
-                    except SampleError as exc:
-                        _skip_or_raise(source, scratch, raw, shard, exc, warn_once)
-                    if count >= per_shard:
-                        break
-                size_told = getattr(stream, "size", None)
-                if size_told is not None:
-                    told.append(int(size_told))
-        except ShardError as exc:
-            # The readers meet this shard again and apply (and count) the policy there; the samples
-            # read whole before the damage still tell lengths.
-            if source.on_error == "raise":
-                raise ShardError(f"source {source.name!r}: {exc}") from exc
-            warn(f"source {source.name!r}: profiling skips shard {storage.redact(url)}: {exc}")
-        finally:
+        while True:
+            whole = cut = False  # read to max_samples, the shard's end or the bound, without damage; at the bound
+            try:
+                with _open(url, source, want, listed.shard_bytes[shard], limit) as stream:
+                    for raw in read_samples(stream, url=storage.redact(url)):
+                        if start is None:
+                            start = raw["__offset__"]
+                        end = raw["__end__"]
+                        count += 1
+                        if isinstance(stream, WindowedStream):  # what the samples still wanted will take
+                            stream.want = math.ceil((per_shard - count + 1) * (end - start) / count * SLACK)
+                        try:
+                            decoded = _decoded(source, raw, scratch)
+                            if decoded is not None:  # else the decode filtered the sample out
+                                _fit(source, budget, scratch, raw, *decoded)
+                                got.append(decoded[1])
+                        except SampleError as exc:
+                            _skip_or_raise(source, scratch, raw, shard, exc, warn_once)
+                        if count >= per_shard:
+                            break
+                whole = True
+            except ShardError as exc:
+                if _cut_by_bound(exc, limit):  # the bound, not damage: the samples before it are whole
+                    whole = cut = True
+                # The readers meet this shard again and apply (and count) the policy there; the samples
+                # read whole before the damage still tell lengths.
+                elif source.on_error == "raise":
+                    raise ShardError(f"source {source.name!r}: {exc}") from exc
+                else:
+                    warn(f"source {source.name!r}: profiling skips shard {storage.redact(url)}: {exc}")
             retries += int(getattr(stream, "retries", 0) or 0)
+            if cut and count == 0:  # a first sample longer than the bound: look four times as far
+                assert limit is not None
+                size = listed.shard_bytes[shard]
+                limit = _bound(url, size if size is not None else getattr(stream, "size", None), 4 * limit)
+                want, stream = limit or want, None
+                continue
+            size_told = getattr(stream, "size", None) if whole else None
+            if size_told is not None:
+                told.append(int(size_told))
+            break
         lengths += got
         scale = getattr(stream, "ratio", 1.0)  # compressed shards: offsets are uncompressed, listed sizes not
         nbytes += round((end - (start or 0)) * scale)
@@ -231,15 +283,27 @@ def _look(
 
 def list_source(source: Source) -> ListedSource:
     """List a source's shards, sorted: the I/O of building a mixture, done once in the main process
-    (with its shard index loaded and verified, when ``Source.index`` asks for one)."""
+    (with its shard index loaded and verified, when ``Source.index`` asks for one). A mixture lists
+    all its sources at once, once per job (:mod:`mixer.plan.startup`)."""
     try:
         listed = storage.expand_urls(list(source.urls), storage_options=dict(source.storage_options or {}))
     except MixerError as exc:
         raise type(exc)(f"source {source.name!r}: {exc}") from exc
+    return listed_from(source, listed)
+
+
+def listed_from(
+    source: Source,
+    listed: Sequence[tuple[str, int | None]],
+    states: Sequence[tuple[int, str | None]] | None = None,
+) -> ListedSource:
+    """``source`` with the shards its listing gave (``[(url, size or None)]``, sorted), and its shard
+    index loaded and verified when ``Source.index`` asks for one: against ``states`` (each shard's
+    size and validator, :func:`mixer.plan.index.stat_shard`) when given, else asking the storage."""
     if source.index:  # [index] exact sizes, and the sample ranges the readers split by
         from mixer.plan.index import index_for
 
-        idx = index_for(source, listed)
+        idx = index_for(source, listed, states)
         return ListedSource(source, storage.ShardList(idx.shards), idx.sizes, idx)
     return ListedSource(source, storage.ShardList(url for url, _ in listed), tuple(nbytes for _, nbytes in listed))
 
@@ -262,11 +326,16 @@ def profile_sources(
     max_shards: int = MAX_SHARDS,
     concurrency: int | None = None,
     max_total: int = MAX_TOTAL_SAMPLES,
+    max_bytes: int = MAX_BYTES,
+    max_total_bytes: int = MAX_TOTAL_BYTES,
 ) -> list[Profile]:
     """The profile of every source, in source order (see the module docstring): ``"given"`` for a
     source that needs none (:func:`needs_profile`), else from ``cache`` (a directory, or None for
-    no cache) or read, ``concurrency`` (None: :data:`MAX_CONCURRENT`) sources at once, each at most
-    ``max_samples`` lengths and together about ``max_total`` (see :data:`MAX_TOTAL_SAMPLES`). ``share``: None shares the look over the
+    no cache) or read, ``concurrency`` (None: :data:`MAX_CONCURRENT`, at most the sources' smallest
+    ``max_connections``) sources at once, each at most ``max_samples`` lengths and together about
+    ``max_total`` (see :data:`MAX_TOTAL_SAMPLES`), and each at most ``max_bytes`` shard bytes and
+    together about ``max_total_bytes`` (see :data:`MAX_TOTAL_BYTES`; fewer shards when a source's
+    bound is under three :data:`MIN_WINDOW` requests). ``share``: None shares the look over the
     process group ``group`` (None: the default group) when one with more than one rank is
     initialized; True requires one; False looks on every rank. Sharing is a collective: every rank
     of the group must build the mixture."""
@@ -281,11 +350,14 @@ def profile_sources(
         return out
     shared = _share_group(share, group)
     max_samples = min(max_samples, max(MIN_SAMPLES, max_total // len(todo)))
+    max_bytes = min(max_bytes, max(MIN_BYTES, max_total_bytes // len(todo)))
+    max_shards = max(1, min(max_shards, max_bytes // MIN_WINDOW))
+    if concurrency is None:
+        connections = min(storage.IOOptions.of(listed[i].source.io_options).max_connections for i in todo)
+        concurrency = min(MAX_CONCURRENT, connections)
 
     def look() -> list[Profile]:
-        return _look_all(
-            [listed[i] for i in todo], budget, cache, max_samples, max_shards, concurrency or MAX_CONCURRENT
-        )
+        return _look_all([listed[i] for i in todo], budget, cache, max_samples, max_shards, max_bytes, concurrency)
 
     looked = (
         look()
@@ -303,6 +375,7 @@ def _look_all(
     cache: str | os.PathLike[str] | None,
     max_samples: int,
     max_shards: int,
+    max_bytes: int,
     concurrency: int,
 ) -> list[Profile]:
     store = ProfileCache(cache) if cache is not None else None
@@ -311,7 +384,14 @@ def _look_all(
     if store is not None:
         for j, ls in enumerate(todo):
             keys[j] = key = cache_key(
-                ls, budget, _picks(len(ls.shards), max_shards), max_samples=max_samples, max_shards=max_shards
+                ls,
+                budget,
+                _picks(len(ls.shards), max_shards),
+                max_samples=max_samples,
+                max_shards=max_shards,
+                # Keys of looks under the default bound stay those written before there was one (the
+                # bound binds there only on sources of samples over 2 kB).
+                max_bytes=max_bytes if max_bytes < MAX_BYTES else None,
             )
             entry = store.load(key) if key is not None else None
             if entry is not None:
@@ -332,7 +412,13 @@ def _look_all(
     try:
         futures = {
             j: pool.submit(
-                _look, todo[j], budget, max_samples=max_samples, max_shards=max_shards, warn=warned[j].append
+                _look,
+                todo[j],
+                budget,
+                max_samples=max_samples,
+                max_shards=max_shards,
+                max_bytes=max_bytes,
+                warn=warned[j].append,
             )
             for j in misses
         }
@@ -371,7 +457,7 @@ def _share_group(share: bool | None, group: Any) -> tuple[Any] | None:
     return (group,) if dist.get_world_size(group) > 1 else None
 
 
-def _broadcast(look: Callable[[], list[Profile]], what: list[tuple[str, int]], group: Any) -> list[Profile]:
+def _broadcast(look: Callable[[], Sequence[Any]], what: list[tuple[str, int]], group: Any) -> list[Any]:
     """``look()`` on rank 0 of ``group``, its result (or its error) broadcast to the other ranks,
     which check that they list the same sources alike. Over CPU objects: a group whose backend has
     no CPU collectives (NCCL) gets a gloo group over the same ranks, as :mod:`mixer.runtime.distributed` does."""

@@ -116,6 +116,10 @@ class Backend:
         """The shards of one pattern (see `mixer.storage.expand_urls`); [] when it matches none."""
         raise NotImplementedError
 
+    def lists(self, pattern: str, scheme: str | None) -> bool:
+        """Whether expanding ``pattern`` sends a listing request to a server (a remote prefix or glob)."""
+        return False
+
     def open(self, request: Request) -> BinaryIO:
         """The shard's stream from ``request.start_offset``, ending before ``request.end_offset``; a
         `RemoteStream` is returned before its first request (`mixer.storage.open_shard` sends it)."""
@@ -188,6 +192,12 @@ class FsspecBackend(Backend):
             raise ConfigError(f"{scheme}://: invalid storage_options: {exc}") from None
 
     # ------------------------------------------------------------------------------- listing
+    def lists(self, pattern: str, scheme: str | None) -> bool:
+        return scheme is not None and any(
+            self.name(url).endswith("/") or (self.globs and has_magic(url[len(scheme) + 3 :]))
+            for url in braceexpand(pattern)
+        )
+
     def expand(self, pattern: str, scheme: str | None, storage_options: dict[str, Any] | None) -> Listed:
         assert scheme is not None
         check_url(pattern)

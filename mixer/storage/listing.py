@@ -11,7 +11,7 @@ from mixer.errors import ShardError
 from mixer.storage.registry import SCHEMES
 from mixer.storage.urls import redact
 
-__all__ = ["expand_urls"]
+__all__ = ["expand_urls", "lists_remotely"]
 
 
 def expand_urls(
@@ -40,3 +40,15 @@ def expand_urls(
             if found.get(url) is None:
                 found[url] = size
     return sorted(found.items())
+
+
+def lists_remotely(patterns: str | Sequence[str]) -> bool:
+    """Whether expanding ``patterns`` sends a listing request: a remote prefix ending in ``/`` or a
+    remote glob among them (what `expand_urls` lists; brace patterns and local paths list nothing remote)."""
+    if isinstance(patterns, (str, os.PathLike)):
+        patterns = [os.fspath(patterns)]
+    for pattern in map(os.fspath, patterns):
+        scheme = SCHEMES.scheme_of(pattern)
+        if SCHEMES.for_scheme(scheme).lists(pattern, scheme):
+            return True
+    return False

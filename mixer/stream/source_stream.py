@@ -98,6 +98,7 @@ class SourceStream:
         self._raws: list[dict[str, Any]] = []  # the run being taken, from _raw_pos on
         self._raw_pos = 0
         self._handle: Any = None
+        self._retries_counted = 0  # of the open shard's retries, those already in counters.retries
         io = storage.IOOptions.of(self.source.io_options)
         self._ahead = storage.ReadAhead(
             options=io, storage_options=dict(self.source.storage_options or {}), allow_pipe=self.source.allow_pipe
@@ -183,6 +184,7 @@ class SourceStream:
                     raws, pos = self._raws, self._raw_pos
                     if pos == len(raws):
                         raws = next(self._chunks, None)  # type: ignore[arg-type]
+                        self._count_retries()  # made while reading that chunk: counted now, not at the shard's close
                         if raws is None:
                             break
                         self._raws, self._raw_pos, pos = raws, 0, 0
@@ -338,12 +340,24 @@ class SourceStream:
             chunk = SMALL_CHUNK if small else READ_CHUNK
             reads = growing_reads(self._handle, FIRST_READ) if small else self._handle
             self._chunks = read_chunks(reads, url=storage.redact(url), start_offset=self.next_offset, chunk_size=chunk)
+            self._retries_counted = 0
+            self._count_retries()  # those of the open itself
             self._shards.opened(self)  # may suspend the least recently read other stream
         return True
 
+    def _count_retries(self) -> None:
+        """Add the open shard's retries made since the last count to ``counters.retries``: retries
+        are counted as they happen (after each chunk read), so the counters a batch carries, and the
+        statistics and reports made of them, include those of shards still being read."""
+        made = int(getattr(self._handle, "retries", 0) or 0)
+        if made != self._retries_counted:
+            self.counters.retries += made - self._retries_counted
+            self._retries_counted = made
+
     def _close(self) -> None:
         if self._handle is not None:
-            self.counters.retries += getattr(self._handle, "retries", 0)
+            self._count_retries()
+            self._retries_counted = 0
             self.counters.bytes += self.next_offset - self._opened_at
             self._handle.close()
             self._shards.closed(self)

@@ -56,6 +56,8 @@ class Request:
     version: str = ""
     """The broken version of the file it was answered from (``"truncate"``, ``"corrupt"``, ``"replace"``);
     "" for the file itself."""
+    listing: bool = False
+    """A GET of a folder, answered with its HTML listing: what an object store's LIST is to a client."""
 
     @property
     def retriable(self) -> bool:
@@ -222,6 +224,15 @@ class FaultyHTTPServer:
         """The requests (GETs unless ``method`` says otherwise; None: all) that were served an injected
         fault or a broken version, in order: what the clients really met, whatever their timing."""
         return [r for r in self.requests(path, method) if r.fault or r.version]
+
+    def counts(self) -> dict[str, int]:
+        """Requests served so far by kind: ``LIST`` (GETs of a folder), ``HEAD`` and ``GET`` (of files)."""
+        everything = self.requests(method=None)
+        return {
+            "LIST": sum(r.listing for r in everything),
+            "HEAD": sum(r.method == "HEAD" for r in everything),
+            "GET": sum(r.method == "GET" and not r.listing for r in everything),
+        }
 
     def requests(self, path: str | None = None, method: str | None = "GET") -> list[Request]:
         with self._lock:
@@ -480,7 +491,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
 
     def _listing(self, path: str, folder: Path, head: bool) -> None:
-        self._record(path, None, 200)
+        self.owner._record(Request(self.command, path, None, None, dict(self.headers.items()), 200, listing=True))
         names = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
         base = "/" + path.rstrip("/") + "/" if path else "/"
         links = "".join(f'<a href="{html.escape(base + urllib.parse.quote(n))}">{html.escape(n)}</a>\n' for n in names)

@@ -13,6 +13,7 @@ from mixer.mixing.schedule import Curriculum, Floored, Phase, Schedule, SourceIn
 from mixer.observe.stats import log_every
 from mixer.plan.index import build_index, load_index
 from mixer.read.audio import SpeechDecode
+from mixer.read.text import TextDecode
 from mixer.runtime.device import to_device
 from mixer.runtime.loader import Loader, make_loader
 from mixer.spec.budget import Field, Packed, TokenBudget
@@ -46,6 +47,7 @@ __all__ = [
     "StateError",
     "Static",
     "Temperature",
+    "TextDecode",
     "TokenBudget",
     "Weights",
     "build_index",

@@ -37,6 +37,7 @@ PUBLIC = [
     "StateError",
     "Static",
     "Temperature",
+    "TextDecode",
     "TokenBudget",
     "Weights",
     "build_index",

@@ -12,6 +12,7 @@ from mixer.mixing.mixture import Mixture
 from mixer.mixing.schedule import Curriculum, Floored, Phase, Schedule, SourceInfo, Static, Temperature, Weights
 from mixer.observe.stats import log_every
 from mixer.plan.index import build_index, load_index
+from mixer.plan.pretokenize import pretokenize
 from mixer.read.audio import SpeechDecode
 from mixer.read.text import TextDecode
 from mixer.runtime.device import to_device
@@ -57,5 +58,6 @@ __all__ = [
     "log_every",
     "make_loader",
     "parse_config",
+    "pretokenize",
     "to_device",
 ]

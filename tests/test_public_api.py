@@ -47,6 +47,7 @@ PUBLIC = [
     "log_every",
     "make_loader",
     "parse_config",
+    "pretokenize",
     "to_device",
 ]
 

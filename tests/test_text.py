@@ -234,6 +234,8 @@ def test_field_and_token_options_are_checked_at_construction(corpus):
         TextDecode(tok, max_length=0)
     with pytest.raises(mixer.ConfigError, match="tokenizers.Tokenizer, a transformers fast tokenizer"):
         TextDecode(object())
+    with pytest.raises(AttributeError, match="TextDecode is frozen"):
+        TextDecode(tok).eos = 3  # type: ignore[misc]
     src = mixer.Source("web", corpus["web"][0], decode=TextDecode(tok), length=lambda raw: 1)
     with pytest.raises(mixer.ConfigError, match="source 'web': a TextDecode source's samples are chunks"):
         mixer.Mixture([src], batching=BUDGET)
@@ -361,3 +363,48 @@ def test_an_indexed_text_source_reads_nothing_up_front_and_has_exact_sizes(corpu
     true = sum(len(expected(corpus["tok"], t, corpus["eos"])) for t in corpus["web"][1].values())
     assert mix.sizes["web"] == true and mix.profiles[0].origin == "index"
     assert mix.profiles[0].lengths.max() <= CHUNK
+
+
+def test_an_elastic_resume_delivers_every_chunk_once(corpus):
+    """Saved on 1 rank x 2 workers mid-pass (chunks of some documents delivered, others in pools and
+    buckets), continued on 2 ranks x 1 worker: every token of every document once over the pass."""
+
+    def loader(rank, world_size, num_workers):
+        mix = mixer.Mixture(
+            sources(corpus),
+            batching=BUDGET,
+            stop="all_exhausted",
+            seed=11,
+            shuffle_buffer=12,
+            state_every=3,
+            rank=rank,
+            world_size=world_size,
+        )
+        return mixer.make_loader(mix, num_workers=num_workers)
+
+    old = loader(0, 1, 2)
+    first = take(old, 9)
+    states = json.loads(json.dumps([old.state_dict()]))
+    rest = []
+    for rank in range(2):
+        new = loader(rank, 2, 1)
+        new.load_state_dict(states)
+        rest += list(new)
+    got = delivered(first + rest)
+    assert straddling([(b.keys,) for b in first + rest], len(first)), "the cut should fall inside documents"
+    docs = reassemble(got)
+    texts = {**corpus["web"][1], **corpus["news"][1]}
+    assert sorted(docs) == sorted(texts)
+    assert all(np.array_equal(docs[k], expected(corpus["tok"], t, corpus["eos"])) for k, t in texts.items())
+
+
+def test_documents_of_no_tokens_are_dropped_and_counted_not_an_end(corpus, tmp_path):
+    # Without eos an empty document has no tokens: a run of them leaves the pool empty, and the
+    # stream goes on to the documents after them.
+    docs = [""] * 40 + ["last words"] * 3
+    pattern, _ = write_text_shards(tmp_path, "empty", [docs])
+    src = mixer.Source("empty", pattern, decode=TextDecode(corpus["tok"]))
+    mix = mixer.Mixture([src], batching=BUDGET, stop="all_exhausted", shuffle_buffer=0)
+    batches = list(mixer.make_loader(mix))
+    assert sorted(k for b in batches for k in b.keys) == ["empty-0000-00040", "empty-0000-00041", "empty-0000-00042"]
+    assert batches[-1].meta.counters[0][Counters.FIELDS.index("dropped")] == 40

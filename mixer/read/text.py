@@ -127,6 +127,19 @@ class TextDecode:
     digest of its JSON, so the mixture's fingerprint changes with the tokenizer.
     """
 
+    digest: str  # of the tokenizer's JSON (sha256, 16 hex digits)
+    field: str
+    eos: int | None  # as token ids
+    bos: int | None
+    max_length: int | None
+    add_special_tokens: bool
+    _tokenizer: Any
+    _json: str | None
+    _pid: int
+    _member: str
+    _keys: tuple[str, ...] | None
+    _extra: int
+
     def __init__(
         self,
         tokenizer: Any,
@@ -138,18 +151,26 @@ class TextDecode:
         add_special_tokens: bool = False,
     ) -> None:
         backend = _backend(tokenizer)
-        text = backend.to_str()
-        self._tokenizer: Any = backend
-        self._json: str | None = None  # only while pickled
-        self._pid = os.getpid()
-        self.digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-        self.field = field
-        self._member, self._keys = _parse_field(field)
-        self.eos = _token_id(backend, eos, "eos")
-        self.bos = _token_id(backend, bos, "bos")
-        self.max_length = _check.optional(max_length, _check.count, "TextDecode.max_length")
-        self.add_special_tokens = _check.boolean(add_special_tokens, "TextDecode.add_special_tokens")
-        self._extra = (self.bos is not None) + (self.eos is not None)
+        member, keys = _parse_field(field)
+        eos_id, bos_id = _token_id(backend, eos, "eos"), _token_id(backend, bos, "bos")
+        fields = {
+            "_tokenizer": backend,
+            "_json": None,  # the tokenizer's JSON, only while pickled
+            "_pid": os.getpid(),
+            "_member": member,
+            "_keys": keys,
+            "_extra": (bos_id is not None) + (eos_id is not None),
+            "digest": hashlib.sha256(backend.to_str().encode()).hexdigest()[:16],
+            "field": field,
+            "eos": eos_id,
+            "bos": bos_id,
+            "max_length": _check.optional(max_length, _check.count, "TextDecode.max_length"),
+            "add_special_tokens": _check.boolean(add_special_tokens, "TextDecode.add_special_tokens"),
+        }
+        self.__dict__.update(fields)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"TextDecode is frozen: cannot set {name!r} (make another TextDecode)")
 
     # ---- configuration ----------------------------------------------------------------------
 
@@ -191,8 +212,7 @@ class TextDecode:
         if self._pid != os.getpid():
             _quiet_threads()
         if self._tokenizer is None:
-            self._tokenizer = tokenizers_module().Tokenizer.from_str(self._json)
-            self._json = None
+            self.__dict__.update(_tokenizer=tokenizers_module().Tokenizer.from_str(self._json), _json=None)
         return self._tokenizer
 
     def chunk_length(self, longest: int) -> int:

@@ -3,11 +3,12 @@
 
 Tokenizing is most of what reading text costs, so a text stream tokenizes only what leaves its
 shuffle buffer: the buffer holds documents as text (their locations are plain byte offsets), and
-when the stream needs a sample it takes the next :data:`RUN` documents from the buffer (the same
-draws as any shuffle buffer), tokenizes them in one ``encode_batch`` call, cuts each into chunks of
-at most the chunk length (:meth:`~mixer.TextDecode.chunk_length`) and hands the chunks out at random
-from that small pool (in order when there is no shuffle buffer). Each DataLoader worker then
-tokenizes about what it delivers, not a full shuffle buffer per source besides.
+when the stream needs a sample it takes the next :data:`RUN` documents (fewer when they are long:
+:data:`RUN_CHARS`) from the buffer (the same draws as any shuffle buffer), tokenizes them in one
+``encode_batch`` call, cuts each into chunks of at most the chunk length
+(:meth:`~mixer.TextDecode.chunk_length`) and hands the chunks out at random from that small pool
+(in order when there is no shuffle buffer). Each DataLoader worker then tokenizes about what it
+delivers, not a full shuffle buffer per source besides (its length buckets it fills as any reader).
 
 State: the same fields as every stream; ``buffer`` lists the documents of the shuffle buffer (byte
 offsets) and then the chunks of the pool (chunk locations, :func:`mixer.read.text.chunk_offset`),
@@ -29,7 +30,10 @@ from mixer.state.checkpoint import locate_sample
 from mixer.stream.source_stream import SourceStream
 
 RUN = 32
-"""Documents a text stream takes from its shuffle buffer and tokenizes together."""
+"""The most documents a text stream takes from its shuffle buffer and tokenizes together..."""
+RUN_CHARS = 1 << 16
+"""... and the characters after which it takes no more (long documents: a run of a few, not a
+few hundred thousand tokens tokenized ahead of their turn)."""
 
 
 def make_stream(source: ListedSource, world: World, **options: Any) -> SourceStream:
@@ -63,19 +67,22 @@ class TextStream(SourceStream):
 
     def __next__(self) -> Sample:
         pool = self.pool
-        if not pool:
-            self._tokenize_run()
-            if not pool:
+        while not pool:  # (a run of documents of no tokens leaves it empty)
+            if not self._tokenize_run():
                 raise StopIteration
         return pool.pop() if self._in_order else self.rng.take(pool)
 
-    def _tokenize_run(self) -> None:
+    def _tokenize_run(self) -> bool:
+        """Fill the pool from the next run of documents; False when there are none."""
         docs: list[Sample] = []
-        for _ in range(RUN):
+        chars = 0
+        while len(docs) < RUN and chars < RUN_CHARS:
             try:
-                docs.append(SourceStream.__next__(self))
+                doc = SourceStream.__next__(self)
             except StopIteration:
                 break
+            docs.append(doc)
+            chars += doc.length
         pieces = document_chunks(self.text, docs, self.chunk)
         for doc, chunks in zip(docs, pieces):
             if not chunks:
@@ -85,6 +92,7 @@ class TextStream(SourceStream):
             self.pool.extend(chunks)
         if self._in_order:
             self.pool.reverse()
+        return bool(docs)
 
     # ---- state ------------------------------------------------------------------------------
 

@@ -28,4 +28,5 @@ BENCHMARKS = (
     "adaptive",
     "snapshot_cost",
     "world_scale",
+    "text",
 )

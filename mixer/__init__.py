@@ -12,7 +12,9 @@ from mixer.mixing.mixture import Mixture
 from mixer.mixing.schedule import Curriculum, Floored, Phase, Schedule, SourceInfo, Static, Temperature, Weights
 from mixer.observe.stats import log_every
 from mixer.plan.index import build_index, load_index
+from mixer.plan.pretokenize import pretokenize
 from mixer.read.audio import SpeechDecode
+from mixer.read.text import TextDecode
 from mixer.runtime.device import to_device
 from mixer.runtime.loader import Loader, make_loader
 from mixer.spec.budget import Field, Packed, TokenBudget
@@ -46,6 +48,7 @@ __all__ = [
     "StateError",
     "Static",
     "Temperature",
+    "TextDecode",
     "TokenBudget",
     "Weights",
     "build_index",
@@ -55,5 +58,6 @@ __all__ = [
     "log_every",
     "make_loader",
     "parse_config",
+    "pretokenize",
     "to_device",
 ]

@@ -6,6 +6,8 @@
 - ``mixer index SOURCES...``: build or refresh the shard index of shard patterns or of a config's
   sources (only new or changed shards are read), so that mixtures read nothing up front and split
   shards between readers by sample ranges (``Source(index=True)``);
+- ``mixer pretokenize SOURCES... -o DIR --tokenizer FILE``: tokenize raw text shards once into
+  ``tokens.npy`` shards and their index, in parallel, resumable.
 - ``mixer info`` (and ``mixer --version``): the version, which compiled cores are active, the extras found.
 
 ``run`` and ``demo`` show a progress bar (batches, tokens/s) and end with a per-source table;
@@ -378,6 +380,36 @@ def _index(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------------- pretokenize
+
+
+def _token(text: str | None) -> int | str | None:
+    """A token given on the command line: an id (digits) or the token itself."""
+    return int(text) if text is not None and text.isdigit() else text
+
+
+def _pretokenize(args: argparse.Namespace) -> int:
+    from mixer.plan.pretokenize import pretokenize
+    from mixer.read.text import TextDecode
+
+    decode = TextDecode(args.tokenizer, field=args.field, eos=_token(args.eos), bos=_token(args.bos))
+    done = pretokenize(
+        list(args.sources),
+        args.output,
+        decode=decode,
+        max_length=args.max_length,
+        dtype=args.dtype,
+        workers=args.workers,
+        progress=not args.quiet,
+    )
+    skipped = f", {done.skipped:,} bad sample(s) skipped" if done.skipped else ""
+    print(
+        f"{len(done.shards):,} shards ({len(done.written):,} written now, {len(done.shards) - len(done.written):,} complete "
+        f"before), {done.samples:,} samples, {done.tokens:,} tokens{skipped} -> {args.output} (index {done.index})"
+    )
+    return 0
+
+
 # ---------------------------------------------------------------------------------------- parser
 
 
@@ -507,6 +539,38 @@ def build_parser() -> argparse.ArgumentParser:
     index.add_argument("--workers", type=_positive, default=8, metavar="N", help="shards read at once (default 8)")
     index.add_argument("--quiet", action="store_true", help="no progress bar")
     index.set_defaults(func=_index)
+
+    pre = sub.add_parser(
+        "pretokenize",
+        help="tokenize raw text shards once into tokens.npy shards and their index (resumable, in parallel)",
+        description="Tokenize text shards (a txt member, or a key of a json member) with a Hugging Face tokenizer into "
+        "tokens.npy shards of the same names in OUTPUT, and index them (OUTPUT/mixer-index.json.gz): train on them with "
+        "Source(name, 'OUTPUT/', index=True). Run again after an interruption, it converts only the shards not yet complete.",
+    )
+    pre.add_argument(
+        "sources", nargs="+", metavar="SOURCE", help="shard patterns (brace pattern, folder, glob or remote prefix)"
+    )
+    pre.add_argument("--output", "-o", required=True, metavar="DIR", help="the local directory the token shards go to")
+    pre.add_argument("--tokenizer", required=True, metavar="FILE", help="a tokenizer.json (Hugging Face tokenizers)")
+    pre.add_argument(
+        "--field",
+        default="txt",
+        metavar="FIELD",
+        help="where the text is: a member ('txt'), or 'json:KEY' (default txt)",
+    )
+    pre.add_argument("--eos", default=None, metavar="TOKEN", help="a token (or id) added at the end of every document")
+    pre.add_argument(
+        "--bos", default=None, metavar="TOKEN", help="a token (or id) added at the start of every document"
+    )
+    pre.add_argument(
+        "--max-length", type=_positive, default=None, metavar="N", help="cut documents into chunks of at most N tokens"
+    )
+    pre.add_argument(
+        "--dtype", choices=["int32", "uint16"], default="int32", help="of the token arrays (default int32)"
+    )
+    pre.add_argument("--workers", type=_positive, default=None, metavar="N", help="processes (default: one per CPU)")
+    pre.add_argument("--quiet", action="store_true", help="no progress bar")
+    pre.set_defaults(func=_pretokenize)
     add_info_command(parser, sub)
     return parser
 

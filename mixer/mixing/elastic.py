@@ -76,6 +76,7 @@ from mixer.mixing.leftover import (
     slice_bytes,
     stood,
     taken_units,
+    unique_sorted,
     unread,
 )
 from mixer.mixing.selector import Selector, make_selector
@@ -339,9 +340,7 @@ class Taken:
         parts = [o.buffered[i] for o in self.olds]
         for o in self.olds:
             o.buffered[i] = None  # handed on: the memory follows the samples still to re-split
-        keys = np.sort(np.concatenate([p for p in parts if p is not None]))
-        if len(keys) > 1 and not (keys[1:] != keys[:-1]).all():
-            keys = keys[np.concatenate([[True], keys[1:] != keys[:-1]])]  # each once
+        keys = unique_sorted(np.concatenate([p for p in parts if p is not None]))
         return [run.copy() for run in np.array_split(keys, self.split.per_rank)]
 
     def _snapshot(self, j: int, streams: list[dict[str, Any]], step: int) -> dict[str, Any]:

@@ -13,7 +13,7 @@ ranks (``W / W'`` rounded up, plus one on each side), whatever the size of eithe
 **The table.** What a new rank needs of an old reader is a few integers per source (where its
 stream stood) and the locations of its buffered samples (:class:`Stood`), read from its snapshot's
 columns a whole column at a time (:func:`mixer.state.columns.unpack_rows`): no Python object per
-buffered sample. A location is kept as one int64 key (:func:`location_keys`: the shard, then the tar
+buffered sample. A location is kept as two int64s (:func:`location_keys`: the shard, then the tar
 block), so memory follows the samples the rank takes, at 8 bytes each.
 """
 
@@ -27,6 +27,7 @@ import numpy as np
 
 from mixer.errors import StateError
 from mixer.plan.shards import ShardSlice, plan_some, slice_of
+from mixer.read.text import CHUNK_SHIFT
 from mixer.state.checkpoint import SNAPSHOT_KEYS, expect_keys
 from mixer.state.columns import unpack, unpack_rows
 from mixer.stream.source_stream import SourceStream
@@ -167,27 +168,38 @@ def _sorted_by_source(source: np.ndarray, rows: np.ndarray, sources: int) -> lis
     """Per source, the :func:`location_keys` of its rows (``source[j]`` is row ``j``'s), sorted, each
     once: one sort for all sources (a reader holds a few hundred samples of each of hundreds)."""
     keys = location_keys(rows)
-    order = np.lexsort((keys, source))
+    order = np.lexsort((keys[:, 1], keys[:, 0], source))
     keys, source = keys[order], source[order]
     if len(keys) > 1:
-        keep = np.concatenate([[True], (keys[1:] != keys[:-1]) | (source[1:] != source[:-1])])
+        keep = np.concatenate([[True], (keys[1:] != keys[:-1]).any(axis=1) | (source[1:] != source[:-1])])
         keys, source = keys[keep], source[keep]
     ends = np.cumsum(np.bincount(source, minlength=sources)).tolist()
     return [keys[a:b] for a, b in zip([0, *ends[:-1]], ends)]
 
 
+def unique_sorted(keys: np.ndarray) -> np.ndarray:
+    """Rows of :func:`location_keys` sorted (by location, then chunk), each once."""
+    keys = keys[np.lexsort((keys[:, 1], keys[:, 0]))]
+    if len(keys) > 1:
+        keys = keys[np.concatenate([[True], (keys[1:] != keys[:-1]).any(axis=1)])]
+    return keys
+
+
 _BLOCK_BITS, _BLOCKS = 9, 31  # tar blocks are 512 bytes; 2**31 of them: shards up to 1 TiB
+_OFFSET = (1 << CHUNK_SHIFT) - 1  # a location's byte offset; above it, a text chunk's index + 1
 
 
 def location_keys(rows: np.ndarray) -> np.ndarray:
-    """``(shard, byte offset)`` rows as one int64 each, in the same order: the shard in the high bits,
-    the offset's tar block (samples start at 512-byte boundaries) in the low 31. A StateError for a
-    location that is not one (a negative or unaligned offset, one past 1 TiB, a shard past 2**32)."""
-    shard, offset = rows[:, 0], rows[:, 1]
+    """``(shard, byte offset)`` rows as two int64 columns each, in the same order: the shard in the
+    high bits of the first and the offset's tar block (samples start at 512-byte boundaries) in its low
+    31; in the second, the part of the offset above :data:`mixer.read.text.CHUNK_SHIFT` (a chunk of a
+    long text document: its index + 1; 0 for every other sample). A StateError for a location that is
+    not one (a negative or unaligned offset, one past 1 TiB, a shard past 2**32)."""
+    shard, offset = rows[:, 0], rows[:, 1] & _OFFSET
     if len(rows) and (
         int(shard.min()) < 0
         or int(shard.max()) >> 32
-        or int(offset.min()) < 0
+        or int(rows[:, 1].min()) < 0
         or int(offset.max()) >> (_BLOCK_BITS + _BLOCKS)
         or np.any(offset & ((1 << _BLOCK_BITS) - 1))
     ):
@@ -195,14 +207,17 @@ def location_keys(rows: np.ndarray) -> np.ndarray:
             "elastic resume: a buffered sample's location is not a (shard, byte offset) of a tar member "
             f"(shards {int(shard.min())}..{int(shard.max())}, offsets {int(offset.min())}..{int(offset.max())})"
         )
-    return (shard << _BLOCKS) | (offset >> _BLOCK_BITS)
+    keys = np.empty((len(rows), 2), dtype=np.int64)
+    keys[:, 0] = (shard << _BLOCKS) | (offset >> _BLOCK_BITS)
+    keys[:, 1] = rows[:, 1] >> CHUNK_SHIFT
+    return keys
 
 
 def location_rows(keys: np.ndarray) -> np.ndarray:
     """The ``(shard, byte offset)`` rows of :func:`location_keys`."""
     rows = np.empty((len(keys), 2), dtype=np.int64)
-    rows[:, 0] = keys >> _BLOCKS
-    rows[:, 1] = (keys & ((1 << _BLOCKS) - 1)) << _BLOCK_BITS
+    rows[:, 0] = keys[:, 0] >> _BLOCKS
+    rows[:, 1] = ((keys[:, 0] & ((1 << _BLOCKS) - 1)) << _BLOCK_BITS) | (keys[:, 1] << CHUNK_SHIFT)
     return rows
 
 

@@ -31,6 +31,7 @@ from mixer.plan.shards import warn_shared_shards
 from mixer.plan.startup import start_up
 from mixer.plan.world import World, resolve_rank, worker_place
 from mixer.read.counters import Counters
+from mixer.read.text import TextDecode
 from mixer.spec.budget import Field, Packed, TokenBudget
 from mixer.spec.source import ListedSource, Source
 from mixer.state.checkpoint import (
@@ -48,7 +49,7 @@ from mixer.state.checkpoint import (
 )
 from mixer.storage import IOOptions, OpenShards
 from mixer.stream.reread import reread
-from mixer.stream.source_stream import SourceStream
+from mixer.stream.text_stream import make_stream
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +185,11 @@ class Mixture(IterableDataset[Batch]):
                 raise ConfigError(
                     f"source {s.name!r}: length={s.length!r} names a field, but the mixture's fields= {sorted(fields or ())} lack it"
                 )
+            if isinstance(s.decode, TextDecode) and (s.length is not None or fields is not None):
+                raise ConfigError(
+                    f"source {s.name!r}: a TextDecode source's samples are chunks of tokens, counted by their length: "
+                    "length= and the mixture's fields= do not apply to it"
+                )
 
         # Judges every sample it reads as the readers do: too long for the budget is a SampleError
         # naming shard and key, raised or skipped by the source's on_error, as mid-stream.
@@ -299,7 +305,7 @@ class Reader:
         # One cap on open shards for all of this reader's streams (the smallest its sources ask for).
         self.open_shards = OpenShards(min(IOOptions.of(s.io_options).max_open_shards for s in mixture.sources))
         self.streams = [
-            SourceStream(
+            make_stream(
                 s,
                 world,
                 seed=mixture.seed,

@@ -40,6 +40,7 @@ from mixer.plan.profile_cache import ProfileCache, cache_key, lengths_of
 from mixer.read.counters import Counters
 from mixer.read.sample import _decoded, _fit, _skip_or_raise
 from mixer.read.tario import read_samples
+from mixer.read.text import Measure, TextDecode, chunk_lengths
 from mixer.spec.budget import Packed, TokenBudget
 from mixer.spec.source import ListedSource, Source
 from mixer.storage.compressed import codec_of
@@ -183,6 +184,7 @@ def _look(
     picks = _picks(n, max_shards)
     per_shard = max(1, max_samples // len(picks))
     shard_limit = None if max_bytes is None else max(1, max_bytes // len(picks))
+    text = Measure(source.decode, len(picks)) if isinstance(source.decode, TextDecode) else None
     lengths: list[int] = []
     scratch = Counters()  # the policy's counts while profiling (skipped_samples is reported)
     warned: set[int] = set()
@@ -220,10 +222,13 @@ def _look(
                         if isinstance(stream, WindowedStream):  # what the samples still wanted will take
                             stream.want = math.ceil((per_shard - count + 1) * (end - start) / count * SLACK)
                         try:
-                            decoded = _decoded(source, raw, scratch)
-                            if decoded is not None:  # else the decode filtered the sample out
-                                _fit(source, budget, scratch, raw, *decoded)
-                                got.append(decoded[1])
+                            if text is not None:  # its size in characters; tokens estimated below
+                                got.append(text.add(raw, shard))
+                            else:
+                                decoded = _decoded(source, raw, scratch)
+                                if decoded is not None:  # else the decode filtered the sample out
+                                    _fit(source, budget, scratch, raw, *decoded)
+                                    got.append(decoded[1])
                         except SampleError as exc:
                             _skip_or_raise(source, scratch, raw, shard, exc, warn_once)
                         if count >= per_shard:
@@ -269,7 +274,11 @@ def _look(
             len(lengths) + skipped,
         )
     arr = np.asarray(lengths, dtype=np.int64)
+    if text is not None:  # documents' tokens, estimated; the lengths are those of their chunks
+        arr = text.tokens(arr)
     tpb = float(arr.sum()) / max(nbytes, 1)
+    if text is not None:
+        arr = chunk_lengths(arr, text.decode.chunk_length(budget.longest))
     known = [b for b in listed.shard_bytes if b is not None]
     if len(known) < n:
         pool: list[float] = [*known, *told] or [nbytes / len(picks)]
@@ -308,11 +317,15 @@ def listed_from(
     return ListedSource(source, storage.ShardList(url for url, _ in listed), tuple(nbytes for _, nbytes in listed))
 
 
-def _from_index(ls: ListedSource) -> Profile:
+def _from_index(ls: ListedSource, budget: TokenBudget | Packed) -> Profile:
     """[index] The profile an index gives without reading: exact size, lengths from the index."""
     idx = ls.index
     tokens = float(idx.tokens.sum())
-    return Profile(idx.length_sample(), tokens / max(sum(idx.sizes), 1), max(tokens, 1.0), False, origin="index")
+    lengths = idx.length_sample()
+    decode = ls.source.decode
+    if isinstance(decode, TextDecode):  # an index counts documents: the stream delivers their chunks
+        lengths = chunk_lengths(lengths, decode.chunk_length(budget.longest))
+    return Profile(lengths, tokens / max(sum(idx.sizes), 1), max(tokens, 1.0), False, origin="index")
 
 
 def profile_sources(
@@ -341,7 +354,7 @@ def profile_sources(
     of the group must build the mixture."""
     todo = [i for i, ls in enumerate(listed) if needs_profile(ls.source, budget) and ls.index is None]
     out: list[Profile] = [
-        _given(_from_index(ls), ls.source)
+        _given(_from_index(ls, budget), ls.source)
         if ls.index is not None and needs_profile(ls.source, budget)
         else Profile(np.zeros(0, dtype=np.int64), math.nan, float(ls.source.size or 0.0), False, origin="given")
         for ls in listed

@@ -17,9 +17,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from mixer import _native
+from mixer._warn import warn
 from mixer.errors import SampleError
 
-__all__ = ["Sample", "decode_npy", "decoded_fields", "default_tokens", "field_length"]
+__all__ = ["Sample", "decode_npy", "decoded_fields", "default_tokens", "field_length", "warn_bytes_as_tokens"]
 
 
 class Sample(NamedTuple):
@@ -175,6 +176,8 @@ def default_tokens(sample: dict[str, Any], *, native: bool | None = None) -> np.
     if _tokens is not None and (NATIVE if native is None else native):
         tokens = _tokens(sample)
         if tokens is not None:
+            if tokens.dtype is _U8 and not TXT_WARNED:
+                warn_bytes_as_tokens(sample)
             return tokens
     for member in _TOKEN_MEMBERS:
         data = sample.get(member)
@@ -195,10 +198,29 @@ def default_tokens(sample: dict[str, Any], *, native: bool | None = None) -> np.
     if text is not None:
         if isinstance(text, str):
             text = text.encode("utf-8")
+        warn_bytes_as_tokens(sample)
         return np.frombuffer(text, np.uint8)
     members = sorted(k for k in sample if not k.startswith("__"))
     raise SampleError(
         f"{_name(sample)}: no token member: expected 'tokens.npy', 'input_ids.npy' or 'txt' (members: {members})"
+    )
+
+
+_U8 = np.dtype(np.uint8)
+TXT_WARNED = False
+"""Whether this process has warned that the default decode reads ``txt`` members as bytes."""
+
+
+def warn_bytes_as_tokens(sample: Mapping[str, Any]) -> None:
+    """Warn, once per process, when ``sample`` is one whose tokens the default decode takes from
+    its ``txt`` member's bytes: almost never what a model should train on."""
+    global TXT_WARNED
+    if TXT_WARNED or "txt" not in sample or any(m in sample for m in _TOKEN_MEMBERS):
+        return
+    TXT_WARNED = True
+    warn(
+        f"{_name(sample)}: the default decode reads the 'txt' member as UTF-8 bytes, one token per byte; "
+        "to tokenize text pass decode=mixer.TextDecode(tokenizer) to the Source (or decode=... of your own)"
     )
 
 
@@ -215,7 +237,7 @@ NATIVE: bool = _tokens is not None
 """Whether `default_tokens` uses the compiled core by default (True when it was built)."""
 
 
-def _name(sample: dict[str, Any]) -> str:
+def _name(sample: Mapping[str, Any]) -> str:
     return f"shard {sample.get('__url__', '?')}, key {sample.get('__key__')!r}"
 
 

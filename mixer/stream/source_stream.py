@@ -193,6 +193,8 @@ class SourceStream:
                             raws, pos, min(len(raws), pos + want - got), sl.shard, self.budget.longest, Sample, out
                         )
                         if done > pos:
+                            if not decode.TXT_WARNED:
+                                decode.warn_bytes_as_tokens(raws[pos])
                             n = done - pos
                             self._raw_pos = done
                             self.next_index += n
@@ -210,9 +212,7 @@ class SourceStream:
                     self.next_offset = raw["__end__"]
                     if sl.parts > 1 and i % sl.parts != sl.part:
                         continue
-                    sample = make_sample(
-                        self.source, self.budget, self.counters, raw, sl.shard, warn_once=self._warn_once
-                    )
+                    sample = self._sample(raw, sl.shard)
                     if sample is not None:
                         self.counters.read += 1
                         self.got_in_epoch += 1
@@ -246,6 +246,11 @@ class SourceStream:
             self.next_index = 0
             self.next_offset = 0
         return got
+
+    def _sample(self, raw: dict[str, Any], shard: int) -> Sample | None:
+        """One tar sample as this stream buffers it (`make_sample`: decoded, the length policy
+        applied; None when dropped or skipped)."""
+        return make_sample(self.source, self.budget, self.counters, raw, shard, warn_once=self._warn_once)
 
     def _loss(self, exc: ShardError, sl: ShardSlice) -> tuple[tuple[int, int, int, int], str]:
         """What giving up the current shard at `exc` loses, as counter increments (skipped_samples,

@@ -23,7 +23,7 @@ from shardutil import LogNormal, expected_tokens
 
 import mixer
 from mixer.mixing import elastic
-from mixer.mixing.leftover import Split, location_keys, location_rows
+from mixer.mixing.leftover import Split, location_keys, location_rows, unique_sorted
 from mixer.plan.shards import plan, plan_some
 from mixer.plan.world import World
 from mixer.state.columns import pack, unpack, unpack_rows
@@ -214,10 +214,23 @@ def test_the_split_gives_every_item_one_rank_and_a_rank_few_old_readers(old, new
 
 
 def test_locations_as_keys_keep_their_order_and_come_back():
-    rows = np.array([[0, 512], [0, 1024], [3, 0], [3, 1 << 39], [(1 << 32) - 1, 512 * 7]], dtype=np.int64)
+    # (a text document's chunks: its offset + (k + 1) << 40, mixer.read.text)
+    rows = np.array(
+        [
+            [0, 512],
+            [0, 1024],
+            [0, 1024 + (1 << 40)],
+            [0, 1024 + (7 << 40)],
+            [3, 0],
+            [3, 1 << 39],
+            [(1 << 32) - 1, 512 * 7],
+        ],
+        dtype=np.int64,
+    )
     keys = location_keys(rows)
-    assert (np.diff(keys) > 0).all() and (location_rows(keys) == rows).all()
-    for bad in ([[0, 100]], [[-1, 0]], [[0, 1 << 40]], [[1 << 32, 0]]):
+    assert (np.lexsort((keys[:, 1], keys[:, 0])) == np.arange(len(rows))).all()
+    assert (location_rows(keys) == rows).all() and len(unique_sorted(keys[::-1])) == len(rows)
+    for bad in ([[0, 100]], [[-1, 0]], [[0, 512 + (1 << 40) + 3]], [[1 << 32, 0]]):
         with pytest.raises(mixer.StateError, match="not a \\(shard, byte offset\\)"):
             location_keys(np.array(bad, dtype=np.int64))
 

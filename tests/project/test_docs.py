@@ -90,7 +90,15 @@ def test_cli_reference_is_the_help_of_every_command(monkeypatch):
     from mixer.cli import commands as cli
 
     helps = dict(mixer_docs.cli_helps())
-    assert list(helps) == ["mixer", "mixer demo", "mixer run", "mixer plan", "mixer index", "mixer info"]
+    assert list(helps) == [
+        "mixer",
+        "mixer demo",
+        "mixer run",
+        "mixer plan",
+        "mixer index",
+        "mixer pretokenize",
+        "mixer info",
+    ]
     assert all(text.startswith(f"usage: {command} ") for command, text in helps.items())
     assert "--cache-dir DIR" in helps["mixer demo"] and "--tokens-per-step T" in helps["mixer plan"]
     assert mixer_docs.cli_parser().format_usage() == cli.build_parser().format_usage()

@@ -37,6 +37,7 @@ PUBLIC = [
     "StateError",
     "Static",
     "Temperature",
+    "TextDecode",
     "TokenBudget",
     "Weights",
     "build_index",
@@ -46,6 +47,7 @@ PUBLIC = [
     "log_every",
     "make_loader",
     "parse_config",
+    "pretokenize",
     "to_device",
 ]
 

@@ -171,6 +171,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("mixer.mixing",),
     ("mixer.observe",),
     ("mixer.runtime",),
+    ("mixer.service",),
     ("mixer.config",),
     ("mixer.cli",),
 )
@@ -215,6 +216,7 @@ def test_every_module_is_in_a_layer_and_only_the_foundation_is_at_the_top() -> N
         "mixer.plan",
         "mixer.read",
         "mixer.runtime",
+        "mixer.service",
         "mixer.spec",
         "mixer.state",
         "mixer.storage",

@@ -27,4 +27,5 @@ BENCHMARKS = (
     "buffer_budget",
     "adaptive",
     "snapshot_cost",
+    "service",
 )

@@ -233,6 +233,25 @@ class RemoteStream:
             why,
             link.received.replay,
         )
+        link.calls.clear()
+        link.since = time.monotonic()
+        if not dead:
+            dead = not self._await_restart(link)
         if dead:  # Ray will not restart it: the service makes a new actor under the same name
             link.handle = self.service.revive(self.rank, link.index, timeout=self.timeout)
         self._start(link)
+
+    def _await_restart(self, link: _Link) -> bool:
+        """Wait (within the timeout) until Ray has the reader's actor back; False if it is dead for good.
+        While Ray restarts an actor, a call fails at once (``ActorUnavailableError``): asking again
+        until one answers keeps those refusals from counting as failures of the reader."""
+        ray, pause = self.ray, 0.05
+        while True:
+            try:
+                self._get(link, link.handle.describe.remote())
+                return True
+            except ray.exceptions.ActorDiedError:
+                return False
+            except ray.exceptions.ActorUnavailableError:
+                time.sleep(pause)
+                pause = min(2 * pause, 0.5)

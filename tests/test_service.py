@@ -1,0 +1,545 @@
+"""Mixing as a service (mixer.service) on a real local Ray cluster: the remote loader hands out the
+in-process loader's batches, in its order, with its state format, through resume, a killed reader,
+two torchrun trainers, a change in the number of readers and a lost node.
+
+**Loopback only.** Ray does not stay on 127.0.0.1 (it replaces it by the machine's address, and its
+GCS and raylet listen on every interface), so the session's cluster runs in a network namespace
+that has only loopback: the ``cluster`` fixture starts tests/ray_driver.py under ``unshare -n``
+(root, as in CI), and that process refuses to start Ray unless ``lo`` is its only interface; the
+fixture fails, and starts nothing, when the namespace cannot be made. One cluster (``num_cpus=2``)
+for the whole session, stopped after it. Tests send the driver functions of this module to run
+there (``cluster.run(fn, ...)``); the in-process references run here, in the test process.
+
+Services are kept in the driver between tests (``_SERVICES``), because a reader actor costs ~2-3 s
+to start (it imports torch). Readers ask for a quarter CPU, so that a 2-CPU cluster holds them all.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import shardutil
+from shardutil import LogNormal, expected_tokens
+
+import mixer
+
+ray = pytest.importorskip("ray", reason="the service tests need the ray extra (pip install -e '.[ray]')")
+
+from mixer.service import MixerService, make_remote_loader  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
+
+HERE = Path(__file__).parent
+SOURCES = {
+    "web": LogNormal(shards=6, samples=480, median=120, sigma=0.8, lo=2, hi=2048, seed=30),
+    "code": LogNormal(shards=3, samples=160, median=400, sigma=1.0, lo=2, hi=2048, seed=31),
+    "tiny": LogNormal(shards=2, samples=30, median=60, sigma=0.5, lo=2, hi=2048, seed=32),
+}
+READERS = {"num_cpus": 0.25}
+
+# mixture(shards, **options): the one mixture of these tests (stop, schedule and world vary)
+mixture = functools.partial(
+    shardutil.mixture,
+    weights={"web": 0.5, "code": 0.3, "tiny": 0.2},
+    batching=mixer.TokenBudget(max_tokens=2048),
+    stop="all_exhausted",
+    seed=5,
+    shuffle_buffer=32,
+    state_every=4,
+)
+
+
+def view(batch: mixer.Batch) -> tuple[Any, ...]:
+    """What must be identical: keys, the whole buffer, the step and the reader."""
+    if batch.filler:
+        return ("filler",)
+    digest = hashlib.blake2b(batch.buffer.cpu().numpy().tobytes(), digest_size=10).hexdigest()
+    return (tuple(batch.keys), digest, batch.meta.step, batch.meta.worker)
+
+
+def plain(state: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps(state))
+
+
+def take(loader: Any, n: int | None) -> list[Any]:
+    """The first ``n`` batches' views (all with None), fetching no batch more."""
+    out: list[Any] = []
+    if n == 0:
+        return out
+    for b in loader:
+        out.append(view(b))
+        if len(out) == n:
+            break
+    return out
+
+
+# ---- the cluster: a driver process in a loopback-only network namespace --------------------------
+
+
+class Cluster:
+    """The session's Ray driver (tests/ray_driver.py); ``run(fn, *args, **kwargs)`` runs ``fn`` there."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], requests: Connection, answers: Connection, log: Path) -> None:
+        self.proc, self.requests, self.answers, self.log = proc, requests, answers, log
+        self.address = ""
+
+    def receive(self, timeout: float) -> Any:
+        if not self.answers.poll(timeout):
+            pytest.fail(f"the Ray driver did not answer within {timeout:g} s; its log ends:\n{self.tail()}")
+        try:
+            return self.answers.recv()
+        except EOFError:
+            pytest.fail(f"the Ray driver exited (status {self.proc.poll()}); its log ends:\n{self.tail()}")
+
+    def run(self, fn: Any, *args: Any, timeout: float = 180, **kwargs: Any) -> Any:
+        self.requests.send((fn, args, kwargs))
+        answer = self.receive(timeout)
+        if answer[0] == "err":
+            _, exc, text = answer
+            raise exc from RuntimeError(f"in the Ray driver:\n{text}")
+        return answer[1]
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:] if self.log.exists() else "(no log)"
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    for tool in ("unshare", "ip"):
+        if shutil.which(tool) is None:
+            pytest.fail(f"the service tests need {tool!r} to run Ray in a loopback-only network namespace")
+    log = tmp_path_factory.mktemp("ray") / "driver.log"
+    temp = Path(tempfile.mkdtemp(prefix="mxray-", dir="/tmp"))  # short: Ray's socket paths have a length limit
+    to_driver, from_test = os.pipe()
+    to_test, from_driver = os.pipe()
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+        OMP_NUM_THREADS="1",
+        RAY_USAGE_STATS_ENABLED="0",
+        # Token authentication on, with a token of this session's (nothing written to ~/.ray).
+        RAY_AUTH_MODE="token",
+        RAY_AUTH_TOKEN=secrets.token_hex(32),
+    )
+    cmd = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh"]
+    cmd += [sys.executable, str(HERE / "ray_driver.py"), str(to_driver), str(from_driver), str(temp)]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd,
+            pass_fds=(to_driver, from_driver),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    os.close(to_driver)
+    os.close(from_driver)
+    c = Cluster(proc, Connection(from_test, readable=False), Connection(to_test, writable=False), log)
+    try:
+        first = c.receive(180)
+        if first[0] != "ready":
+            pytest.fail(f"the Ray driver refused to start Ray: {first[1]}")
+        c.address = first[1]["address"]
+        yield c
+    finally:
+        try:
+            c.requests.send(None)
+            proc.wait(timeout=60)
+        except Exception:
+            os.killpg(proc.pid, signal.SIGKILL)  # the session's own process group (the driver and Ray's processes)
+            proc.wait()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def shards(make_sources: Any) -> Any:
+    return make_sources(SOURCES)
+
+
+def every_key(shards: Any) -> set[str]:
+    return {k for _, lengths in shards.values() for k in lengths}
+
+
+# ---- what runs in the driver ------------------------------------------------------------------
+
+_SERVICES: dict[str, MixerService] = {}
+
+
+def _service(key: str, shards: Any, *, readers: int, world: int = 1, **options: Any) -> MixerService:
+    if key not in _SERVICES:
+        _SERVICES[key] = MixerService(
+            mixture(shards, **options), world_size=world, readers_per_trainer=readers, name=key, reader_options=READERS
+        )
+    return _SERVICES[key]
+
+
+def _close(key: str) -> None:
+    service = _SERVICES.pop(key, None)
+    if service is not None:
+        service.close()
+
+
+def _remote(
+    key: str,
+    shards: Any,
+    *,
+    readers: int,
+    options: dict[str, Any] | None = None,
+    n: int | None = None,
+    state: Any = None,
+    loader: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A remote loader's batches (views), then its state, counters and transport report."""
+    service = _service(key, shards, readers=readers, **(options or {}))
+    remote = make_remote_loader(service, rank=0, **(loader or {}))
+    if state is not None:
+        remote.load_state_dict(state)
+    views = take(remote, n)
+    return {
+        "views": views,
+        "state": plain(remote.state_dict()),
+        "counters": remote.counters(),
+        "report": remote.service_report(),
+    }
+
+
+def _local(shards: Any, *, workers: int, n: int | None = None, state: Any = None, **options: Any) -> dict[str, Any]:
+    loader = mixer.make_loader(mixture(shards, **options), num_workers=workers)
+    if state is not None:
+        loader.load_state_dict(state)
+    views = take(loader, n)
+    return {"views": views, "state": plain(loader.state_dict()), "counters": loader.counters()}
+
+
+def _where() -> dict[str, Any]:
+    return {
+        "interfaces": sorted(name for _, name in socket.if_nameindex()),
+        "gcs": ray.get_runtime_context().gcs_address,
+        "nodes": [n["NodeManagerAddress"] for n in ray.nodes()],
+    }
+
+
+# ---- the namespace ------------------------------------------------------------------------------
+
+
+def test_the_cluster_lives_on_loopback_only(cluster: Cluster) -> None:
+    where = cluster.run(_where)
+    assert where["interfaces"] == ["lo"]
+    assert where["gcs"].startswith("127.0.0.1:") and where["nodes"] == ["127.0.0.1"]
+
+
+def test_no_service_without_a_ray_connection_made_by_the_caller(shards: Any) -> None:
+    # This process never called ray.init: mixer must not start a cluster on the host's interfaces.
+    assert not ray.is_initialized()
+    with pytest.raises(mixer.ConfigError, match=r"not connected to a Ray cluster; call ray.init"):
+        MixerService(mixture(shards), readers_per_trainer=1)
+    assert not ray.is_initialized()
+
+
+# ---- the same batches -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stop", ["all_exhausted", "never"])
+@pytest.mark.parametrize("readers", [0, 2])
+def test_the_same_batches_as_the_in_process_loader(cluster: Cluster, shards: Any, readers: int, stop: str) -> None:
+    """``readers_per_trainer=N`` is ``make_loader(num_workers=N)``: 0 is one reader asked only when a
+    batch is needed, as the main process reads. The states after the same batches are identical too."""
+    n = None if stop == "all_exhausted" else 150
+    key = f"eq-{readers}-{stop}"
+    local = _local(shards, workers=readers, n=n, stop=stop)
+    loader = {"device": "cpu"} if readers == 2 else {}  # the device feed on the way too
+    try:
+        got = cluster.run(_remote, key, shards, readers=readers, options={"stop": stop}, n=n, loader=loader)
+    finally:
+        if (readers, stop) != (2, "all_exhausted"):  # that one serves the tests below
+            cluster.run(_close, key)
+    assert len(got["views"]) == len(local["views"]) > 100
+    assert got["views"] == local["views"]
+    assert got["state"] == local["state"] and got["counters"] == local["counters"]
+    assert got["report"]["readers"] == max(readers, 1) and got["report"]["restarts"] == 0
+    # groups of up to 32 batches: far fewer calls than batches
+    assert got["report"]["calls"] < len(got["views"]) / 4
+
+
+def _every_sample(shards: Any) -> dict[str, Any]:
+    remote = make_remote_loader(_service("eq-2-all_exhausted", shards, readers=2), rank=0)
+    seen: Counter[str] = Counter()
+    wrong = 0
+    for b in remote:
+        for k, key in enumerate(b.keys):
+            n = int(b.lengths[k])
+            wrong += not np.array_equal(b.tokens[k, :n].numpy(), expected_tokens(key, n))
+            seen[key] += 1
+        b.tokens[0, 0] = -1  # a batch handed out is the trainer's own memory, writable
+    return {"seen": dict(seen), "wrong": wrong}
+
+
+def test_every_sample_exactly_once_over_a_pass(cluster: Cluster, shards: Any) -> None:
+    got = cluster.run(_every_sample, shards)
+    assert got["wrong"] == 0
+    assert set(got["seen"]) == every_key(shards) and set(got["seen"].values()) == {1}
+
+
+# ---- resume ---------------------------------------------------------------------------------------
+
+
+def test_resume_in_all_four_directions(cluster: Cluster, shards: Any) -> None:
+    """A state saved by either loader resumes on either, batch for batch: remote -> remote, remote ->
+    in-process, in-process -> remote, in-process -> in-process; at the start, mid-pass (between
+    snapshots: replays) and in the pass's tail, where readers have ended."""
+    key = "eq-2-all_exhausted"
+    reference = _local(shards, workers=2)["views"]
+    for cut in (0, 37, 102, len(reference) - 5, len(reference) - 1):
+        saved_remote = cluster.run(_remote, key, shards, readers=2, n=cut)["state"]
+        saved_local = _local(shards, workers=2, n=cut)["state"]
+        assert saved_remote == saved_local, cut
+        for state in (saved_remote, saved_local):
+            assert cluster.run(_remote, key, shards, readers=2, state=state)["views"] == reference[cut:], cut
+            assert _local(shards, workers=2, state=state)["views"] == reference[cut:], cut
+
+
+# ---- a reader dies --------------------------------------------------------------------------------
+
+
+def _kill_a_reader_mid_pass(shards: Any, *, after: int, reader: int) -> dict[str, Any]:
+    service = _service("eq-2-all_exhausted", shards, readers=2)
+    pid = ray.get(service.handles(0)[reader].describe.remote())["pid"]
+    remote = make_remote_loader(service, rank=0, timeout=60)
+    views = []
+    for b in remote:
+        views.append(view(b))
+        if len(views) == after:
+            os.kill(pid, signal.SIGKILL)
+    new_pid = ray.get(service.handles(0)[reader].describe.remote())["pid"]
+    return {"views": views, "report": remote.service_report(), "pids": (pid, new_pid)}
+
+
+def test_a_reader_killed_mid_pass_is_started_again_and_the_stream_continues_exactly(
+    cluster: Cluster, shards: Any
+) -> None:
+    reference = _local(shards, workers=2)["views"]
+    got = cluster.run(_kill_a_reader_mid_pass, shards, after=40, reader=1)
+    old, new = got["pids"]
+    assert old != new  # Ray restarted the actor in a new process
+    assert got["report"]["restarts"] == 1
+    assert got["views"] == reference  # no sample twice, none lost, the same order
+
+
+# ---- the number of readers changes between checkpoints ----------------------------------------------
+
+
+def _rescaled(shards: Any, *, state: Any, readers: int) -> dict[str, Any]:
+    service = _service("eq-2-all_exhausted", shards, readers=2)
+    service.resize(readers)
+    try:
+        remote = make_remote_loader(MixerService.connect(service.name), rank=0)
+        remote.load_state_dict([state])  # the list of the saved ranks' states: elastic resume
+        return {"views": take(remote, None), "readers": remote.service_report()["readers"]}
+    finally:
+        service.resize(2)
+
+
+def test_two_readers_saved_three_continue_every_sample_once(cluster: Cluster, shards: Any) -> None:
+    key = "eq-2-all_exhausted"
+    before = cluster.run(_remote, key, shards, readers=2, n=45)
+    after = cluster.run(_rescaled, shards, state=before["state"], readers=3)
+    assert after["readers"] == 3
+    # the in-process loader's elastic resume gives the same batches
+    local = mixer.make_loader(mixture(shards), num_workers=3)
+    local.load_state_dict([before["state"]])
+    assert after["views"] == take(local, None)
+    seen = Counter(k for v in before["views"] + after["views"] for k in v[0])
+    assert set(seen) == every_key(shards) and set(seen.values()) == {1}
+
+
+# ---- adaptive mixing: feedback reaches remote readers ------------------------------------------------
+
+
+def _adaptive_views(shards: Any, *, remote: bool) -> dict[str, Any]:
+    options = {"stop": "never", "schedule": mixer.Adaptive(update_every=8)}
+    if remote:
+        loader: Any = make_remote_loader(_service("adaptive", shards, readers=2, **options), rank=0)
+    else:
+        loader = mixer.make_loader(mixture(shards, **options), num_workers=2)
+    views = []
+    for b in loader:
+        # a loss that differs per source, so the shares move
+        loss = b.lengths.double() / 1000 + b.source.double()
+        loader.feedback(b, loss)
+        views.append(view(b))
+        if len(views) == 120:
+            break
+    return {"views": views, "state": plain(loader.state_dict()), "adaptive": loader.stats()["adaptive"]}
+
+
+def test_adaptive_feedback_gives_the_same_batches(cluster: Cluster, shards: Any) -> None:
+    local = _adaptive_views(shards, remote=False)
+    try:
+        got = cluster.run(_adaptive_views, shards, remote=True)
+    finally:
+        cluster.run(_close, "adaptive")
+    assert local["adaptive"]["updates"] >= 10
+    assert got["views"] == local["views"] and got["state"] == local["state"]
+
+
+# ---- two trainers under torchrun, and a trainer restart -------------------------------------------
+
+
+def _torchrun(spec: Path, out: Path, phase: str) -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1"]
+    cmd += [
+        "--master_addr=127.0.0.1",
+        f"--master_port={port}",
+        str(HERE / "service_worker.py"),
+        str(spec),
+        str(out),
+        phase,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=HERE.parent)
+    if proc.returncode != 0:
+        raise RuntimeError(f"torchrun {phase} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc.stdout
+
+
+def _two_trainers(shards: Any, spec: Path, out: Path) -> None:
+    _service("world2", shards, readers=1, world=2)
+    try:
+        _torchrun(spec, out, "run")  # each rank stops part-way and saves its state; the processes end
+        _torchrun(spec, out, "resume")  # new trainer processes, the same running service
+    finally:
+        _close("world2")
+
+
+def test_two_torchrun_trainers_share_one_service_and_restart_against_it(
+    cluster: Cluster, shards: Any, tmp_path: Path
+) -> None:
+    spec = tmp_path / "spec.json"
+    cuts = [9, 14]
+    spec.write_text(json.dumps({"service": "world2", "address": cluster.address, "cuts": cuts}))
+    cluster.run(_two_trainers, shards, spec, tmp_path, timeout=400)
+    ranks = []
+    for r in range(2):
+        local = mixer.make_loader(mixture(shards, rank=r, world_size=2), num_workers=1)
+        reference = json.loads(json.dumps(take(local, None)))
+        ran = json.loads((tmp_path / f"run-rank{r}.json").read_text())
+        resumed = json.loads((tmp_path / f"resume-rank{r}.json").read_text())
+        assert ran == reference[: cuts[r]], r
+        assert [v for v in resumed if v != ["filler"]] == reference[cuts[r] :], r
+        ranks.append((reference, resumed))
+    # the rank sync evens the restarted ranks out with fillers: both hand out the same number of batches
+    assert len(ranks[0][1]) == len(ranks[1][1]) and ["filler"] in ranks[0][1] + ranks[1][1]
+    seen = Counter(k for reference, _ in ranks for v in reference for k in v[0])
+    assert set(seen) == every_key(shards) and set(seen.values()) == {1}
+
+
+# ---- the service cannot reach its readers -----------------------------------------------------------
+
+
+def _unplaceable(shards: Any) -> tuple[str, float]:
+    start = time.monotonic()
+    try:
+        MixerService(
+            mixture(shards), readers_per_trainer=1, reader_options={"resources": {"nowhere": 1}}, start_timeout=2
+        )
+    except mixer.MixerError as exc:
+        return str(exc), time.monotonic() - start
+    return "", time.monotonic() - start
+
+
+def test_readers_that_cannot_be_placed_fail_with_a_named_error_in_bounded_time(cluster: Cluster, shards: Any) -> None:
+    message, waited = cluster.run(_unplaceable, shards)
+    assert "did not start within 2 s" in message and "reader 0 of trainer 0" in message
+    assert waited < 15
+
+
+def _lose_the_readers_node(shards: Any) -> dict[str, Any]:
+    """A second node (a CPU node of its own, as readers would have) joins; the service's reader lives
+    there; mid-pass the node dies (its raylet and the reader's process killed)."""
+    address = ray.get_runtime_context().gcs_address
+    node = subprocess.Popen(
+        [
+            str(Path(sys.executable).with_name("ray")),
+            "start",
+            f"--address={address}",
+            "--num-cpus=1",
+            '--resources={"readers_node": 1}',
+            "--block",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not any(n["Alive"] and "readers_node" in n["Resources"] for n in ray.nodes()):
+            assert time.monotonic() < deadline and node.poll() is None, "the second node did not join"
+            time.sleep(0.2)
+        options = {"num_cpus": 0, "resources": {"readers_node": 1}}
+        service = MixerService(mixture(shards), readers_per_trainer=0, name="lost", reader_options=options)
+        pid = ray.get(service.handles(0)[0].describe.remote())["pid"]
+        remote = make_remote_loader(service, rank=0, timeout=5)
+        it = iter(remote)
+        got = [view(next(it)) for _ in range(5)]
+        os.kill(pid, signal.SIGKILL)
+        os.killpg(node.pid, signal.SIGKILL)  # the node's processes (started here, in their own group)
+        start = time.monotonic()
+        try:
+            for b in it:
+                got.append(view(b))
+        except mixer.MixerError as exc:
+            return {"error": str(exc), "waited": time.monotonic() - start, "views": got}
+        return {"error": None, "waited": time.monotonic() - start, "views": got}
+    finally:
+        if node.poll() is None:
+            os.killpg(node.pid, signal.SIGKILL)
+        node.wait()
+
+
+def test_a_lost_reader_node_ends_the_pass_with_a_named_error_in_bounded_time(cluster: Cluster, shards: Any) -> None:
+    got = cluster.run(_lose_the_readers_node, shards)
+    assert got["error"] is not None and "service 'lost'" in got["error"] and "within 5 s" in got["error"]
+    assert got["waited"] < 5 + 20
+    # what came before the loss was the stream's own beginning
+    assert got["views"][:5] == _local(shards, workers=0, n=5)["views"]
+
+
+def _bad_uses(shards: Any) -> list[str]:
+    out = []
+    for call in (
+        lambda: MixerService.connect("no-such-service"),
+        lambda: make_remote_loader(_service("eq-2-all_exhausted", shards, readers=2), rank=1),
+        lambda: make_remote_loader(_service("eq-2-all_exhausted", shards, readers=2), rank=0, batches_per_call=0),
+    ):
+        try:
+            call()
+            out.append("no error")
+        except mixer.MixerError as exc:
+            out.append(f"{type(exc).__name__}: {exc}")
+    return out
+
+
+def test_bad_uses_are_named_errors(cluster: Cluster, shards: Any) -> None:
+    missing, rank, group = cluster.run(_bad_uses, shards)
+    assert missing.startswith("MixerError: no mixer service 'no-such-service'")
+    assert rank.startswith("ConfigError: make_remote_loader: rank must be in [0, 1) (got 1)")
+    assert group.startswith("ConfigError: make_remote_loader batches_per_call must be an int >= 1")

@@ -44,7 +44,8 @@ ray = pytest.importorskip("ray", reason="the service tests need the ray extra (p
 
 from mixer.service import MixerService, make_remote_loader  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
+# One worker of pytest-xdist runs them all (make test: --dist loadgroup), so the session has one cluster.
+pytestmark = pytest.mark.xdist_group("ray")
 
 HERE = Path(__file__).parent
 SOURCES = {
@@ -239,6 +240,25 @@ def _where() -> dict[str, Any]:
 # ---- the namespace ------------------------------------------------------------------------------
 
 
+def test_the_driver_refuses_to_start_ray_where_it_sees_more_than_loopback() -> None:
+    seen = sorted(name for _, name in socket.if_nameindex())
+    if seen == ["lo"]:
+        pytest.skip("this machine has only loopback: there is nothing to refuse")
+    to_driver, from_test = os.pipe()
+    to_test, from_driver = os.pipe()
+    cmd = [sys.executable, str(HERE / "ray_driver.py"), str(to_driver), str(from_driver), "/nonexistent"]
+    proc = subprocess.Popen(cmd, pass_fds=(to_driver, from_driver), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    os.close(to_driver)
+    os.close(from_driver)
+    answers = Connection(to_test, writable=False)
+    assert answers.poll(60)
+    kind, reason = answers.recv()
+    assert proc.wait(timeout=60) == 0 and not proc.stderr.read()
+    os.close(from_test)
+    assert kind == "refused" and "not a loopback-only namespace; Ray not started" in reason
+
+
+@pytest.mark.slow
 def test_the_cluster_lives_on_loopback_only(cluster: Cluster) -> None:
     where = cluster.run(_where)
     assert where["interfaces"] == ["lo"]
@@ -253,9 +273,51 @@ def test_no_service_without_a_ray_connection_made_by_the_caller(shards: Any) -> 
     assert not ray.is_initialized()
 
 
+# ---- the parts that need no cluster --------------------------------------------------------------
+
+
+def test_a_group_crosses_as_one_buffer_and_gives_back_the_same_batches(shards: Any) -> None:
+    from mixer.plan.world import World
+    from mixer.service.groups import GroupBuffer, pack, unpack
+
+    mix = mixture(shards)
+    alone = [b for _, b in zip(range(12), mix.open_reader(World()))]
+    group = GroupBuffer(np.dtype(mix.dtype))
+    group.reset(3 * mix.max_batch_elements)  # room for a few: the later batches are collated outside it
+    made = [b for _, b in zip(range(12), mix.open_reader(World(), pool=group))]
+    assert group.used > 0 and any(
+        not 0 <= b.buffer.data_ptr() - group.buffer.ctypes.data < group.buffer.nbytes for b in made
+    )
+    data, entries = pack(made, group)
+    assert len(data) == sum(b.buffer.numel() for b in made)
+    data.flags.writeable = False  # as Ray hands it out: a view of its object store
+    back = unpack(data, entries, pin=False)
+    assert [view(b) for b in back] == [view(b) for b in alone]
+    assert [b.meta for b in back] == [b.meta for b in alone]
+    back[0].tokens[0, 0] = -1  # the trainer's own copy
+    assert back[0].buffer.data_ptr() != data.ctypes.data
+
+
+def test_a_shares_table_replica_receives_what_the_loader_published() -> None:
+    from mixer.runtime.feedback import SharesTable
+
+    loader_side = SharesTable(2, update_every=4, lag=3, capacity=3)
+    for j in range(5):
+        loader_side.publish(j, np.array([j, 1.0]))
+    first, rows = loader_side.rows_since(0)
+    assert first == 2 and rows == [[2, 1], [3, 1], [4, 1]]  # what the ring still holds
+    reader_side = SharesTable(2, update_every=4, lag=3, capacity=3)
+    reader_side.extend(first, rows)
+    loader_side.publish(5, np.array([5, 1.0]))
+    reader_side.extend(*loader_side.rows_since(reader_side.published))
+    for step in range(19, 31):  # the steps that updates 3, 4 and 5 (those the ring holds) apply to
+        np.testing.assert_array_equal(reader_side.shares_at(step, wait=False), loader_side.shares_at(step, wait=False))
+
+
 # ---- the same batches -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stop", ["all_exhausted", "never"])
 @pytest.mark.parametrize("readers", [0, 2])
 def test_the_same_batches_as_the_in_process_loader(cluster: Cluster, shards: Any, readers: int, stop: str) -> None:
@@ -291,6 +353,7 @@ def _every_sample(shards: Any) -> dict[str, Any]:
     return {"seen": dict(seen), "wrong": wrong}
 
 
+@pytest.mark.slow
 def test_every_sample_exactly_once_over_a_pass(cluster: Cluster, shards: Any) -> None:
     got = cluster.run(_every_sample, shards)
     assert got["wrong"] == 0
@@ -300,6 +363,7 @@ def test_every_sample_exactly_once_over_a_pass(cluster: Cluster, shards: Any) ->
 # ---- resume ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_resume_in_all_four_directions(cluster: Cluster, shards: Any) -> None:
     """A state saved by either loader resumes on either, batch for batch: remote -> remote, remote ->
     in-process, in-process -> remote, in-process -> in-process; at the start, mid-pass (between
@@ -331,6 +395,7 @@ def _kill_a_reader_mid_pass(shards: Any, *, after: int, reader: int) -> dict[str
     return {"views": views, "report": remote.service_report(), "pids": (pid, new_pid)}
 
 
+@pytest.mark.slow
 def test_a_reader_killed_mid_pass_is_started_again_and_the_stream_continues_exactly(
     cluster: Cluster, shards: Any
 ) -> None:
@@ -356,6 +421,7 @@ def _rescaled(shards: Any, *, state: Any, readers: int) -> dict[str, Any]:
         service.resize(2)
 
 
+@pytest.mark.slow
 def test_two_readers_saved_three_continue_every_sample_once(cluster: Cluster, shards: Any) -> None:
     key = "eq-2-all_exhausted"
     before = cluster.run(_remote, key, shards, readers=2, n=45)
@@ -389,6 +455,7 @@ def _adaptive_views(shards: Any, *, remote: bool) -> dict[str, Any]:
     return {"views": views, "state": plain(loader.state_dict()), "adaptive": loader.stats()["adaptive"]}
 
 
+@pytest.mark.slow
 def test_adaptive_feedback_gives_the_same_batches(cluster: Cluster, shards: Any) -> None:
     local = _adaptive_views(shards, remote=False)
     try:
@@ -430,6 +497,7 @@ def _two_trainers(shards: Any, spec: Path, out: Path) -> None:
         _close("world2")
 
 
+@pytest.mark.slow
 def test_two_torchrun_trainers_share_one_service_and_restart_against_it(
     cluster: Cluster, shards: Any, tmp_path: Path
 ) -> None:
@@ -452,6 +520,55 @@ def test_two_torchrun_trainers_share_one_service_and_restart_against_it(
     assert set(seen) == every_key(shards) and set(seen.values()) == {1}
 
 
+# ---- a reader's data fails -----------------------------------------------------------------------
+
+
+class _FailOn:
+    """A decode that fails on one key once armed (after the mixture has profiled its sources); the
+    armed flag travels with the pickled mixture to the reader actors."""
+
+    def __init__(self, key: str) -> None:
+        self.key, self.armed = key, False
+
+    def __call__(self, sample: dict[str, Any]) -> np.ndarray:
+        if self.armed and sample["__key__"] == self.key:
+            raise ValueError(f"injected failure at {self.key}")
+        from mixer.read.decode import default_tokens
+
+        return default_tokens(sample)
+
+
+def _failing_mixture(shards: Any) -> mixer.Mixture:
+    decode = _FailOn("web-000003-000040")
+    mix = mixture(shards, source_options={"decode": decode})
+    decode.armed = True
+    return mix
+
+
+def _until_the_error(loader: Any) -> tuple[list[Any], str, str]:
+    views = []
+    try:
+        for b in loader:
+            views.append(view(b))
+    except Exception as exc:
+        return views, type(exc).__name__, str(exc).splitlines()[0]
+    return views, "", ""
+
+
+def _remote_failing(shards: Any) -> tuple[list[Any], str, str]:
+    with MixerService(_failing_mixture(shards), readers_per_trainer=0, reader_options=READERS) as service:
+        return _until_the_error(make_remote_loader(service, rank=0))
+
+
+@pytest.mark.slow
+def test_a_readers_error_comes_after_the_batches_made_before_it(cluster: Cluster, shards: Any) -> None:
+    local = _until_the_error(mixer.make_loader(_failing_mixture(shards), num_workers=0))
+    remote = cluster.run(_remote_failing, shards)
+    assert local[1] and "injected failure at web-000003-000040" in local[2] and len(local[0]) > 5
+    assert remote[0] == local[0]  # every batch made before the failure was handed out first
+    assert remote[1].endswith(local[1]) and local[2] in remote[2]
+
+
 # ---- the service cannot reach its readers -----------------------------------------------------------
 
 
@@ -466,6 +583,7 @@ def _unplaceable(shards: Any) -> tuple[str, float]:
     return "", time.monotonic() - start
 
 
+@pytest.mark.slow
 def test_readers_that_cannot_be_placed_fail_with_a_named_error_in_bounded_time(cluster: Cluster, shards: Any) -> None:
     message, waited = cluster.run(_unplaceable, shards)
     assert "did not start within 2 s" in message and "reader 0 of trainer 0" in message
@@ -515,6 +633,7 @@ def _lose_the_readers_node(shards: Any) -> dict[str, Any]:
         node.wait()
 
 
+@pytest.mark.slow
 def test_a_lost_reader_node_ends_the_pass_with_a_named_error_in_bounded_time(cluster: Cluster, shards: Any) -> None:
     got = cluster.run(_lose_the_readers_node, shards)
     assert got["error"] is not None and "service 'lost'" in got["error"] and "within 5 s" in got["error"]
@@ -538,6 +657,7 @@ def _bad_uses(shards: Any) -> list[str]:
     return out
 
 
+@pytest.mark.slow
 def test_bad_uses_are_named_errors(cluster: Cluster, shards: Any) -> None:
     missing, rank, group = cluster.run(_bad_uses, shards)
     assert missing.startswith("MixerError: no mixer service 'no-such-service'")

@@ -63,9 +63,9 @@ class _Link:
     handle: Any
     received: ReaderLog
     pristine: bool  # nothing received and no saved state: start from the stream's beginning
-    calls: collections.deque[Any] = field(default_factory=collections.deque)
+    calls: collections.deque[tuple[Any, float]] = field(default_factory=collections.deque)  # (call, when sent)
     starting: Any = None  # the start call, checked before the first group after it
-    since: float = 0.0  # when the oldest outstanding call became the one waited for
+    since: float = 0.0  # when the reader's previous call ended (or it was started)
     size: int = 1
     sent: int = 0  # adaptive updates this reader's table holds
     token: str = ""
@@ -168,12 +168,14 @@ class RemoteStream:
         if self.table is not None and self.table.published > link.sent:
             shares = self.table.rows_since(link.sent)
             link.sent = self.table.published
-        link.calls.append(link.handle.take.remote(link.token, link.size, shares))
+        link.calls.append((link.handle.take.remote(link.token, link.size, shares), time.monotonic()))
         link.size = min(2 * link.size, self.limit)
         self.calls += 1
 
-    def _get(self, link: _Link, ref: Any) -> Any:
-        left = link.since + self.timeout - time.monotonic()
+    def _get(self, link: _Link, ref: Any, sent: float = 0.0) -> Any:
+        """The result of a call of ``link``'s reader: it runs once the reader's previous call has
+        ended and once it was sent, and may take ``timeout`` seconds from the later of the two."""
+        left = max(link.since, sent) + self.timeout - time.monotonic()
         start = time.perf_counter()
         try:
             return self.ray.get(ref, timeout=max(left, 1e-3))
@@ -191,10 +193,10 @@ class RemoteStream:
             try:
                 if link.starting is not None:
                     self._get(link, link.starting)
-                    link.starting = None
+                    link.starting, link.since = None, time.monotonic()
                 if not link.calls:
                     self._call(link)
-                got = self._get(link, link.calls[0])
+                got = self._get(link, *link.calls[0])
             except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as exc:
                 self._restart(link, f"{type(exc).__name__}: {exc}", dead=isinstance(exc, ray.exceptions.ActorDiedError))
                 continue

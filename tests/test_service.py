@@ -648,18 +648,25 @@ def _bad_uses(shards: Any) -> list[str]:
         lambda: MixerService.connect("no-such-service"),
         lambda: make_remote_loader(_service("eq-2-all_exhausted", shards, readers=2), rank=1),
         lambda: make_remote_loader(_service("eq-2-all_exhausted", shards, readers=2), rank=0, batches_per_call=0),
+        lambda: MixerService(mixture(shards), readers_per_trainer=2, name="eq-2-all_exhausted", reader_options=READERS),
     ):
         try:
             call()
             out.append("no error")
         except mixer.MixerError as exc:
             out.append(f"{type(exc).__name__}: {exc}")
+    # the running service of that name is untouched
+    out.append(str(len(take(make_remote_loader(_service("eq-2-all_exhausted", shards, readers=2), rank=0), 3))))
     return out
 
 
 @pytest.mark.slow
 def test_bad_uses_are_named_errors(cluster: Cluster, shards: Any) -> None:
-    missing, rank, group = cluster.run(_bad_uses, shards)
+    missing, rank, group, taken, still = cluster.run(_bad_uses, shards)
     assert missing.startswith("MixerError: no mixer service 'no-such-service'")
     assert rank.startswith("ConfigError: make_remote_loader: rank must be in [0, 1) (got 1)")
     assert group.startswith("ConfigError: make_remote_loader batches_per_call must be an int >= 1")
+    assert (
+        taken.startswith("MixerError: mixer service 'eq-2-all_exhausted': an actor named") and "already lives" in taken
+    )
+    assert still == "3"

@@ -83,7 +83,9 @@ class MixerService:
                 self._handles[r, j] = self._create(r, j)
             self._wait_started(places, timeout)
         except BaseException:
-            self.close()
+            for handle in self._handles.values():  # only what this call made: never another service's
+                ray.kill(handle, no_restart=True)
+            self._handles.clear()
             raise
 
     # ---- finding a service ------------------------------------------------------------------
@@ -163,8 +165,17 @@ class MixerService:
 
     def _create(self, rank: int, index: int) -> Any:
         options = {"max_restarts": -1, **self.reader_options}
-        options.update(name=reader_name(self.name, rank, index), namespace=self.namespace)
-        return _remote_class().options(**options).remote(self._blob, self._shape())
+        name = reader_name(self.name, rank, index)
+        options.update(name=name, namespace=self.namespace)
+        try:
+            return _remote_class().options(**options).remote(self._blob, self._shape())
+        except ValueError as exc:
+            if "already" not in str(exc):
+                raise
+            raise MixerError(
+                f"mixer service {self.name!r}: an actor named {name!r} already lives in Ray namespace {self.namespace!r} "
+                "(a service of that name runs: connect to it with MixerService.connect, or choose another name)"
+            ) from exc
 
     def _wait_started(self, places: list[tuple[int, int]], timeout: float) -> None:
         ray = connected()

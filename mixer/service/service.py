@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import time
 import uuid
 from typing import Any
 
@@ -142,15 +143,35 @@ class MixerService:
 
     def revive(self, rank: int, index: int, *, timeout: float) -> Any:
         """A live actor for reader ``index`` of trainer ``rank`` after Ray reported it dead for good:
-        the one another process made under its name meanwhile, else a new one made here."""
+        the one another process made under its name meanwhile, else a new one made here (once Ray
+        has released the dead one's name), within ``timeout`` seconds."""
         ray = connected()
         self._handles.pop((rank, index), None)
-        try:
-            handle = ray.get_actor(reader_name(self.name, rank, index), namespace=self.namespace)
-        except ValueError:
-            handle = self._create(rank, index)
+        name = reader_name(self.name, rank, index)
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                handle = ray.get_actor(name, namespace=self.namespace)
+                ray.get(handle.describe.remote(), timeout=max(left, 1e-3))
+                break
+            except ValueError:  # no actor of that name: make one
+                try:
+                    handle = self._create(rank, index)
+                    break
+                except MixerError:  # the dead one still holds the name
+                    pass
+            except ray.exceptions.ActorDiedError:
+                pass
+            except ray.exceptions.GetTimeoutError:
+                left = 0
+            if left <= 0:
+                raise MixerError(
+                    f"mixer service {self.name!r}: no live reader {index} of trainer {rank} within {timeout:g} s"
+                )
+            time.sleep(0.1)
         self._handles[rank, index] = handle
-        self._wait_started([(rank, index)], timeout)
+        self._wait_started([(rank, index)], max(deadline - time.monotonic(), 1e-3))
         return handle
 
     # ---- the actors -------------------------------------------------------------------------

@@ -384,7 +384,8 @@ def test_resume_in_all_four_directions(cluster: Cluster, shards: Any) -> None:
 
 def _kill_readers_mid_pass(shards: Any) -> dict[str, Any]:
     """Reader 1's process is SIGKILLed after 40 batches (Ray restarts the actor); reader 0 is killed
-    for good through Ray after 80 (the service makes a new actor); small groups, so both still have batches to make."""
+    for good through Ray after 80 (the service makes a new actor). Small groups, so that both
+    readers still have batches to make when they die."""
     service = _service("eq-2-all_exhausted", shards, readers=2)
     pids = [ray.get(h.describe.remote())["pid"] for h in service.handles(0)]
     remote = make_remote_loader(service, rank=0, timeout=60, batches_per_call=4)

@@ -474,30 +474,24 @@ def test_adaptive_feedback_gives_the_same_batches(cluster: Cluster, shards: Any)
 # ---- two trainers under torchrun, and a trainer restart -------------------------------------------
 
 
-def _torchrun(spec: Path, out: Path, phase: str) -> str:
+def _torchrun(spec: Path, out: Path) -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1"]
-    cmd += [
-        "--master_addr=127.0.0.1",
-        f"--master_port={port}",
-        str(HERE / "service_worker.py"),
-        str(spec),
-        str(out),
-        phase,
-    ]
+    cmd += ["--master_addr=127.0.0.1", f"--master_port={port}", str(HERE / "service_worker.py"), str(spec), str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=HERE.parent)
     if proc.returncode != 0:
-        raise RuntimeError(f"torchrun {phase} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise RuntimeError(f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc.stdout
 
 
 def _two_trainers(shards: Any, spec: Path, out: Path) -> None:
     _service("world2", shards, readers=1, world=2)
     try:
-        _torchrun(spec, out, "run")  # each rank stops part-way and saves its state; the processes end
-        _torchrun(spec, out, "resume")  # new trainer processes, the same running service
+        # each rank stops part-way, saves its state and leaves the cluster; then it joins again as a
+        # new Ray job and resumes from the file against the same running service
+        _torchrun(spec, out)
     finally:
         _close("world2")
 
@@ -620,7 +614,7 @@ def _lose_the_readers_node(shards: Any) -> dict[str, Any]:
         options = {"num_cpus": 0, "resources": {"readers_node": 1}}
         service = MixerService(mixture(shards), readers_per_trainer=0, name="lost", reader_options=options)
         pid = ray.get(service.handles(0)[0].describe.remote())["pid"]
-        remote = make_remote_loader(service, rank=0, timeout=5)
+        remote = make_remote_loader(service, rank=0, timeout=3)
         it = iter(remote)
         got = [view(next(it)) for _ in range(5)]
         os.kill(pid, signal.SIGKILL)
@@ -641,8 +635,8 @@ def _lose_the_readers_node(shards: Any) -> dict[str, Any]:
 @pytest.mark.slow
 def test_a_lost_reader_node_ends_the_pass_with_a_named_error_in_bounded_time(cluster: Cluster, shards: Any) -> None:
     got = cluster.run(_lose_the_readers_node, shards)
-    assert got["error"] is not None and "service 'lost'" in got["error"] and "within 5 s" in got["error"]
-    assert got["waited"] < 5 + 20
+    assert got["error"] is not None and "service 'lost'" in got["error"] and "within 3 s" in got["error"]
+    assert got["waited"] < 3 + 20
     # what came before the loss was the stream's own beginning
     assert got["views"][:5] == _local(shards, workers=0, n=5)["views"]
 

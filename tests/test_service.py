@@ -600,6 +600,7 @@ def _lose_the_readers_node(shards: Any) -> dict[str, Any]:
             f"--address={address}",
             "--num-cpus=1",
             '--resources={"readers_node": 1}',
+            "--include-log-monitor=false",
             "--block",
         ],
         stdout=subprocess.DEVNULL,

@@ -18,10 +18,9 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/mixer demo
 
-# Two pytest processes (pytest-xdist) on 2-core machines (mypy runs as a test; the tests marked
-# xdist_group("ray") share one worker, so one Ray cluster); then lint, format and the docs.
+# Two pytest processes (pytest-xdist) on 2-core machines (mypy runs as a test); then lint, format and the docs.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(PY) -m pytest -q -n 2
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(MAKE) docs

@@ -12,6 +12,8 @@ there (``cluster.run(fn, ...)``); the in-process references run here, in the tes
 
 Services are kept in the driver between tests (``_SERVICES``), because a reader actor costs ~2-3 s
 to start (it imports torch). Readers ask for a quarter CPU, so that a 2-CPU cluster holds them all.
+Under pytest-xdist the module's tests all go to one worker (tests/conftest.py, ``ONE_WORKER``), so
+a test run has one cluster.
 """
 
 from __future__ import annotations
@@ -43,9 +45,6 @@ import mixer
 ray = pytest.importorskip("ray", reason="the service tests need the ray extra (pip install -e '.[ray]')")
 
 from mixer.service import MixerService, make_remote_loader  # noqa: E402
-
-# One worker of pytest-xdist runs them all (make test: --dist loadgroup), so the session has one cluster.
-pytestmark = pytest.mark.xdist_group("ray")
 
 HERE = Path(__file__).parent
 SOURCES = {

@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml setup.py mixer/_native/_tarwalk.c mixer/_native/_rows.c mixer/_native/_loops.c constraints-dev.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints-dev.txt -e '.[test,s3,http,plot,audio,zstd,text,docs,frameworks]'
+	$(PY) -m pip install -q -c constraints-dev.txt -e '.[test,s3,http,plot,audio,zstd,text,docs,frameworks,ray]'
 	touch $(STAMP)
 
 venv: $(STAMP)

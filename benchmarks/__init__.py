@@ -29,4 +29,5 @@ BENCHMARKS = (
     "snapshot_cost",
     "world_scale",
     "text",
+    "service",
 )

@@ -7,6 +7,26 @@ from collections.abc import Callable, Mapping
 import pytest
 from shardutil import LogNormal, Sources, write_sources
 
+#: Test modules that pytest-xdist must run on one worker: their tests share one expensive session
+#: resource (test_service.py: one Ray cluster per test session).
+ONE_WORKER = ("test_service.py",)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Under ``-n N`` (``--dist load``, the default): every test on its own, as ``load`` does, except
+    that the tests of each module of :data:`ONE_WORKER` go to one worker together. (pytest-xdist's
+    ``xdist_group`` marks do not group under pytest 9, whose node ids they can no longer rename.)"""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if path.rsplit("/", 1)[-1] in ONE_WORKER else nodeid
+
+    return Scheduling(config, log)
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     # For an intended change of output only: the golden files are what a refactor is checked against.

@@ -268,13 +268,26 @@ class Mixture(IterableDataset[Batch]):
         if resume is not None:
             worker = resume.reader_for(worker)
         world = World(rank=self.rank, world_size=self.world_size, worker=worker, num_workers=num_workers)
+        in_worker = get_worker_info() is not None
+        state = resume.readers[worker] if resume is not None else None
+        return iter(self.open_reader(world, pool=pool if in_worker else None, table=table, state=state))
+
+    def open_reader(
+        self,
+        world: World,
+        *,
+        pool: Slots | None = None,
+        table: Shares | None = None,
+        state: Mapping[str, Any] | None = None,
+    ) -> Reader:
+        """The reader at ``world``, continuing from its saved ``state`` (a loader state's entry for
+        it) when given: what a DataLoader worker runs, and a reader anywhere else (:mod:`mixer.service`)."""
         if world.reader == 0:
             warn_shared_shards(self.listed, world, log)
-        in_worker = get_worker_info() is not None
-        reader = self.reader(world, pool=pool if in_worker else None, table=table)
-        if resume is not None:
-            reader.load_state_dict(dict(resume.readers[worker]))
-        return iter(reader)
+        reader = self.reader(world, pool=pool, table=table)
+        if state is not None:
+            reader.load_state_dict(dict(state))
+        return reader
 
     def __iter__(self) -> Iterator[Batch]:
         return self.batches()

@@ -31,7 +31,7 @@ import math
 import mmap
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -83,6 +83,20 @@ class SharesTable:
         with _fence:
             pass
         self._published[0] = j + 1
+
+    def extend(self, first: int, rows: Sequence[Sequence[float]]) -> None:
+        """Publish the updates ``first, first + 1, ...`` in ``rows`` that this table lacks: a new
+        table's updates so far, or what a table far from the loader's receives (:mod:`mixer.service`)."""
+        if self.published < first:  # the earlier updates are no longer needed by any reader
+            self._published[0] = first
+        for j, row in enumerate(rows, start=first):
+            if j >= self.published:
+                self.publish(j, np.asarray(row, dtype=np.float64))
+
+    def rows_since(self, j: int) -> tuple[int, list[list[float]]]:
+        """The published updates from ``j`` on that the ring still holds: the first one's index and their rows."""
+        first = max(j, self.published - self.capacity, 0)
+        return first, [self._rows[k % self.capacity].tolist() for k in range(first, self.published)]
 
     def shares_at(self, step: int, *, wait: bool) -> np.ndarray | None:
         """The adaptive shares in effect at ``step``, or None before the first update applies."""
@@ -164,10 +178,7 @@ class Feedback:
     def table(self) -> SharesTable:
         """A fresh shared table holding the updates so far (make it before the workers fork)."""
         t = SharesTable(self.n, update_every=self.adaptive.update_every, lag=self.lag, capacity=self.capacity)
-        first = self.updates - len(self.rows)
-        t._published[0] = first
-        for j, row in enumerate(self.rows, start=first):
-            t.publish(j, np.asarray(row))
+        t.extend(self.updates - len(self.rows), self.rows)
         self._table = t
         return t
 

@@ -15,7 +15,7 @@ import random
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -196,39 +196,104 @@ class Loader:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("mixer.Loader is not built directly: use mixer.make_loader(mixture, ...)")
 
+    def _setup_delivery(
+        self,
+        mixture: Mixture,
+        *,
+        num_workers: int,
+        in_flight: int | None,
+        persistent: bool,
+        forked: bool,
+        device: DeviceLike | None,
+        device_prefetch: int,
+        stats_window: int,
+        sync_stop: bool | None,
+        sync_end: SyncEnd,
+        sync_group: Any,
+        sync_timeout: float,
+    ) -> None:
+        """What every loader keeps on the training side, wherever its readers run: the device feed,
+        the bookkeeping of each reader's state, statistics, the rank sync and adaptive feedback.
+        ``in_flight``: requests (groups) per reader outstanding beyond the batch handed out
+        (DataLoader's ``prefetch_factor``), which the adaptive lag counts."""
+        self.mixture = mixture
+        self.num_workers = num_workers
+        # validated now (a ConfigError for "cuda" without CUDA); each iter() builds its own feed
+        self.device = to_device((), device, prefetch=device_prefetch).device if device is not None else None
+        self.device_prefetch = device_prefetch
+        self.persistent_workers = persistent
+        self._started = False
+        self._resume: Resume | None = None
+        self._reset_bookkeeping(None)
+        self._stats = Stats(
+            mixture.names,
+            window=stats_window,
+            num_workers=num_workers,
+            max_tokens=mixture.batching.max_tokens,
+            unit=mixture.unit,
+        )
+        # Equal batch counts over the data-parallel ranks in finite modes (see mixer.runtime.distributed).
+        self._sync_options = (sync_group, sync_timeout)  # also for an elastic resume's agreement
+        self.sync = stop_sync(
+            mixture, sync_stop=sync_stop, sync_end=sync_end, sync_group=sync_group, sync_timeout=sync_timeout
+        )
+        self._feedback = make_feedback(
+            mixture,
+            num_workers=num_workers,
+            prefetch_factor=in_flight,
+            device_prefetch=device_prefetch if self.device is not None else 0,
+            synced=self.sync is not None,
+            forked=forked,
+            persistent=persistent,
+            group=sync_group,
+            timeout=sync_timeout,
+        )
+
     def __iter__(self) -> Iterator[Batch]:
         self._stats.reset(resumed=self._resume is not None)
         resume, self._resume = self._resume, None
         self._reset_bookkeeping(resume)
-        dataset = self.dataloader.dataset
-        assert isinstance(dataset, _LoaderDataset)
-        dataset.resume = resume
+        table = None
         if self._feedback is not None:
             if resume is None:
                 self._feedback.reset()
-            # Mapped before this pass's workers fork; they read the shares published into it.
-            dataset.table = self._feedback.table()
+            # Made before this pass's readers start; they read the shares published into it.
+            table = self._feedback.table()
+        batches, close = self._open(resume, table)
+        try:
+            yield from self._deliver(batches)
+        finally:
+            close()
+
+    def _open(self, resume: Resume | None, table: SharesTable | None) -> tuple[Iterator[Batch], Callable[[], None]]:
+        """This pass's batches, one at a time in the round robin's order, and what ends the pass
+        (called however it ends). Here: DataLoader's workers (or the main process); the readers of
+        :mod:`mixer.service` run elsewhere and deliver through the same bookkeeping."""
+        dataset = self.dataloader.dataset
+        assert isinstance(dataset, _LoaderDataset)
+        dataset.resume = resume
+        dataset.table = table
         if self._started and not self.persistent_workers and self.pool is not None:
             # This pass forks new workers; an earlier pass's workers may still be writing into the
             # old slots (its iterator is alive), so the new ones get slots of their own.
             self.pool = dataset.pool = _slot_pool(self.mixture, *self._pool_options)
-        # Held for as long as this pass runs: its batches are views of this mapping.
-        pool = self.pool  # noqa: F841
         self._started = True
         with _frozen_heap():
             loader_iter = iter(self.dataloader)  # forks the workers (num_workers > 0)
-        try:
-            yield from self._deliver(loader_iter)
-        finally:
+        # Workers send groups of batches (mixer.runtime.transport): one batch at a time from here on.
+        single: Iterator[Batch] = ungrouped(loader_iter, self.num_workers) if self.num_workers > 0 else loader_iter
+
+        # The pool is held for as long as this pass runs (by close): its batches are views of this mapping.
+        def close(pool: SlotPool | None = self.pool) -> None:
             # Left early (break, an error, Ctrl-C): without this the DataLoader iterator and its
             # workers live on until the garbage collector finds them, then take ~5 s per worker.
             shutdown = getattr(loader_iter, "_shutdown_workers", None)
             if callable(shutdown) and not self.persistent_workers:
                 shutdown()
 
-    def _deliver(self, loader_iter: Iterator[Any]) -> Iterator[Batch]:
-        # Workers send groups of batches (mixer.runtime.transport): one batch at a time from here on.
-        single: Iterator[Batch] = ungrouped(loader_iter, self.num_workers) if self.num_workers > 0 else loader_iter
+        return single, close
+
+    def _deliver(self, single: Iterator[Batch]) -> Iterator[Batch]:
         # Inside the device feed: a look-ahead batch the ranks agree to drop is never copied.
         source = single if self.sync is None else self.sync.agreed(single)
         batches = source if self.device is None else to_device(source, self.device, prefetch=self.device_prefetch)
@@ -417,17 +482,26 @@ def make_loader(
     # The one list of the options is this signature: the loader is set up here, not in a method
     # that would repeat it.
     loader = Loader.__new__(Loader)
-    loader.mixture = mixture
-    loader.num_workers = num_workers
     # Batches per DataLoader item (see mixer.runtime.transport). One under an Adaptive schedule: its lag
     # counts the batches readers make ahead as prefetch_factor x num_workers (mixer.runtime.feedback).
     adaptive = isinstance(mixture.schedule, Adaptive)
     group = 1 if adaptive else group_size(mixture.max_batch_elements * np.dtype(mixture.dtype).itemsize)
     loader._pool_options = (num_workers, prefetch_factor, multiprocessing_context, group)
     loader.pool = _slot_pool(mixture, *loader._pool_options)
-    # validated now (a ConfigError for "cuda" without CUDA); each iter() builds its own feed
-    loader.device = to_device((), device, prefetch=device_prefetch).device if device is not None else None
-    loader.device_prefetch = device_prefetch
+    loader._setup_delivery(
+        mixture,
+        num_workers=num_workers,
+        in_flight=prefetch_factor,
+        persistent=persistent_workers and num_workers > 0,
+        forked=loader.pool is not None,
+        device=device,
+        device_prefetch=device_prefetch,
+        stats_window=stats_window,
+        sync_stop=sync_stop,
+        sync_end=sync_end,
+        sync_group=sync_group,
+        sync_timeout=sync_timeout,
+    )
     pin_memory = pin_memory or (loader.device is not None and loader.device.type == "cuda")
     generator = torch.Generator()
     generator.manual_seed(seed_for(mixture.seed, "dataloader", mixture.rank) % 2**63)
@@ -437,37 +511,10 @@ def make_loader(
         num_workers=num_workers,
         pin_memory=pin_memory,
         prefetch_factor=prefetch_factor if num_workers > 0 else None,
-        persistent_workers=persistent_workers and num_workers > 0,
+        persistent_workers=loader.persistent_workers,
         timeout=timeout,
         worker_init_fn=_init_worker if num_workers > 0 else None,
         multiprocessing_context=multiprocessing_context if num_workers > 0 else None,
         generator=generator,
-    )
-    loader.persistent_workers = persistent_workers and num_workers > 0
-    loader._started = False
-    loader._resume = None
-    loader._reset_bookkeeping(None)
-    loader._stats = Stats(
-        mixture.names,
-        window=stats_window,
-        num_workers=num_workers,
-        max_tokens=mixture.batching.max_tokens,
-        unit=mixture.unit,
-    )
-    # Equal batch counts over the data-parallel ranks in finite modes (see mixer.runtime.distributed).
-    loader._sync_options = (sync_group, sync_timeout)  # also for an elastic resume's agreement
-    loader.sync = stop_sync(
-        mixture, sync_stop=sync_stop, sync_end=sync_end, sync_group=sync_group, sync_timeout=sync_timeout
-    )
-    loader._feedback = make_feedback(
-        mixture,
-        num_workers=num_workers,
-        prefetch_factor=prefetch_factor,
-        device_prefetch=device_prefetch if loader.device is not None else 0,
-        synced=loader.sync is not None,
-        forked=loader.pool is not None,
-        persistent=loader.persistent_workers,
-        group=sync_group,
-        timeout=sync_timeout,
     )
     return loader

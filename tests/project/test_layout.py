@@ -62,6 +62,7 @@ def test_the_layer_folders_are_the_layers_of_the_import_check():
         "mixing",
         "observe",
         "runtime",
+        "service",
         "config",
         "integrations",
         "cli",

@@ -111,7 +111,7 @@ class MixtureConfig:
     pad_id: int = 0
     dtype: str = "int32"
     state_every: int = DEFAULT_STATE_EVERY
-    buffer_budget: int | None = DEFAULT_BUFFER_BUDGET
+    buffer_budget: int | str | None = DEFAULT_BUFFER_BUDGET
     fields: Mapping[str, Field] | None = None
     profile_cache: str | None = None
     profile_share: bool | None = None

@@ -36,9 +36,9 @@ def fingerprint(mixture: Mixture, fields: Mapping[str, Field] | None) -> str:
                 "pad_id",
                 "dtype",
                 "state_every",
-                "buffer_budget",
             )
         },
+        "buffer_budget": None if mixture.budget is None else mixture.budget.describe(),
     }
     text = json.dumps(described, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32]

@@ -241,7 +241,7 @@ def list_source(source: Source) -> ListedSource:
         from mixer.plan.index import index_for
 
         idx = index_for(source, listed)
-        return ListedSource(source, storage.ShardList(idx.shards), idx.sizes, idx)
+        return ListedSource(source, idx.shards, idx.sizes, idx)
     return ListedSource(source, storage.ShardList(url for url, _ in listed), tuple(nbytes for _, nbytes in listed))
 
 
@@ -249,7 +249,7 @@ def _from_index(ls: ListedSource) -> Profile:
     """[index] The profile an index gives without reading: exact size, lengths from the index."""
     idx = ls.index
     tokens = float(idx.tokens.sum())
-    return Profile(idx.length_sample(), tokens / max(sum(idx.sizes), 1), max(tokens, 1.0), False, origin="index")
+    return Profile(idx.length_sample(), tokens / max(int(idx.sizes.sum()), 1), max(tokens, 1.0), False, origin="index")
 
 
 def profile_sources(

@@ -83,7 +83,7 @@ def plan(
     seed: int,
     source: str,
     epoch: int,
-    sizes: Sequence[int | None] | None = None,
+    sizes: Sequence[int | None] | np.ndarray | None = None,
     index: Ranges | None = None,
 ) -> list[ShardSlice]:
     """This reader's part of one source-epoch, in reading order.
@@ -118,7 +118,7 @@ def plan_all(
     seed: int,
     source: str,
     epoch: int,
-    sizes: Sequence[int | None] | None = None,
+    sizes: Sequence[int | None] | np.ndarray | None = None,
     index: Ranges | None = None,
 ) -> list[list[ShardSlice]]:
     """Every reader's :func:`plan` of one source-epoch at once (reader ``k``'s is ``plan`` with
@@ -155,7 +155,7 @@ _MIN_RUN = 64  # a vectorised round that assigns fewer shards than this gives wa
 _BURST = 4096  # ... for at least this many shards (and at least one round)
 
 
-def _owners_by_size(order: np.ndarray, sizes: Sequence[int | None], readers: int) -> np.ndarray:
+def _owners_by_size(order: np.ndarray, sizes: Sequence[int | None] | np.ndarray, readers: int) -> np.ndarray:
     """The reader of every shard under greedy longest-processing-time: shards by decreasing size
     (ties: earlier in ``order`` first), each onto the least-loaded reader (ties: lowest index).
 

@@ -25,6 +25,7 @@ BENCHMARKS = (
     "layouts",
     "many_sources",
     "buffer_budget",
+    "buffer_memory",
     "adaptive",
     "snapshot_cost",
     "world_scale",

@@ -1,12 +1,14 @@
-"""How a reader's buffer budget (``Mixture(buffer_budget=...)``, issue 14) moves batch quality, at
-many sources: padding efficiency, batch fill, realized token shares, samples held, state size.
+"""How a reader's buffer budget (``Mixture(buffer_budget=...)``) moves batch quality, at many
+sources: padding efficiency, batch fill, realized token shares, samples held, state size (what it
+costs in memory as samples grow longer: ``buffer_memory``).
 
 The sources of ``many_sources`` (2 shards x 120 samples each, lognormal lengths, median 200 tokens),
 ``N`` of them (1,000; ``--quick``: 200) at Zipf shares (``1 / (1 + i)``: a few common sources and a
 long tail, as language or domain partitions are), ``TokenBudget(65536)`` (``--max-tokens``: each
 source holds about one such batch of tokens in all, so smaller budgets show more), one reader in this process
 (no workers: the figures are the reader's own), ``BATCHES`` batches, for each ``mix`` ("batch": one
-source per batch, a batcher per source; "sample": buckets shared by all sources) and each budget:
+source per batch, a batcher per source; "sample": buckets shared by all sources) and each budget
+(in tokens, the default among them, and the old default in samples):
 
 * padding efficiency: real tokens / padded slots (``B * L`` of each batch);
 * batch fill: real tokens per batch / ``max_tokens`` (what a small allotment costs ``mix="batch"``);
@@ -33,7 +35,7 @@ from .many_sources import MAX_TOKENS, _pattern, ensure_sources
 NAME = "buffer_budget"
 SOURCES = {"full": 1000, "quick": 200}
 BATCHES = {"full": 300, "quick": 100}
-BUDGETS: tuple[int | None, ...] = (None, 65536, 16384, 4096)
+BUDGETS: tuple[str | None, ...] = (None, "65536 samples", "32M tokens", "8M tokens", "2M tokens")
 
 
 def _held(reader: Any) -> int:
@@ -41,7 +43,7 @@ def _held(reader: Any) -> int:
     return sum(len(st.buffer) for st in reader.streams) + sum(b.count + sum(map(len, b.ready)) for b in batchers)
 
 
-def measure(n: int, root: Path, mix: str, budget: int | None, batches: int, max_tokens: int) -> dict[str, Any]:
+def measure(n: int, root: Path, mix: str, budget: str | None, batches: int, max_tokens: int) -> dict[str, Any]:
     import mixer
     from mixer.plan.world import World
 
@@ -92,7 +94,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     body = [
         [
             r["mix"],
-            "None" if r["budget"] is None else f"{r['budget']:,}",
+            "None" if r["budget"] is None else str(r["budget"]),
             f"{r['padding_efficiency']:.3f}",
             f"{r['batch_fill']:.2f}",
             f"{r['share_tv']:.3f}",

@@ -66,13 +66,14 @@ class Packer(Generic[T]):
         self.open: list[_Open[T]] = []
         self.ready: deque[PackedGroup[T]] = deque()
         self.emitted = 0
-        self.held = 0  # never more than open_batches batches: nothing for release() to cap in tokens
+        self.held = 0  # tokens placed in the open batches (at most open_batches batches; a buffer budget may cap it)
         self.count = 0  # pieces in the open batches (a split document counts once per piece)
         self._restoring: dict[str, Any] | None = None  # a loaded state waiting for its samples
 
-    def release(self, hold: int, items: int = 1 << 62) -> bool:
-        """Over ``items`` pieces and no batch ready: the oldest open batch leaves, part-filled."""
-        if not self.ready and self.count > items and self.open:
+    def release(self, hold: int, items: int = 1 << 62, tokens: int = 1 << 62) -> bool:
+        """Over ``items`` pieces or ``tokens`` tokens and no batch ready: the oldest open batch
+        leaves, part-filled (``hold`` is a bucketer's; a packer has no buckets to cap)."""
+        if not self.ready and (self.count > items or self.held > tokens) and self.open:
             self._emit(self.open.pop(0))
         return bool(self.ready)
 
@@ -126,6 +127,7 @@ class Packer(Generic[T]):
     def _place(self, batch: _Open[T], row: int, item: T, start: int, count: int) -> None:
         batch.pieces.append((item, row, self.row_len - batch.free[row], start, count))
         self.count += 1
+        self.held += count
         batch.free[row] -= count
         batch.left -= count
 
@@ -145,6 +147,7 @@ class Packer(Generic[T]):
 
     def _emit(self, batch: _Open[T]) -> None:
         self.count -= len(batch.pieces)
+        self.held -= self.rows * self.row_len - batch.left
         self.ready.append(self._group(batch.pieces))
         self.emitted += 1
 
@@ -225,3 +228,4 @@ class Packer(Generic[T]):
                 batch.left -= piece[4]
             self.open.append(batch)
         self.count = sum(len(b.pieces) for b in self.open)
+        self.held = sum(self.rows * self.row_len - b.left for b in self.open)

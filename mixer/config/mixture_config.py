@@ -109,7 +109,7 @@ class MixtureConfig:
     pad_id: int = OPTIONS["pad_id"].default
     dtype: str = OPTIONS["dtype"].default
     state_every: int = OPTIONS["state_every"].default
-    buffer_budget: int | None = OPTIONS["buffer_budget"].default
+    buffer_budget: int | str | None = OPTIONS["buffer_budget"].default
     fields: Mapping[str, Field] | None = None
     profile_cache: str | None = OPTIONS["profile_cache"].default
     profile_share: bool | None = OPTIONS["profile_share"].default

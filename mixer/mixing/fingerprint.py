@@ -7,7 +7,7 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from mixer.mixing.options import STREAM_OPTIONS
+from mixer.mixing.options import OPTIONS, STREAM_OPTIONS
 from mixer.mixing.schedule import describe_schedule
 
 if TYPE_CHECKING:
@@ -25,7 +25,9 @@ def fingerprint(mixture: Mixture, fields: Mapping[str, Field] | None) -> str:
         "batching": mixture.batching.describe(),
         "fields": None if fields is None else {name: f.describe() for name, f in fields.items()},
         "schedule": describe_schedule(mixture.schedule),
-        **{name: getattr(mixture, name) for name in STREAM_OPTIONS},  # the options that decide the stream
+        **{
+            name: OPTIONS[name].describe(getattr(mixture, name)) for name in STREAM_OPTIONS
+        },  # the options that decide the stream
     }
     text = json.dumps(described, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32]

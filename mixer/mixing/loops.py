@@ -51,18 +51,19 @@ def mix_batches(
     probs: Callable[[], np.ndarray],
     holds: Sequence[int],
     caps: Sequence[int],
+    token_caps: Sequence[int],
     active: np.ndarray,
     retire: Callable[[int], bool],
     count_tokens: bool,
 ) -> Iterator[Cut]:
     """Batches, each from the source the selector picks, which is then told the real tokens
     (``count_tokens``) or the samples the batch delivered. ``holds[i]``: what source ``i``'s
-    batcher may hold, in padded tokens, before it releases a batch early; ``caps[i]``: in items
-    (its part of the reader's buffer budget)."""
+    batcher may hold, in padded tokens, before it releases a batch early; ``caps[i]`` in items and
+    ``token_caps[i]`` in padded tokens: its part of the reader's buffer budget."""
     while active.any():
         p = probs()
         i = selector.choose(p, active)
-        samples = _next_batch(streams[i], batchers[i], holds[i], caps[i])
+        samples = _next_batch(streams[i], batchers[i], holds[i], caps[i], token_caps[i])
         if samples is None:
             if not retire(i):
                 return
@@ -72,17 +73,22 @@ def mix_batches(
         yield Cut(samples, np.full(len(samples), i, dtype=np.int64), delivered)
 
 
-def _next_batch(stream: Iterator[Sample], batcher: Batcher[Sample], hold: int, cap: int) -> list[Sample] | None:
+def _next_batch(
+    stream: Iterator[Sample], batcher: Batcher[Sample], hold: int, cap: int, token_cap: int
+) -> list[Sample] | None:
     """The source's next batch: one ready or released, else read until one is; at the end of the
     source's data whatever its batcher still holds, then None. ``ready`` is empty while reading,
-    so checking ``count`` after each add keeps buffers and ready batches within ``cap`` whenever
-    a batch leaves."""
+    so checking ``count`` and ``held`` after each add keeps buffers and ready batches within
+    ``cap`` and ``token_cap`` whenever a batch leaves."""
     ready = batcher.ready
-    if ready or batcher.release(hold, cap):
+    if ready or batcher.release(hold, cap, token_cap):
         return ready.popleft()
     add = batcher.add
+    most = min(hold, token_cap)
     for sample in stream:
-        if add(sample, sample.length) or ((batcher.held > hold or batcher.count > cap) and batcher.release(hold, cap)):
+        if add(sample, sample.length) or (
+            (batcher.held > most or batcher.count > cap) and batcher.release(hold, cap, token_cap)
+        ):
             return ready.popleft()
     return next(batcher.drain(), None)
 
@@ -95,6 +101,7 @@ def mix_samples(
     *,
     probs: Callable[[], np.ndarray],
     caps: Sequence[int],
+    token_caps: Sequence[int],
     active: np.ndarray,
     retire: Callable[[int], bool],
     count_tokens: bool,
@@ -102,8 +109,9 @@ def mix_samples(
 ) -> Iterator[Cut]:
     """Batches of samples whose sources the selector picks one sample at a time (and is told each
     sample's length, or 1), cut by one shared ``batcher``, which releases a batch early when it
-    holds more than ``caps[0]`` items (its part of the reader's buffer budget). ``drain``: when
-    the sources are done, the batches still held follow (a finite pass delivering everything)."""
+    holds more than ``caps[0]`` items or ``token_caps[0]`` padded tokens (its part of the reader's
+    buffer budget). ``drain``: when the sources are done, the batches still held follow (a finite
+    pass delivering everything)."""
     live = bool(active.any())  # (asked again only when a source retires: per sample it costs)
     while live:
         p = probs()
@@ -115,7 +123,10 @@ def mix_samples(
             live = bool(active.any())
             continue
         selector.update(i, sample.length if count_tokens else 1, p)
-        if batcher.add((i, sample), sample.length) or (batcher.count > caps[0] and batcher.release(1 << 62, caps[0])):
+        if batcher.add((i, sample), sample.length) or (
+            (batcher.count > caps[0] or batcher.held > token_caps[0])
+            and batcher.release(1 << 62, caps[0], token_caps[0])
+        ):
             while batcher.ready:
                 yield _cut(batcher.ready.popleft(), layout)
     if drain:

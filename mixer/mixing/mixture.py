@@ -20,9 +20,18 @@ from mixer.batching.batchers import Batcher, make_batcher
 from mixer.batching.collate import Layout, count_delivered, make_layout
 from mixer.errors import ConfigError
 from mixer.mixing.fingerprint import fingerprint
-from mixer.mixing.holding import allot
+from mixer.mixing.holding import UNCAPPED, allot
 from mixer.mixing.loops import Cut, mix_batches, mix_samples
-from mixer.mixing.options import DEFAULT_BUFFER_BUDGET, STREAM_OPTIONS, MixMode, Stop, Unit, check_options
+from mixer.mixing.options import (
+    DEFAULT_BUFFER_BUDGET,
+    STREAM_OPTIONS,
+    BufferBudget,
+    MixMode,
+    Stop,
+    Unit,
+    check_options,
+    parse_buffer_budget,
+)
 from mixer.mixing.schedule import Schedule, SourceInfo, Static, check_schedule
 from mixer.mixing.selector import Deficit, make_selector
 from mixer.plan.edges import bucket_edges
@@ -52,8 +61,6 @@ from mixer.stream.reread import reread
 from mixer.stream.text_stream import make_stream
 
 log = logging.getLogger(__name__)
-
-UNCAPPED = 1 << 62
 
 
 class SlotWriter(Protocol):
@@ -105,10 +112,15 @@ class Mixture(IterableDataset[Batch]):
     (:mod:`mixer.plan.startup`; None: when a group of several ranks is initialized; every rank of it
     must then build the mixture; False: every rank does it all itself).
 
-    ``buffer_budget``: the most samples a reader holds in shuffle buffers and buckets together, over
-    all sources (default 65,536, not reached by a few sources; None: none), apportioned by share
-    (:meth:`Reader._hold_ahead`). With hundreds of sources prefer ``mix="sample"`` (shared buckets):
-    in ``mix="batch"`` a source allotted a few dozen samples makes small batches.
+    ``buffer_budget``: what a reader holds in shuffle buffers and buckets together, over all
+    sources: ``"<n> tokens"`` (default ``"8000000 tokens"``, 32 MB of int32 tokens, not reached by a
+    few sources of short samples; ``k``/``M``/``G`` suffixes) so that its memory does not grow with
+    sample length, ``"<n> samples"`` (the count it was before it had a unit; a bare integer still
+    means that, with a ``FutureWarning``), or None for none; apportioned by share
+    (:meth:`Reader._hold_ahead`, :func:`mixer.mixing.holding.allot`). A node holds about
+    ``ranks x workers x budget`` in its readers' buffers. With hundreds of sources prefer
+    ``mix="sample"`` (shared buckets): in ``mix="batch"`` a source allotted less than a batch
+    makes small batches.
 
     Each ``iter()`` starts the stream from the beginning: same seed, same batches. For exact resume
     use the loader's ``state_dict()`` / ``load_state_dict()``: every ``state_every`` batches a
@@ -147,7 +159,7 @@ class Mixture(IterableDataset[Batch]):
         world_size: int | None = None,
         dp_group: Any = None,
         state_every: int = 64,
-        buffer_budget: int | None = DEFAULT_BUFFER_BUDGET,
+        buffer_budget: int | str | None = DEFAULT_BUFFER_BUDGET,
         fields: Mapping[str, Field] | None = None,
         profile_cache: str | os.PathLike[str] | None = None,
         profile_share: bool | None = None,
@@ -169,10 +181,12 @@ class Mixture(IterableDataset[Batch]):
         options = check_options(given)
         for name in STREAM_OPTIONS:
             setattr(self, name, options[name])
-        if self.buffer_budget is not None and self.buffer_budget < 2 * len(sources):
+        # self.buffer_budget is canonical ("<n> tokens" or "<n> samples"); self.budget the parsed one
+        self.budget: BufferBudget | None = parse_buffer_budget(self.buffer_budget, "Mixture.buffer_budget")
+        if self.budget is not None and self.budget.amount < 2 * len(sources):
             raise ConfigError(
-                f"Mixture.buffer_budget: must give each of the {len(sources)} sources at least 2 samples (shuffle and buckets), "
-                f"so >= {2 * len(sources)}, got {self.buffer_budget}; or None for no budget"
+                f"Mixture.buffer_budget: must give each of the {len(sources)} sources at least 2 {self.budget.unit} (shuffle and buckets), "
+                f"so >= {2 * len(sources)}, got {self.budget.amount}; or None for no budget"
             )
         self.sources = sources
         self.batching = batching
@@ -352,7 +366,9 @@ class Reader:
         self._allotted_for = b""  # the shares _hold_ahead last sized buffers for
         self._target_key, self._target_memo = (-1, -1), self._probs_cache  # (step, tokens) -> the schedule's shares
         self._holds = [0] * n
-        self._caps = [UNCAPPED] * n  # items each batcher may hold (all the same, the shared one's, in mix="sample")
+        # What each batcher may hold, in items and in padded tokens (all the same, the shared one's, in mix="sample").
+        self._caps = [UNCAPPED] * n
+        self._token_caps = [UNCAPPED] * n
         self._replay: int | None = None  # batches to re-run after a restore (None: not restored)
         self._resumed_counters: list[list[int]] | None = None
 
@@ -375,23 +391,23 @@ class Reader:
 
     def _hold_ahead(self, probs: np.ndarray) -> None:
         """What each source may hold ahead now (:func:`mixer.mixing.holding.allot`): its shuffle buffer's
-        limit, its buckets' hold in padded tokens, its batcher's cap in samples."""
+        limits, its buckets' hold in padded tokens, its batcher's caps."""
         if (key := probs.tobytes()) == self._allotted_for:  # (a pure function of the shares)
             return
         self._allotted_for = key
         m = self.mixture
-        limits, self._holds[:], caps = allot(
+        a = allot(
             probs,
             shuffle_buffer=m.shuffle_buffer,
             buckets=[len(e) for e in m.edges],
             max_tokens=m.batching.max_tokens,
-            buffer_budget=m.buffer_budget,
+            budget=m.budget,
             shared=m.mix == "sample",
         )
-        if caps is not None:
-            self._caps[:] = caps
-        for st, limit in zip(self.streams, limits):
-            st.limit = limit
+        self._holds[:], self._caps[:], self._token_caps[:] = a.holds, a.caps, a.token_caps
+        shares = probs / probs.sum()
+        for st, limit, tokens, share in zip(self.streams, a.limits, a.token_limits, shares.tolist()):
+            st.set_limits(limit, tokens, share)
 
     def _target_at(self, step: int) -> np.ndarray:
         """The adaptive shares in effect at ``step`` when there are any, else the schedule's target
@@ -430,6 +446,7 @@ class Reader:
                 m.layout,
                 probs=self._probs,
                 caps=self._caps,
+                token_caps=self._token_caps,
                 active=self.active,
                 retire=self._retire,
                 count_tokens=count_tokens,
@@ -444,6 +461,7 @@ class Reader:
                 probs=self._probs,
                 holds=self._holds,
                 caps=self._caps,
+                token_caps=self._token_caps,
                 active=self.active,
                 retire=self._retire,
                 count_tokens=count_tokens,

@@ -14,7 +14,9 @@ directory, else by its URL. Building is incremental: a shard whose size and vali
 entry is not read again. Loading verifies every entry against the storage (``stat`` for local
 shards; ``info()`` for remote ones, a HEAD request each, in parallel) and reports a stale or missing
 entry by name; ``stale`` chooses what then happens. A mixture asks the storage once per job and
-shares the answers with every rank (:mod:`mixer.plan.startup`, :func:`stat_shard`).
+shares the answers with every rank (:mod:`mixer.plan.startup`, :func:`stat_shard`). What a process
+loads is the index file's columnar twin, mapped (:mod:`mixer.plan.index_columns`): no object per
+shard, one copy of its pages per node.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ import numpy as np
 
 from mixer import storage
 from mixer.errors import ConfigError, MixerError, SampleError, ShardError
-from mixer.plan.shard_index import DEFAULT_NAME, Entry, ShardIndex, decode_file, encode_file
+from mixer.plan.index_columns import SUFFIX, Columns, Row, cache_path, open_columns, write_columns
+from mixer.plan.shard_index import DEFAULT_NAME, EMPTY, Entry, ShardIndex, decode_columns, encode_file, entries_columns
 from mixer.read.counters import Counters
 from mixer.read.sample import _decoded
 from mixer.read.tario import read_samples
@@ -135,52 +138,85 @@ def _index(
         by_loc.setdefault(location or _default_location(url), []).append(i)
     want = tokens_by(source)
     files = {loc: _read(loc, source, want) for loc in by_loc}
+    rows = {loc: _rows(files[loc], [urls[i] for i in shards], loc) for loc, shards in by_loc.items()}
     if current is None:
         current = _current(source, [(u, n) for u, n in listed], files, by_loc, verify, workers)
     elif len(current) != len(urls):
         raise ConfigError(f"source {source.name!r}: index: {len(current)} shard states for {len(urls)} listed shards")
-    entries: list[Entry | None] = [None] * len(urls)
     todo: list[int] = []
     reasons: list[str] = []
     for loc, shards in by_loc.items():
         have = files[loc]
-        for i in shards:
-            e = have.get(_key(urls[i], loc)) or have.get(urls[i])
+        for i, row in zip(shards, rows[loc].tolist()):
             size, validator = current[i]
-            if e is not None and e.size == size and _same(e.validator, validator):
-                entries[i] = e
+            if row >= 0 and int(have.size[row]) == size and _same(have.validator(row), validator):
                 continue
             todo.append(i)
-            if e is None:
+            if row < 0:
                 reasons.append(f"{storage.redact(urls[i])} (no entry)")
             else:
                 now = f"{size} bytes, {validator}" if validator is not None else f"{size} bytes"
-                reasons.append(f"{storage.redact(urls[i])} (indexed: {e.size} bytes, {e.validator}; now: {now})")
+                was = f"{int(have.size[row])} bytes, {have.validator(row)}"
+                reasons.append(f"{storage.redact(urls[i])} (indexed: {was}; now: {now})")
     touched = sorted({loc for loc, shards in by_loc.items() if set(shards) & set(todo)})
     if todo and not build:
         _judge(source, stale, touched, reasons)
     if todo:
-        fresh = _read_shards(source, [urls[i] for i in todo], [current[i] for i in todo], workers, progress)
-        for i, e in zip(todo, fresh):
-            entries[i] = e
+        fresh = dict(
+            zip(todo, _read_shards(source, [urls[i] for i in todo], [current[i] for i in todo], workers, progress))
+        )
         for loc in touched:
-            have = files[loc]
-            for i in by_loc[loc]:
-                have[_key(urls[i], loc)] = entries[i]  # type: ignore[assignment]
-            _write(loc, source, have, want, required=build or stale == "auto")
-    for i, e in enumerate(entries):
-        assert e is not None
-        if e.damage is not None:
-            log.warning(
-                "source %r: index: shard %s is damaged (%s): its %d sample(s) before the damage are read, not the rest",
-                source.name,
-                storage.redact(urls[i]),
-                e.damage,
-                e.samples,
-            )
+            have, found = files[loc], rows[loc]
+            entries = {have.key(r): Entry.from_json(have.as_json(r), loc) for r in range(len(have))}
+            for i, row in zip(by_loc[loc], found.tolist()):
+                entries[_key(urls[i], loc)] = fresh[i] if i in fresh else Entry.from_json(have.as_json(row), loc)
+            files[loc] = _write(loc, source, entries, want, required=build or stale == "auto")
+            rows[loc] = _rows(files[loc], [urls[i] for i in by_loc[loc]], loc)
+    for loc, shards in by_loc.items():
+        have = files[loc]
+        for i, row in zip(shards, rows[loc].tolist()):
+            if row in have.damage:
+                log.warning(
+                    "source %r: index: shard %s is damaged (%s): its %d sample(s) before the damage are read, not the rest",
+                    source.name,
+                    storage.redact(urls[i]),
+                    have.damage[row],
+                    int(have.samples[row]),
+                )
     return ShardIndex(
-        tuple(urls), tuple(e for e in entries if e is not None), want, tuple(by_loc), tuple(urls[i] for i in todo)
+        storage.ShardList(urls),
+        *_placed(files, rows, by_loc, len(urls)),
+        want,
+        tuple(by_loc),
+        tuple(urls[i] for i in todo),
     )
+
+
+def _rows(cols: Columns, urls: list[str], loc: str) -> np.ndarray:
+    """The row of each shard in an index file's columns: by its name relative to the file (else,
+    as files written with a ``location`` elsewhere key it, by its URL); -1 for no entry."""
+    rows = cols.rows([_key(u, loc) for u in urls])
+    missing = np.flatnonzero(rows < 0)
+    if len(missing):
+        rows[missing] = cols.rows([urls[j] for j in missing.tolist()])
+    return rows
+
+
+def _placed(
+    files: dict[str, Columns], rows: dict[str, np.ndarray], by_loc: dict[str, list[int]], n: int
+) -> tuple[tuple[Columns, ...], np.ndarray | None]:
+    """The parts of a :class:`ShardIndex` and where each shard is in them (None: the shards are the
+    rows of one index file in order, nothing per shard to keep)."""
+    locs = list(by_loc)
+    if len(locs) == 1:
+        found = rows[locs[0]]
+        if len(found) == len(files[locs[0]]) and np.array_equal(found, np.arange(len(found))):
+            return (files[locs[0]],), None
+    where = np.zeros((n, 2), dtype=np.int64)
+    for p, loc in enumerate(locs):
+        where[by_loc[loc], 0] = p
+        where[by_loc[loc], 1] = rows[loc]
+    return tuple(files[loc] for loc in locs), where
 
 
 def _same(indexed: str, now: str | None) -> bool:
@@ -233,31 +269,86 @@ def _fs(url: str, source: Source) -> Any:
     return backend.filesystem(scheme, dict(source.storage_options or {}), opts.timeout, DEFAULT_MAX_CONNECTIONS)
 
 
-def _read(loc: str, source: Source, want: str) -> dict[str, Entry]:
-    """The entries of the index file at ``loc`` ({} when there is none, or when it was measured
-    with another decode: then every entry is stale)."""
-    path = local_path(loc)
-    try:
-        if path is not None:
-            with open(path, "rb") as f:
-                data = f.read()
-        else:
-            data = _fs(loc, source).cat_file(loc)
-    except FileNotFoundError:
-        return {}
-    except OSError as exc:
-        raise ShardError(f"source {source.name!r}: cannot read index {storage.redact(loc)}: {exc}") from exc
-    by, entries = decode_file(data, storage.redact(loc))
-    if by != want:
+def _read(loc: str, source: Source, want: str) -> Columns:
+    """The entries of the index file at ``loc`` as columns (none when there is no file, or when it
+    was measured with another decode: then every entry is stale): its columnar twin mapped when
+    one mirrors the file as it is now, else the file parsed once and its twin written for the next
+    reader (:mod:`mixer.plan.index_columns`)."""
+    identity = _identity(loc, source)
+    if identity is None:
+        return EMPTY
+    cols = next((c for c in map(lambda p: open_columns(p, identity), _twins(loc, identity)) if c is not None), None)
+    if cols is None:
+        try:
+            path = local_path(loc)
+            if path is not None:
+                with open(path, "rb") as f:
+                    data = f.read()
+            else:
+                data = _fs(loc, source).cat_file(loc)
+        except FileNotFoundError:
+            return EMPTY
+        except OSError as exc:
+            raise ShardError(f"source {source.name!r}: cannot read index {storage.redact(loc)}: {exc}") from exc
+        cols = _twinned(decode_columns(data, storage.redact(loc), identity), loc)
+    if cols.tokens_by != want:
         log.warning(
             "source %r: index %s measured token lengths with %s, the source uses %s: every entry is stale",
             source.name,
             storage.redact(loc),
-            by,
+            cols.tokens_by,
             want,
         )
-        return {}
-    return entries
+        return EMPTY
+    return cols
+
+
+def _identity(loc: str, source: Source) -> str | None:
+    """What tells this version of the index file at ``loc`` from another (None: there is none):
+    size, modification time and inode of a local file (a rewrite is a new file), size and ETag
+    (else modification time) of a remote one."""
+    try:
+        path = local_path(loc)
+        if path is not None:
+            st = os.stat(path)
+            return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+        info = _fs(loc, source).info(loc)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ShardError(f"source {source.name!r}: cannot read index {storage.redact(loc)}: {exc}") from exc
+    lower = {str(k).lower(): v for k, v in info.items()}
+    tag = next((str(lower[k]) for k in ("etag", "last_modified", "lastmodified", "mtime") if lower.get(k)), "")
+    return f"{info.get('size')}:{tag.strip()}"
+
+
+def _twins(loc: str, identity: str) -> list[str]:
+    """Where the columnar twin of the index file at ``loc`` may be: beside it (a local file), then
+    in this machine's cache (a remote or read-only location); nowhere for a remote file whose
+    storage gives neither ETag nor modification time (a new version could not be told from the
+    twin's: such a file is parsed at every load)."""
+    if identity.endswith(":"):
+        return []
+    path = local_path(loc)
+    beside = [path + SUFFIX] if path is not None else []
+    return [*beside, cache_path(loc, identity)]
+
+
+def _twinned(cols: Columns, loc: str) -> Columns:
+    """``cols`` written as the twin of ``loc`` and mapped from there (the first place that takes
+    it); kept in memory when none does (then only this process holds it)."""
+    assert cols.identity is not None
+    for path in _twins(loc, cols.identity):
+        try:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            write_columns(cols, path)
+        except OSError as exc:
+            log.debug("index %s: cannot write its columns to %s (%s)", storage.redact(loc), path, exc)
+            continue
+        mapped = open_columns(path, cols.identity)
+        if mapped is not None:
+            return mapped
+    return cols
 
 
 def _writable(loc: str) -> bool:
@@ -267,7 +358,8 @@ def _writable(loc: str) -> bool:
     return backend_for(loc).read_only is None  # object stores: try, and say so if it fails
 
 
-def _write(loc: str, source: Source, entries: dict[str, Entry], want: str, *, required: bool) -> None:
+def _write(loc: str, source: Source, entries: dict[str, Entry], want: str, *, required: bool) -> Columns:
+    """Write the index file at ``loc`` (and its twin); returns its entries as columns."""
     data = encode_file(entries, want, gz=loc.endswith(".gz"))
     path, read_only = local_path(loc), backend_for(loc).read_only
     try:
@@ -291,12 +383,16 @@ def _write(loc: str, source: Source, entries: dict[str, Entry], want: str, *, re
         log.warning(
             "source %r: cannot rewrite index %s (%s); re-indexed in memory only", source.name, storage.redact(loc), exc
         )
+        return entries_columns(entries, want, None)
+    identity = _identity(loc, source)
+    cols = entries_columns(entries, want, identity)
+    return _twinned(cols, loc) if identity is not None else cols
 
 
 def _current(
     source: Source,
     listed: list[tuple[str, int | None]],
-    files: dict[str, dict[str, Entry]],
+    files: dict[str, Columns],
     by_loc: dict[str, list[int]],
     verify: bool,
     workers: int,
@@ -304,7 +400,7 @@ def _current(
     """Every shard's (size, validator) now: local shards by ``stat``, remote ones by ``info()`` (in
     parallel), except, with ``verify=False``, remote shards with an entry: the listing's size
     (or the entry's when the listing gave none) and no validator check."""
-    known: dict[int, Entry] = {}
+    known: dict[int, Row] = {}
     if not verify:
         for loc, shards in by_loc.items():
             for i in shards:

@@ -313,7 +313,7 @@ def listed_from(
         from mixer.plan.index import index_for
 
         idx = index_for(source, listed, states)
-        return ListedSource(source, storage.ShardList(idx.shards), idx.sizes, idx)
+        return ListedSource(source, idx.shards, idx.sizes, idx)
     return ListedSource(source, storage.ShardList(url for url, _ in listed), tuple(nbytes for _, nbytes in listed))
 
 
@@ -325,7 +325,7 @@ def _from_index(ls: ListedSource, budget: TokenBudget | Packed) -> Profile:
     decode = ls.source.decode
     if isinstance(decode, TextDecode):  # an index counts documents: the stream delivers their chunks
         lengths = chunk_lengths(lengths, decode.chunk_length(budget.longest))
-    return Profile(lengths, tokens / max(sum(idx.sizes), 1), max(tokens, 1.0), False, origin="index")
+    return Profile(lengths, tokens / max(int(idx.sizes.sum()), 1), max(tokens, 1.0), False, origin="index")
 
 
 def profile_sources(

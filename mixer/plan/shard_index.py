@@ -7,7 +7,8 @@ member starts on one) as ``uint32``, token lengths as ``uint32``, each zlib-comp
 encoded: about 1-3 bytes per sample instead of a JSON object per sample (as MosaicML streaming's
 ``index.json`` and litdata's index keep per-shard arrays, not per-sample records).
 The per-sample arrays are decoded lazily, shard by shard: a plan needs the lengths of at most two
-shards per reader, and a profile of a few.
+shards per reader, and a profile of a few. A loaded index is not this JSON but its columnar twin,
+mapped (:mod:`mixer.plan.index_columns`): the JSON file is what is written and read by other readers.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import base64
 import gzip
 import json
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, BinaryIO, cast
@@ -24,6 +25,7 @@ from typing import Any, BinaryIO, cast
 import numpy as np
 
 from mixer.errors import ConfigError
+from mixer.plan.index_columns import Columns
 from mixer.plan.shards import ShardSlice
 from mixer.read.tarheader import BLOCK, ZERO_BLOCK
 from mixer.storage import ReadAhead, codec_of
@@ -120,8 +122,7 @@ def encode_file(entries: dict[str, Entry], tokens_by: str, *, gz: bool) -> bytes
     return gzip.compress(data, 6, mtime=0) if gz else data
 
 
-def decode_file(data: bytes, where: str) -> tuple[str, dict[str, Entry]]:
-    """``(tokens_by, entries)`` of an index file's bytes; a foreign or broken file is a ConfigError."""
+def _document(data: bytes, where: str) -> dict[str, Any]:
     try:
         if data[:2] == b"\x1f\x8b":
             data = gzip.decompress(data)
@@ -134,54 +135,108 @@ def decode_file(data: bytes, where: str) -> tuple[str, dict[str, Entry]]:
         raise ConfigError(
             f"index {where}: version {doc.get('version')!r}, this mixer reads version {VERSION}: rebuild it with `mixer index`"
         )
+    return doc
+
+
+def decode_file(data: bytes, where: str) -> tuple[str, dict[str, Entry]]:
+    """``(tokens_by, entries)`` of an index file's bytes; a foreign or broken file is a ConfigError."""
+    doc = _document(data, where)
     return str(doc.get("tokens_by")), {
         k: Entry.from_json(v, f"index {where}, shard {k!r}") for k, v in doc["shards"].items()
     }
 
 
-@dataclass(frozen=True)
-class ShardIndex:
-    """The index of one source's listed shards, in listing order (``entries[i]`` is ``shards[i]``).
-    ``counts``, ``tokens``, ``weights`` and ``sizes`` are per-shard arrays; the per-sample arrays
-    come from :meth:`offsets` and :meth:`lengths` (decoded on demand). ``locations``: the index
-    files it was read from (and written to); ``reindexed``: the shards read to make or refresh it."""
+def decode_columns(data: bytes, where: str, identity: str | None) -> Columns:
+    """An index file's bytes as :class:`~mixer.plan.index_columns.Columns` (in memory), without an
+    object per entry; a foreign or broken file is a ConfigError naming the shard."""
+    doc = _document(data, where)
+    return Columns.from_json(doc["shards"], str(doc.get("tokens_by")), identity, f"index {where}")
 
-    shards: tuple[str, ...]
-    entries: tuple[Entry, ...]
+
+def entries_columns(entries: Mapping[str, Entry], tokens_by: str, identity: str | None) -> Columns:
+    """``entries`` (keyed by shard name) as columns in memory."""
+    return Columns.from_json({k: e.to_json() for k, e in entries.items()}, tokens_by, identity)
+
+
+EMPTY = entries_columns({}, "", None)
+
+
+@dataclass(frozen=True, eq=False)
+class ShardIndex:
+    """The index of one source's listed shards, in listing order: shard ``i`` is row ``where[i, 1]``
+    of ``parts[where[i, 0]]`` (the columns of the index files it was read from, mapped; ``where`` is
+    None when the shards are the rows of ``parts[0]`` in order, the usual case of one index file
+    for one folder of shards: then nothing per shard is copied). ``counts``, ``tokens``, ``weights``
+    and ``sizes`` are per-shard arrays; the per-sample arrays come from :meth:`offsets` and
+    :meth:`lengths` (decoded on demand, a shard at a time). ``locations``: the index files it was
+    read from (and written to); ``reindexed``: the shards read to make or refresh it."""
+
+    shards: Sequence[str]
+    parts: tuple[Columns, ...]
+    where: np.ndarray | None
     tokens_by: str
     locations: tuple[str, ...] = ()
     reindexed: tuple[str, ...] = ()
 
+    def _column(self, name: str) -> np.ndarray:
+        if self.where is None:
+            return getattr(self.parts[0], name)
+        out = np.zeros(len(self.where), dtype=np.int64)
+        for p, cols in enumerate(self.parts):
+            mine = self.where[:, 0] == p
+            out[mine] = getattr(cols, name)[self.where[mine, 1]]
+        return out
+
     @cached_property
     def counts(self) -> np.ndarray:
-        return np.fromiter((e.samples for e in self.entries), dtype=np.int64, count=len(self.entries))
+        return self._column("samples")
 
     @cached_property
     def tokens(self) -> np.ndarray:
-        return np.fromiter((e.tokens for e in self.entries), dtype=np.int64, count=len(self.entries))
+        return self._column("tokens")
 
     @cached_property
     def weights(self) -> np.ndarray:
-        return np.fromiter((e.weight for e in self.entries), dtype=np.int64, count=len(self.entries))
+        return self._column("weight")
+
+    @cached_property
+    def sizes(self) -> np.ndarray:
+        """Each shard's byte size (an int64 array)."""
+        return self._column("size")
+
+    def _row(self, shard: int) -> tuple[Columns, int]:
+        if self.where is None:
+            return self.parts[0], shard
+        p, row = self.where[shard]
+        return self.parts[int(p)], int(row)
 
     @property
-    def sizes(self) -> tuple[int, ...]:
-        return tuple(e.size for e in self.entries)
+    def entries(self) -> tuple[Entry, ...]:
+        """Every shard's :class:`Entry`, made on demand (an object per shard: for inspection; the
+        mixture's readers use the columns)."""
+        return tuple(self.entry(i) for i in range(len(self.shards)))
+
+    def entry(self, shard: int) -> Entry:
+        cols, row = self._row(shard)
+        return Entry.from_json(cols.as_json(row), f"shard {shard}")
 
     def offsets(self, shard: int) -> np.ndarray:
-        return self.entries[shard].offsets()
+        cols, row = self._row(shard)
+        return cols.offsets(row)
 
     def lengths(self, shard: int) -> np.ndarray:
-        return self.entries[shard].lengths()
+        cols, row = self._row(shard)
+        return cols.lengths(row)
 
     def whole(self, shard: int) -> bool:
         """Whether reading the shard to its end reads exactly its indexed samples (not damaged)."""
-        return self.entries[shard].damage is None
+        cols, row = self._row(shard)
+        return row not in cols.damage
 
     def length_sample(self, limit: int = 1 << 16) -> np.ndarray:
         """Token lengths for bucket edges: every sample's when there are at most about ``limit``,
         else those of shards spread evenly over the list until ``limit`` are taken."""
-        n = len(self.entries)
+        n = len(self.shards)
         total = int(self.counts.sum())
         picks = (
             range(n)

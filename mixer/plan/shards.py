@@ -83,7 +83,7 @@ def plan(
     seed: int,
     source: str,
     epoch: int,
-    sizes: Sequence[int | None] | None = None,
+    sizes: Sequence[int | None] | np.ndarray | None = None,
     index: Ranges | None = None,
 ) -> list[ShardSlice]:
     """This reader's part of one source-epoch, in reading order.
@@ -118,7 +118,7 @@ def plan_all(
     seed: int,
     source: str,
     epoch: int,
-    sizes: Sequence[int | None] | None = None,
+    sizes: Sequence[int | None] | np.ndarray | None = None,
     index: Ranges | None = None,
 ) -> list[list[ShardSlice]]:
     """Every reader's :func:`plan` of one source-epoch at once (reader ``k``'s is ``plan`` with
@@ -137,7 +137,7 @@ def plan_some(
     seed: int,
     source: str,
     epoch: int,
-    sizes: Sequence[int | None] | None = None,
+    sizes: Sequence[int | None] | np.ndarray | None = None,
     index: Ranges | None = None,
 ) -> dict[int, list[ShardSlice]]:
     """The :func:`plan` of readers ``ks`` of ``readers``, by reader: one order and one assignment for
@@ -164,7 +164,7 @@ def plan_some(
     return {k: [ShardSlice(s) for s in order[owners == k].tolist()] for k in ks}
 
 
-def _unsized(sizes: Sequence[int | None]) -> bool:
+def _unsized(sizes: Sequence[int | None] | np.ndarray) -> bool:
     """Whether some shard's size is unknown (a C-level scan: a source lists up to ~1e5 shards)."""
     if isinstance(sizes, np.ndarray):
         return sizes.dtype == object and any(s is None for s in sizes)
@@ -181,7 +181,7 @@ _MIN_RUN = 64  # a vectorised round that assigns fewer shards than this gives wa
 _BURST = 4096  # ... for at least this many shards (and at least one round)
 
 
-def _owners_by_size(order: np.ndarray, sizes: Sequence[int | None], readers: int) -> np.ndarray:
+def _owners_by_size(order: np.ndarray, sizes: Sequence[int | None] | np.ndarray, readers: int) -> np.ndarray:
     """The reader of every shard under greedy longest-processing-time: shards by decreasing size
     (ties: earlier in ``order`` first), each onto the least-loaded reader (ties: lowest index).
 

@@ -12,6 +12,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import Any, Literal
 
+import numpy as np
+
 from mixer import _check, storage
 from mixer.errors import ConfigError
 from mixer.state.checkpoint import qualname
@@ -147,7 +149,7 @@ class ListedSource:
 
     source: Source
     shards: Sequence[str]  # a storage.ShardList (compact), or any sequence of URLs
-    shard_bytes: tuple[int | None, ...]
+    shard_bytes: Sequence[int | None] | np.ndarray  # an array (the index's column) for an indexed source
     index: Any = None
 
     @property

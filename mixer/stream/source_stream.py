@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
@@ -30,9 +31,20 @@ log = logging.getLogger(__name__)
 
 REFILL_BURST = 64
 """The most samples a shuffle buffer reads per refill (half its size when smaller): see `SourceStream.__next__`."""
-READ_CHUNK = 1 << 20  # what a stream's reads of a shard ask for (mixer.read.tario.read_chunks)...
-SMALL_CHUNK = 64 << 10  # ... while the open-shards cap binds (see SourceStream._open_next),
+NO_LIMIT = 1 << 62  # a shuffle buffer without a limit in tokens
+TOKEN_REFILL = 4
+"""A shuffle buffer held to a number of tokens refills once it is down by this fraction of them (a
+quarter): `REFILL_BURST` in tokens, for buffers of a few samples (a rarely read source's, at a
+small budget share) as for large ones, so that a cold stream reopens its shard once per few samples."""
+READ_CHUNK = 1 << 20  # the most a stream's reads of a shard ask for (mixer.read.tario.read_chunks)...
+SMALL_CHUNK = (
+    64 << 10
+)  # ... the least, and what they ask for while the open-shards cap binds (see SourceStream._open_next),
 FIRST_READ = 8 << 10  # the first of them smaller still, doubling (mixer.storage.windows.GrowingReads)
+READ_AHEAD = 4 << 20
+"""What one read of each of a reader's streams asks for together, split by share (`SourceStream.set_limits`):
+a stream at a quarter share or more reads `READ_CHUNK` at a time, one at 1% `SMALL_CHUNK`. The bytes read and
+not yet taken (about two reads per open shard) are what a reader of many sources holds beside its buffers."""
 
 
 class SourceStream:
@@ -78,9 +90,14 @@ class SourceStream:
         # The shuffle buffer's size; shrunk to one epoch's worth when a reader's part of an epoch is
         # smaller, so that the buffer never mixes several epochs of a small source.
         self.buffer_size = shuffle_buffer
-        # A cap the mixture sets from the source's share (see Reader._probs): a rarely read source
-        # keeps a smaller buffer, so it does not read ahead (and hold) a full buffer for a trickle.
+        # Caps the mixture sets from the source's share and the reader's buffer budget (see
+        # Reader._hold_ahead, set_limits): a rarely read source keeps a smaller buffer, so it does
+        # not read ahead (and hold) a full buffer for a trickle; in samples and in tokens.
         self.limit = shuffle_buffer
+        self.token_limit = NO_LIMIT
+        self._refill_below = NO_LIMIT
+        self.held = 0  # tokens (sample lengths) in the buffer
+        self.read_chunk = READ_CHUNK
         # A private generator (never the global one): cheap per-sample draws for the shuffle buffer.
         self.rng = Draws(seed, "shuffle", source.name, world.reader)
         # Shards given up under on_error="skip": (epoch, slice position) -> (samples read before,
@@ -115,28 +132,60 @@ class SourceStream:
     def __iter__(self) -> Iterator[Sample]:
         return self
 
+    def set_limits(self, limit: int, tokens: int = NO_LIMIT, share: float = 1.0) -> None:
+        """Hold at most ``limit`` samples (and the buffer's size) and, past ``tokens`` tokens, no more;
+        read shards ``share`` of `READ_AHEAD` at a time (from the next shard opened)."""
+        self.limit = limit
+        self.token_limit = tokens
+        self._refill_below = tokens - tokens // TOKEN_REFILL if tokens < NO_LIMIT else NO_LIMIT
+        self.read_chunk = max(SMALL_CHUNK, min(READ_CHUNK, int(READ_AHEAD * share)))
+
     def __next__(self) -> Sample:
         buf = self.buffer
         size = self.buffer_size if self.buffer_size < self.limit else self.limit
         # Refill in bursts: once the buffer is down by `burst` (half its size, at most
-        # REFILL_BURST), read it full in one go, then hand out one at random. A rarely read source
-        # whose shard the open-shards cap closed between visits then reopens it once per `burst`
-        # samples, not once per sample. A function of the buffer's length and size only (both in
-        # the checkpoint), never of whether the shard happens to be open, so a resumed run refills
-        # at the same points. When the cap went down, the excess is handed out first; when the
-        # pass is over, what the buffer holds. (This runs once per sample: no calls it can avoid.)
-        if len(buf) <= size - (REFILL_BURST if size >= 2 * REFILL_BURST else size >> 1 or 1) or not buf:
+        # REFILL_BURST) and by 1 / TOKEN_REFILL of its token limit, read it full in one go, then
+        # hand out one at random. A rarely read source whose shard the open-shards cap closed
+        # between visits then reopens it once per burst, not once per sample. A function of the
+        # buffer's samples and size only (both in the checkpoint), never of whether the shard
+        # happens to be open, so a resumed run refills at the same points. When a cap went down,
+        # the excess is handed out first; when the pass is over, what the buffer holds. (This
+        # runs once per sample: no calls it can avoid.)
+        if (
+            len(buf) <= size - (REFILL_BURST if size >= 2 * REFILL_BURST else size >> 1 or 1)
+            and self.held <= self._refill_below
+        ) or not buf:
             if size <= 1 and not buf:  # no buffer: straight from the shard
                 one: list[Sample] = []
                 if not self._read_into(one, 1):
                     raise StopIteration
                 return one[0]
-            # (the size is asked again after each shard opened: it shrinks at a small epoch's end)
-            while (want := min(self.buffer_size, self.limit) - len(buf)) > 0 and self._read_into(buf, want):
-                pass
+            self._refill(buf)
             if not buf:
                 raise StopIteration
-        return self.rng.take(buf)
+        sample = self.rng.take(buf)
+        self.held -= sample.length
+        return sample
+
+    def _refill(self, buf: list[Sample]) -> None:
+        """Read the buffer full: to its size in samples, and under a token limit only until it holds
+        that many tokens (the run of samples that reaches the limit is the last). Under a token limit it
+        reads a number of samples fixed by the buffer's contents at a time (`_fits`: half the
+        tokens left to the limit over the mean length held), never "until the limit" counted
+        after each read, whose reads end where shards happen to open: so where a
+        refill stops depends on the samples only, as a resumed run needs."""
+        tokens = self.token_limit
+        while self.held < tokens:
+            n = len(buf)
+            step = tokens if tokens == NO_LIMIT else _fits(tokens - self.held, n, self.held)
+            # (the size is asked again after each shard opened: it shrinks at a small epoch's end)
+            while (want := min(self.buffer_size, self.limit, n + step) - len(buf)) > 0 and self._read_into(buf, want):
+                pass
+            if len(buf) == n:
+                return
+            self.held += sum(map(_LENGTH, buf[n:]))
+            if tokens == NO_LIMIT:
+                return
 
     def _plan(self, epoch: int) -> list[ShardSlice]:
         if epoch == self.inherit_epoch:
@@ -342,7 +391,7 @@ class SourceStream:
             # is read and not taken before the shard is closed is dropped and read again: read in
             # small chunks, the first ones smaller still (mixer.storage.windows.GrowingReads).
             small = not ahead or self._shards.full
-            chunk = SMALL_CHUNK if small else READ_CHUNK
+            chunk = SMALL_CHUNK if small else self.read_chunk
             reads = growing_reads(self._handle, FIRST_READ) if small else self._handle
             self._chunks = read_chunks(reads, url=storage.redact(url), start_offset=self.next_offset, chunk_size=chunk)
             self._retries_counted = 0
@@ -475,6 +524,20 @@ class SourceStream:
 
     def attach(self, lookup: Callable[[tuple[int, ...]], Sample]) -> None:
         self.buffer, self._restoring = [lookup(loc) for loc in self._restoring], []
+        self.held = sum(map(_LENGTH, self.buffer))
+
+
+_LENGTH = operator.attrgetter("length")
+
+
+def _fits(room: int, n: int, held: int) -> int:
+    """How many samples to read next into ``room`` tokens, from the ``n`` samples of ``held`` tokens
+    in the buffer: those that fill about half the room at their mean length (so a run rarely
+    overshoots; the last runs are of one sample), at least 1, at most ``n`` (the buffer at most
+    doubles at a time)."""
+    if n == 0 or held <= 0:
+        return 1
+    return max(1, min(n, room * n // (2 * held)))
 
 
 # make_sample's default case for runs of samples, in C (mixer/_native/_tarwalk.c); None without the compiled core

@@ -8,6 +8,7 @@ import glob
 import os
 import re
 import textwrap
+import warnings
 from typing import Any
 
 import numpy as np
@@ -146,6 +147,7 @@ ROUND_TRIP = {
             "max_wait": 5,
         },
         state_every=16,
+        buffer_budget="2M tokens",
         sources=[
             {
                 "name": "a",
@@ -246,7 +248,7 @@ def test_to_dict_is_canonical():
         "pad_id": 0,
         "dtype": "int32",
         "state_every": 64,
-        "buffer_budget": 65536,
+        "buffer_budget": "8000000 tokens",
     }
 
 
@@ -293,6 +295,33 @@ def test_defaults():
     assert spec.sources[1] == Source(name="b", urls=("/d/b-0.tar", "/d/b-1.tar"))
     assert spec.batching == TokenBudget(max_tokens=4096)
     assert (spec.state_every, spec.fields, spec.batching.max_wait) == (64, None, None)
+
+
+def test_a_buffer_budget_carries_its_unit():
+    """Tokens by default; ``k``/``M``/``G`` suffixes; the canonical form writes the integer."""
+    assert parse_config(small()).buffer_budget == "8000000 tokens"
+    for given, canonical in [
+        ("8M tokens", "8000000 tokens"),
+        ("64k tokens", "64000 tokens"),
+        ("1G tokens", "1000000000 tokens"),
+        ("16_000_000 tokens", "16000000 tokens"),
+        ("65536 samples", "65536 samples"),
+        (None, None),
+    ]:
+        spec = parse_config(small(buffer_budget=given))
+        assert spec.buffer_budget == canonical
+        assert spec.to_dict()["buffer_budget"] == canonical and parse_config(spec.to_dict()) == spec
+
+
+def test_a_bare_integer_budget_still_counts_samples_and_says_so():
+    """An integer is what a budget was before it had a unit (samples): it keeps that meaning, and
+    warns once, where it is given, how to say it from now on."""
+    with pytest.warns(FutureWarning, match=r"buffer_budget=4096: a bare integer counts samples.*'4096 samples'"):
+        spec = parse_config(small(buffer_budget=4096))
+    assert spec.buffer_budget == "4096 samples"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert parse_config(spec.to_dict()) == spec  # the canonical form does not warn again
 
 
 def test_integral_floats_are_integers():
@@ -442,6 +471,17 @@ ERRORS = [
     (_set("shuffle_buffer", -5), "shuffle_buffer: must be >= 0, got -5"),
     (_set("buffer_budget", 0), "buffer_budget: must be >= 1, got 0"),
     (_set("buffer_budget", 2.5), "buffer_budget: must be an integer, got 2.5"),
+    (_set("buffer_budget", "0 tokens"), "buffer_budget: must be >= 1, got 0"),
+    (
+        _set("buffer_budget", "64MiB"),
+        "buffer_budget: must be a number of tokens or samples such as '8M tokens' or '65536 samples' "
+        "(units: tokens, samples; suffixes k, M, G), got '64MiB'",
+    ),
+    (
+        _set("buffer_budget", "8M bytes"),
+        "buffer_budget: must be a number of tokens or samples such as '8M tokens' or '65536 samples' "
+        "(units: tokens, samples; suffixes k, M, G), got '8M bytes'",
+    ),
     (_set("pad_id", True), "pad_id: must be an integer, got True"),
     (_set("dtype", "float32"), "dtype: must be one of 'int32', 'int64', got 'float32'"),
     (_set("state_every", 0), "state_every: must be >= 1, got 0"),

@@ -162,7 +162,8 @@ def test_state_from_a_different_mixture_is_refused(shards):
         mixture(shards, seed=1),
         mixture(shards, shuffle_buffer=65),
         mixture(shards, selector="random"),
-        mixture(shards, buffer_budget=600),
+        mixture(shards, buffer_budget="600 samples"),
+        mixture(shards, buffer_budget="600k tokens"),
     ):
         with pytest.raises(mixer.StateError, match="different mixture"):
             mixer.make_loader(other).load_state_dict(state)

@@ -344,3 +344,105 @@ def test_a_damaged_shard_is_indexed_up_to_the_damage_under_skip(tmp_path, caplog
         k for k in lengths if k.startswith("d-000000") or int(k[-6:]) < 10 and k.startswith("d-000001")
     )
     assert max(seen.values()) == 1
+
+
+# ---- the columnar twin: what a process loads --------------------------------------------------
+
+
+def test_a_loaded_index_is_its_twin_mapped_not_the_json_parsed(sources, monkeypatch):
+    """The first load writes the twin beside the index file; later loads map it and parse no JSON
+    (the parser is made to fail), with the same entries; nothing per shard is copied (the shards
+    are the twin's rows in order)."""
+    from mixer.plan import index as index_module
+
+    pattern, _ = sources["many"]
+    built = mixer.build_index(pattern)
+    twin = built.locations[0] + ".columns"
+    assert os.path.exists(twin) and built.parts[0].path == twin and built.where is None
+
+    def no_json(*args, **kwargs):
+        raise AssertionError("the index file was parsed although its twin holds it")
+
+    monkeypatch.setattr(index_module, "decode_columns", no_json)
+    loaded = mixer.load_index(pattern)
+    assert loaded.entries == built.entries and loaded.counts.tolist() == [30] * 5
+    assert isinstance(loaded.counts, np.ndarray) and not loaded.counts.flags.writeable  # a view of the mapping
+    for shard in range(5):
+        assert np.array_equal(loaded.offsets(shard), built.entries[shard].offsets())
+        assert np.array_equal(loaded.lengths(shard), built.entries[shard].lengths())
+
+
+def test_a_twin_of_another_version_or_broken_is_written_again(sources, caplog):
+    """The twin mirrors one version of the index file: rewritten (by a stale shard re-indexed), the
+    file gets a new twin; a damaged twin is ignored and replaced; the JSON stays the one written."""
+    pattern, _ = sources["few"]
+    first = mixer.build_index(pattern)
+    twin = first.locations[0] + ".columns"
+    changed = pattern.replace("{000000..000001}", "000001")
+    os.utime(changed, ns=(1, 1))
+    with caplog.at_level("WARNING", logger="mixer.plan.index"):
+        again = mixer.load_index(pattern)  # re-indexes the shard and rewrites the file
+    assert [os.path.basename(u) for u in again.reindexed] == ["few-000001.tar"]
+    assert again.parts[0].path == twin and again.entries[1].validator == "mtime:1"
+    assert mixer.load_index(pattern, stale="refuse").entries == again.entries
+    with open(twin, "r+b") as f:
+        f.write(b"garbage!")
+    assert mixer.load_index(pattern, stale="refuse").entries == again.entries
+    with open(twin, "rb") as f:
+        assert f.read(8) == b"MIXERCOL"  # written again
+    doc = json.loads(gzip.decompress(open(first.locations[0], "rb").read()))
+    assert doc["version"] == 1 and sorted(doc["shards"]) == ["few-000000.tar", "few-000001.tar"]
+
+
+def test_an_index_whose_folder_takes_no_twin_is_twinned_in_the_machine_cache(sources, tmp_path, monkeypatch):
+    """Where the twin cannot be written beside the index file (a read-only dataset folder; here the
+    name is taken by a folder, which fails the same way for any user), it goes to this machine's
+    temporary directory, named for the index file and its version, and older versions' twins of
+    the same file there are removed."""
+    import tempfile
+
+    pattern, _ = sources["few"]
+    built = mixer.build_index(pattern)
+    beside = built.locations[0] + ".columns"
+    os.unlink(beside)
+    os.mkdir(beside)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "machine-tmp"))
+    cache = tmp_path / "machine-tmp" / "mixer-index-columns"
+    loaded = mixer.load_index(pattern, stale="refuse")
+    first = loaded.parts[0].path
+    assert first.startswith(str(cache)) and first.endswith(".columns") and loaded.entries == built.entries
+    os.utime(pattern.replace("{000000..000001}", "000000"), ns=(1, 1))
+    again = mixer.load_index(pattern)  # re-indexed: a new version of the index file, a new twin
+    assert again.parts[0].path != first and sorted(os.listdir(cache)) == [os.path.basename(again.parts[0].path)]
+
+
+def test_a_twin_travels_to_a_spawned_worker_as_its_path(sources):
+    """Pickled (a spawned DataLoader worker's copy of the mixture), a mapped index is its twin's
+    path, mapped again on arrival; one held in memory travels as its arrays."""
+    import pickle
+
+    from mixer.plan.shard_index import entries_columns
+
+    pattern, _ = sources["many"]
+    idx = mixer.load_index(pattern)
+    data = pickle.dumps(idx)
+    assert len(data) < 2000  # the path and a few fields, not the columns
+    back = pickle.loads(data)
+    assert back.parts[0].path == idx.parts[0].path and back.entries == idx.entries
+    held = entries_columns({f"s{i}": e for i, e in enumerate(idx.entries)}, idx.tokens_by, None)
+    again = pickle.loads(pickle.dumps(held))
+    assert again.path is None and np.array_equal(again.samples, held.samples)
+    assert [again.offsets(r).tolist() for r in range(5)] == [e.offsets().tolist() for e in idx.entries]
+
+
+@pytest.mark.slow
+def test_every_sample_exactly_once_with_an_index_in_spawned_workers(sources):
+    """The same pass as above through spawned workers (each maps the twin itself)."""
+    pattern, lengths = sources["many"]
+    mixer.build_index(pattern)
+    src = mixer.Source("many", pattern, index=True)
+    mix = mixer.Mixture([src], batching=mixer.TokenBudget(max_tokens=1024), stop="all_exhausted")
+    got = collect(mixer.make_loader(mix, num_workers=2, multiprocessing_context="spawn"))
+    assert sorted(k for k, _ in got) == sorted(lengths)
+    for key, tokens in got:
+        assert np.array_equal(tokens, expected_tokens(key, lengths[key]))

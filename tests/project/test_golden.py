@@ -306,6 +306,16 @@ def test_fingerprint(patterns, golden, config):
     golden.check("fingerprints.json", config, described(CONFIGS[config](patterns)))
 
 
+def test_a_budget_in_samples_keeps_the_fingerprint_of_a_bare_count(patterns, golden):
+    """``buffer_budget="65536 samples"`` is the budget a bare ``65536`` meant (the default before the
+    budget counted tokens), and its fingerprint is the one that budget had: a state saved then loads."""
+    golden.check(
+        "fingerprints.json",
+        "65536-samples",
+        {name: make(patterns, buffer_budget="65536 samples").fingerprint for name, make in CONFIGS.items()},
+    )
+
+
 def take(loader: mixer.Loader, n: int, *, feedback: bool = False) -> Iterator[Any]:
     """The first ``n`` batches, not one more (the state counts what was handed out); with
     ``feedback``, each is reported back with a made-up per-sample loss, as a training loop does."""

@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -68,7 +69,7 @@ def _spec_sources(http: FaultyHTTPServer) -> list[dict[str, Any]]:
     return [*prefixes, {"name": "idx", "urls": http.url("idx/"), "index": True}]
 
 
-def _torchrun(nproc: int, spec: dict[str, Any], out: Path) -> list[dict[str, Any]]:
+def _torchrun(nproc: int, spec: dict[str, Any], out: Path, tmp: Path | None = None) -> list[dict[str, Any]]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec.json").write_text(json.dumps(spec))
     with socket.socket() as s:
@@ -91,13 +92,28 @@ def _torchrun(nproc: int, spec: dict[str, Any], out: Path) -> list[dict[str, Any
         OMP_NUM_THREADS="1",
         PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     )
+    if tmp is not None:  # where the index's mapped twin goes (a remote index file's): fresh per job
+        tmp.mkdir(parents=True, exist_ok=True)
+        env["TMPDIR"] = str(tmp)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
     assert proc.returncode == 0, f"torchrun x{nproc} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
-def _index_gets(http: FaultyHTTPServer) -> int:
-    return len(http.requests("idx/mixer-index.json.gz"))
+INDEX_FILE = "idx/mixer-index.json.gz"
+
+
+def _storage_counts(http: FaultyHTTPServer) -> dict[str, int]:
+    """`http.counts()` without the requests for the index file itself, which every rank makes (one
+    HEAD: which version it is; one GET unless this machine's mapped twin of that version serves)."""
+    counts = http.counts()
+    for r in http.requests(INDEX_FILE, method=None):
+        counts[r.method] -= 1
+    return counts
+
+
+def _index_file_requests(http: FaultyHTTPServer) -> tuple[int, int]:
+    return len(http.requests(INDEX_FILE, method="HEAD")), len(http.requests(INDEX_FILE))
 
 
 # ------------------------------------------------------------------------------------ torchrun
@@ -108,19 +124,19 @@ def test_a_job_of_four_ranks_sends_the_requests_of_a_job_of_one(http: FaultyHTTP
     spec = {"sources": _spec_sources(http), "cache": None}
     counts = {}
     results = {}
-    index_gets = {}
+    index_file = {}
     for nproc in (1, 4):
         http.clear()
-        results[nproc] = _torchrun(nproc, spec, tmp_path / f"x{nproc}")
-        counts[nproc] = http.counts()
-        index_gets[nproc] = _index_gets(http)
+        results[nproc] = _torchrun(nproc, spec, tmp_path / f"x{nproc}", tmp_path / f"tmp{nproc}")
+        counts[nproc] = _storage_counts(http)
+        index_file[nproc] = _index_file_requests(http)
     # Once per job: a LIST per prefix (the index source's too), a HEAD per indexed shard (its
     # verification), and the look's GETs of the prefix sources' shards (one each: they are small);
-    # only the index file is read by every rank (its one GET each).
+    # only the index file is asked for by every rank (a HEAD each, and a GET where no rank of the
+    # machine has mapped it yet: each job here starts with an empty temporary folder).
     expected = {"LIST": PREFIXES + 1, "HEAD": 3, "GET": 3 * PREFIXES}
-    assert counts[1] == {**expected, "GET": expected["GET"] + 1}, counts
-    assert counts[4] == {**expected, "GET": expected["GET"] + 4}, counts
-    assert (index_gets[1], index_gets[4]) == (1, 4)
+    assert counts[1] == counts[4] == expected, counts
+    assert index_file[1] == (1, 1) and index_file[4][0] == 4 and 1 <= index_file[4][1] <= 4, index_file
     # ... and every rank built the same mixture as the job of one
     assert all("error" not in r for r in results[4]), results[4]
     for r in results[4]:
@@ -130,10 +146,11 @@ def test_a_job_of_four_ranks_sends_the_requests_of_a_job_of_one(http: FaultyHTTP
     # A restarted job with a profile cache: no LIST and no shard read by any rank (the listings and
     # profiles are cached); the indexed shards are verified again, once, and each rank reads the index.
     cached = {**spec, "cache": str(tmp_path / "cache")}
-    _torchrun(1, cached, tmp_path / "fill")
+    _torchrun(1, cached, tmp_path / "fill", tmp_path / "tmp-fill")
     http.clear()
-    again = _torchrun(4, cached, tmp_path / "again")
-    assert http.counts() == {"LIST": 0, "HEAD": 3, "GET": 4}, http.counts()
+    again = _torchrun(4, cached, tmp_path / "again", tmp_path / "tmp-fill")
+    assert _storage_counts(http) == {"LIST": 0, "HEAD": 3, "GET": 0}, http.counts()
+    assert _index_file_requests(http) == (4, 0)  # the twin mapped by the first job serves every rank
     for r in again:
         assert {k: v for k, v in r.items() if k != "profiles"} == {
             k: v for k, v in results[1][0].items() if k != "profiles"
@@ -173,7 +190,10 @@ def test_listing_is_concurrent_bounded_and_in_source_order(http: FaultyHTTPServe
         survey(broken, concurrency=4)
 
 
-def test_index_verification_is_one_head_per_shard_and_can_be_handed_over(http: FaultyHTTPServer) -> None:
+def test_index_verification_is_one_head_per_shard_and_can_be_handed_over(
+    http: FaultyHTTPServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # no mapped twin of the index from earlier runs
     source = mixer.Source("idx", http.url("idx/"), index=True)
     (found,) = survey([source])
     assert http.counts() == {"LIST": 1, "HEAD": 3, "GET": 0}
@@ -181,7 +201,7 @@ def test_index_verification_is_one_head_per_shard_and_can_be_handed_over(http: F
     http.clear()
     # A rank given the states asks the storage for none of them, and gets the index it would have.
     handed = profiling.listed_from(source, found.listing(), found.states)
-    # the index file: one HEAD (which version it is: its mapped columnar twin may serve) and one GET
+    # the index file: one HEAD (which version it is) and one GET (no mapped twin of it yet)
     assert http.counts() == {"LIST": 0, "HEAD": 1, "GET": 1}
     own = list_source(source)
     assert list(handed.shards) == list(own.shards) and list(handed.shard_bytes) == list(own.shard_bytes)

@@ -27,7 +27,7 @@ def build(spec: dict[str, Any]) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 (recorded for the test to judge)
         return {"error": [type(exc).__name__, str(exc)]}
     return {
-        "shards": [[list(ls.shards), list(ls.shard_bytes)] for ls in mix.listed],
+        "shards": [[list(ls.shards), [None if b is None else int(b) for b in ls.shard_bytes]] for ls in mix.listed],
         "profiles": [{"lengths": p.lengths.tolist(), "size": p.size, "origin": p.origin} for p in mix.profiles],
         "edges": mix.edges,
         "fingerprint": mix.fingerprint,

@@ -1,5 +1,5 @@
 # `make demo` and `make test` each create or refresh .venv on their own; `make test` runs the
-# tests, then builds the docs (`make docs`).
+# tests (one of them builds the docs as `make docs` does, warnings as errors), then lint and format.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -18,12 +18,12 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/mixer demo
 
-# Two pytest processes (pytest-xdist) on 2-core machines (mypy runs as a test); then lint, format and the docs.
+# Two pytest processes (pytest-xdist) on 2-core machines; mypy and the docs build (`make docs`, -W -n)
+# run as tests, beside the others rather than after them; then lint and format.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(MAKE) docs
 
 # The docs site (docs/_build/html): warnings are errors, and every reference must resolve.
 docs: $(STAMP)

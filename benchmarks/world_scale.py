@@ -1,9 +1,10 @@
 """A thousand ranks, simulated: the costs per rank that must not grow with the world, as curves over world sizes.
 
-    python -m benchmarks world_scale [--quick]        # in the suite (one Markdown table, and the checks)
-    python -m benchmarks.world_scale [--quick]        # the sections' own tables
+    python -m benchmarks world_scale [--quick]        # one Markdown table, and the checks
+    python -m benchmarks.world_scale [--quick|--smoke]  # the sections' own tables (--smoke: in the test suite)
 
-Sections (each a module with ``run(quick) -> list[dict]`` rows; those not present are left out):
+Sections (each a module with ``run(profile) -> list[dict]`` rows, ``profile`` one of :data:`PROFILES`;
+those not present are left out):
 
 * ``plan``: the CPU time one reader takes to plan its part of epoch 0 of every source
   (`mixer.plan.shards.plan`, shard sizes lognormal around 512 MB, as a listing gives them), at
@@ -15,7 +16,9 @@ Sections (each a module with ``run(quick) -> list[dict]`` rows; those not presen
 * ``elastic``: `benchmarks.world_scale_elastic`, an elastic resume's `load_state_dict` per new rank;
 * ``startup``, ``index``: `benchmarks.world_scale_startup` and `benchmarks.world_scale_index` when present.
 
-``--quick``: 10 / 100 sources, 4 / 8 / 16 ranks x 4 workers, smaller shard counts (a smoke run).
+``--quick``: 10 / 100 sources, 4 / 8 / 16 ranks x 4 workers, smaller shard counts. ``--smoke``: the
+smallest sizes that still exercise every section (10 / 30 sources, 4 / 8 ranks x 2 workers, one startup
+count at 2 ranks, indexes of 1e4 and 1e5 samples): what the test suite runs, end to end, in seconds.
 """
 
 from __future__ import annotations
@@ -38,7 +41,9 @@ SIZES = {
     # (sources, median shards per source), old worlds (ranks), workers per rank
     "full": {"sources": ((100, 16_384), (1_000, 2_048)), "worlds": (64, 256, 1024), "workers": 16},
     "quick": {"sources": ((10, 64), (100, 16)), "worlds": (4, 8, 16), "workers": 4},
+    "smoke": {"sources": ((10, 16), (30, 8)), "worlds": (4, 8), "workers": 2},
 }
+PROFILES = tuple(SIZES)  # "full", "quick", "smoke": every section module has a size for each
 OPTIONAL = ("world_scale_startup", "world_scale_index")
 
 
@@ -48,12 +53,12 @@ def shard_counts(sources: int, median: int, seed: int = 0) -> list[int]:
     return [int(c) for c in counts]
 
 
-def plan_rows(quick: bool) -> list[dict[str, Any]]:
+def plan_rows(profile: str) -> list[dict[str, Any]]:
     """``plan``: one reader's plans of epoch 0 of every source, CPU seconds (reader 0 and a middle one)."""
     from mixer.plan.shards import plan
     from mixer.plan.world import World
 
-    size = SIZES["quick" if quick else "full"]
+    size = SIZES[profile]
     rows = []
     for sources, median in size["sources"]:
         counts = shard_counts(sources, median)
@@ -83,11 +88,11 @@ def plan_rows(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
-def state_rows(quick: bool) -> list[dict[str, Any]]:
+def state_rows(profile: str) -> list[dict[str, Any]]:
     """``state``: one old rank's loader state, JSON bytes (ranks 0 and a middle one), per world size."""
     from . import world_scale_elastic as wse
 
-    size = SIZES["quick" if quick else "full"]
+    size = SIZES[profile]
     rows = []
     for sources, median in size["sources"]:
         mix = wse.build_mixture(wse.Scale(sources=sources, shards=median, workers=size["workers"], worlds=()))
@@ -111,7 +116,7 @@ def state_rows(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
-def sections(quick: bool, log: Callable[[str], None]) -> dict[str, list[dict[str, Any]]]:
+def sections(profile: str, log: Callable[[str], None]) -> dict[str, list[dict[str, Any]]]:
     """Every section's rows (a missing optional module is noted and left out)."""
     from . import world_scale_elastic
 
@@ -123,7 +128,7 @@ def sections(quick: bool, log: Callable[[str], None]) -> dict[str, list[dict[str
     )
     for name, run in runs:
         t0 = time.perf_counter()
-        out[name] = run(quick)
+        out[name] = run(profile)
         log(f"{name}: {len(out[name])} rows in {time.perf_counter() - t0:.0f} s")
     for module in OPTIONAL:
         try:
@@ -132,7 +137,7 @@ def sections(quick: bool, log: Callable[[str], None]) -> dict[str, list[dict[str
             log(f"{module}: not present ({exc})")
             continue
         t0 = time.perf_counter()
-        out[module.removeprefix("world_scale_")] = mod.run(quick)
+        out[module.removeprefix("world_scale_")] = mod.run(profile)
         log(f"{module}: {len(out[module.removeprefix('world_scale_')])} rows in {time.perf_counter() - t0:.0f} s")
     return out
 
@@ -155,11 +160,12 @@ def section_table(rows: list[dict[str, Any]]) -> str:
     return common.markdown_table(keys, [[_cell(r.get(k)) for k in keys] for r in rows])
 
 
-def checks_for(found: dict[str, list[dict[str, Any]]], quick: bool) -> list[dict[str, Any]]:
+def checks_for(found: dict[str, list[dict[str, Any]]], profile: str) -> list[dict[str, Any]]:
     """The targets at the simulated 1,024 x 16 old world of 100 sources: ``load_state_dict`` per new rank
     <= 1 CPU-s and <= 50 MB, bytes read <= 2x the rank's share (the worst of the new shapes)."""
-    target = f"{SIZES['quick' if quick else 'full']['worlds'][-1]}x{SIZES['quick' if quick else 'full']['workers']}"
-    sources = SIZES["quick" if quick else "full"]["sources"][0][0]
+    size = SIZES[profile]
+    target = f"{size['worlds'][-1]}x{size['workers']}"
+    sources = size["sources"][0][0]
     rows = [
         r
         for r in found.get("elastic", [])
@@ -207,21 +213,22 @@ def _suite_row(section: str, r: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchResult:
-    found = sections(opts.quick, log)
+    found = sections(opts.profile, log)
     rows = [_suite_row(name, r) for name, section in found.items() for r in section]
     tables = {f"table_{name}": section_table(section) for name, section in found.items()}
     config = {"profile": opts.profile, "sections": list(found), "tables": list(tables), **tables}
-    return common.BenchResult(NAME, rows, checks_for(found, opts.quick), config)
+    return common.BenchResult(NAME, rows, checks_for(found, opts.profile), config)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.world_scale", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_const", dest="profile", const="quick", default="full")
+    size.add_argument("--smoke", action="store_const", dest="profile", const="smoke", help="the test suite's sizes")
     p.add_argument("--bench-dir", type=common.Path, default=common.DEFAULT_BENCH_DIR)
     opts = p.parse_args(argv)
-    opts.profile = "quick" if opts.quick else "full"
     res = run(opts, lambda m: print(f"[{NAME} {time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True))
-    common.write_json(res, opts.bench_dir / f"{NAME}{'.quick' if opts.quick else ''}.json")
+    common.write_json(res, opts.bench_dir / f"{NAME}{'' if opts.profile == 'full' else '.' + opts.profile}.json")
     for key in res.config["tables"]:
         print(f"### {key.removeprefix('table_')}\n")
         print(res.config[key])

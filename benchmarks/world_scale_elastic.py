@@ -33,8 +33,8 @@ snapshot (then re-read every buffered sample and rebuild readers, not counted he
 and 1,024 ranks (16 workers each) shows which cost grows with the world.
 
 The same at 1,000 sources (median 2,048 shards each: most split in-shard over 16,384 readers), one
-timed rank per shape. `--quick`: 10 sources, 4 / 8 / 16 old ranks x 4 workers, and a check that the simulated agreement gives
-the states a rank computes by reading every saved state (`agree=None`), JSON for JSON.
+timed rank per shape. `--quick`: 10 sources, 4 / 8 / 16 old ranks x 4 workers, and a check that the
+simulated agreement gives the states a rank computes by reading every saved state (`agree=None`), JSON for JSON.
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ SCALES = {
         Scale(sources=1000, shards=2048, workers=16, worlds=(64, 256, 1024), timed=1),
     ),
     "quick": (Scale(sources=10, shards=64, workers=4, worlds=(4, 8, 16)),),
+    "smoke": (Scale(sources=10, shards=16, workers=2, worlds=(4, 8), timed=1),),
 }
 
 
@@ -472,11 +473,11 @@ def agreement_check(scale: Scale) -> dict[str, Any]:
     return {"section": "elastic", "check": "simulated all_reduce == reading every state (4x2 -> 3x2)", "ok": same}
 
 
-def run(quick: bool, log: Callable[[str], None] = lambda m: None) -> list[dict[str, Any]]:
-    """The rows of the module docstring (``quick``: the small scale, and the agreement check)."""
-    scales = SCALES["quick" if quick else "full"]
+def run(profile: str, log: Callable[[str], None] = lambda m: None) -> list[dict[str, Any]]:
+    """The rows of the module docstring (``quick`` and ``smoke``: a small scale, and the agreement check)."""
+    scales = SCALES[profile]
     rows = [row for scale in scales for row in simulate(scale, log)]
-    if quick:
+    if profile != "full":
         rows.append(agreement_check(scales[0]))
     return rows
 
@@ -516,7 +517,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.world_scale_elastic", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     opts = p.parse_args(argv)
-    rows = run(opts.quick, lambda m: print(f"[{NAME} {time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True))
+    rows = run(
+        "quick" if opts.quick else "full",
+        lambda m: print(f"[{NAME} {time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True),
+    )
     print(table(rows))
     return 0 if all(r.get("ok", True) for r in rows) else 1
 

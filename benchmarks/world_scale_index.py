@@ -1,7 +1,7 @@
 """What a shard index costs a reader as the dataset grows: bytes on disk, load time, private memory.
 
-For indexes of ``SIZES`` samples (``--quick``: 1e5, 1e6, 1e7; full: 1e6, 1e7, 1e8) at ``PER_SHARD``
-samples a shard, each built once under ``<bench-dir>/world_scale_index``:
+For indexes of ``SIZES`` samples (``--quick``: 1e5, 1e6, 1e7; full: 1e6, 1e7, 1e8; the test
+suite's ``smoke``: 1e4, 1e5) at ``PER_SHARD`` samples a shard, each built once under ``<bench-dir>/world_scale_index``:
 
 * the index file is written by the code `mixer.build_index` writes with (``Entry.make``,
   ``encode_file``), every shard with lengths of its own (lognormal, median 300) and the offsets of
@@ -28,7 +28,7 @@ samples a shard, each built once under ``<bench-dir>/world_scale_index``:
 
 The last two sizes are extrapolated linearly to 1e9 samples (a row marked ``extrapolated``).
 
-``run(quick) -> rows``: one dict per size (``samples``, ``shards``, ``disk_json_mb``,
+``run(profile) -> rows``: one dict per size (``samples``, ``shards``, ``disk_json_mb``,
 ``disk_columns_mb``, ``first_load_s``, ``read_s``, ``read_uss_mb``, ``load_s``, ``rank_uss_mb``,
 ``uss_mb``, ``uss_max_mb``, ``json_load_s``, ``json_rank_uss_mb``, ``json_worker_uss_mb``,
 ``extrapolated``); ``main()`` prints them as a table.
@@ -55,8 +55,8 @@ import numpy as np
 NAME = "world_scale_index"
 PER_SHARD = 1000
 TEMPLATES = 8
-SIZES = {"quick": (10**5, 10**6, 10**7), "full": (10**6, 10**7, 10**8)}
-JSON_UP_TO = {"quick": 10**7, "full": 10**8}
+SIZES = {"smoke": (10**4, 10**5), "quick": (10**5, 10**6, 10**7), "full": (10**6, 10**7, 10**8)}
+JSON_UP_TO = {"smoke": 10**5, "quick": 10**7, "full": 10**8}
 READERS = 4  # ranks of a node loading at once
 WORKERS = 2  # DataLoader workers each rank forks
 WORLD = (1024, 16)  # ranks x workers: the readers a plan is cut for
@@ -331,9 +331,8 @@ def extrapolate(a: dict[str, Any], b: dict[str, Any], samples: int) -> dict[str,
     return out
 
 
-def run(quick: bool, bench_dir: Path | None = None, log: Any = None) -> list[dict[str, Any]]:
-    """Rows for every size (see the module docstring), then the extrapolation to 1e9 samples."""
-    profile = "quick" if quick else "full"
+def run(profile: str, bench_dir: Path | None = None, log: Any = None) -> list[dict[str, Any]]:
+    """Rows for every size of ``profile`` (see the module docstring), then the extrapolation to 1e9 samples."""
     root = Path(bench_dir) / NAME if bench_dir is not None else DEFAULT_DIR
     rows = []
     for samples in SIZES[profile]:
@@ -373,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--bench-dir", type=Path, default=None)
     opts = p.parse_args(argv)
-    rows = run(opts.quick, opts.bench_dir, log=lambda m: print(m, file=sys.stderr, flush=True))
+    rows = run("quick" if opts.quick else "full", opts.bench_dir, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(table(rows))
     print(json.dumps(rows))
     return 0

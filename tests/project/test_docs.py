@@ -134,3 +134,21 @@ def test_the_architecture_page_names_every_layer_and_module_and_only_those():
     assert named <= modules, (
         f"docs/internals/architecture.md names modules that do not exist: {sorted(named - modules)}"
     )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("sphinx") is None, reason="sphinx is not installed (pip install -e .[docs])"
+)
+def test_the_site_builds_with_no_warning_and_every_reference_resolved(tmp_path):
+    """`make docs` as `make test` runs it: warnings are errors and every reference must resolve
+    (nitpicky). A test of the suite, so that the build (tens of CPU seconds: autodoc imports every
+    module) runs beside the other tests instead of after them."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "sphinx", "-b", "html", "-W", "--keep-going", "-n", "-q"]
+    cmd += ["-d", str(tmp_path / "doctrees"), str(DOCS), str(tmp_path / "html")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"the docs build failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    assert (tmp_path / "html" / "index.html").is_file()
+    assert (tmp_path / "html" / "reference" / "cli.html").is_file()

@@ -1,4 +1,4 @@
-"""The world-scale benchmark runs end to end at small sizes (`python -m benchmarks world_scale --quick`);
+"""The world-scale benchmark runs end to end at its smallest sizes (`python -m benchmarks.world_scale --smoke`);
 no figure is judged, but what the simulation must hold is: a new rank reads only the old ranks it takes
 over, and the simulated agreement gives the states that reading every saved state gives."""
 
@@ -33,7 +33,7 @@ def test_the_elastic_simulation_reads_only_the_old_ranks_a_new_rank_takes():
 
 
 def test_the_plan_section_runs_at_quick_sizes():
-    rows = world_scale.plan_rows(quick=True)
+    rows = world_scale.plan_rows("quick")
     sizes = world_scale.SIZES["quick"]
     assert len(rows) == len(sizes["sources"]) * len(sizes["worlds"])
     assert all(r["plan_cpu_s"] >= 0 for r in rows)
@@ -41,17 +41,24 @@ def test_the_plan_section_runs_at_quick_sizes():
 
 
 @pytest.mark.slow
-def test_world_scale_quick_runs_in_the_suite(tmp_path: Path) -> None:
+def test_world_scale_runs_every_section_in_the_suite(tmp_path: Path) -> None:
+    # --smoke: every section (plan, state, elastic, startup under torchrun, index) at its smallest sizes;
+    # --quick takes minutes (its start-up section alone runs eight torchrun jobs of 4 ranks)
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "world_scale", "--quick", "--quiet", "--bench-dir", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks.world_scale", "--smoke", "--bench-dir", str(tmp_path)],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    result = json.loads((tmp_path / "world_scale.quick.json").read_text())
-    assert {"plan", "state", "elastic"} <= set(result["config"]["sections"])
+    result = json.loads((tmp_path / "world_scale.smoke.json").read_text())
+    assert result["config"]["profile"] == "smoke"
+    assert {"plan", "state", "elastic", "startup", "index"} <= set(result["config"]["sections"]), result["config"]
     checks = {c["check"]: c for c in result["checks"]}
-    assert any("peak MB" in name for name in checks), checks
-    assert "| world_scale | elastic: sources=10" in proc.stdout
+    assert any("8x2 old, 10 sources" in name and "peak MB" in name for name in checks), checks
+    labels = [r["label"] for r in result["rows"]]
+    assert any(label.startswith("elastic: sources=10") for label in labels), labels
+    assert any(label.startswith("startup: sources=10") for label in labels), labels
+    for section in ("plan", "state", "elastic", "startup", "index"):
+        assert f"### {section}" in proc.stdout, proc.stdout[-4000:]

@@ -12,8 +12,9 @@ end the adaptive part of ``stats()``; then:
   every rank then replays each cut in ``cuts`` (a fresh loader, the state saved at that batch) and
   records what the resumed loader hands out;
 - ``mode="hang"``: rank ``victim`` stops handing out batches after ``at`` (a hung training step: it
-  sleeps ``hang_s``), and every other rank records the error its loop ended with and how long after
-  its last batch it came (``make_loader(sync_timeout=timeout)``).
+  sleeps until every other rank has written its result, ``hang_s`` at most), and every other rank
+  records the error its loop ended with and how long after its last batch it came
+  (``make_loader(sync_timeout=timeout)``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,16 @@ from typing import Any
 import torch.distributed as dist
 
 import mixer
+
+
+def hang_until_the_others_are_done(out: Path, rank: int, most_s: float) -> None:
+    """A hung step: no batch for the others until each has given up and written its result (they must
+    raise within their ``sync_timeout``, well below ``most_s``), then on to the end. Waiting on their
+    files instead of a fixed sleep ends the job seconds after the others raise."""
+    others = [out / f"rank{r}.json" for r in range(dist.get_world_size()) if r != rank]
+    deadline = time.monotonic() + most_s
+    while time.monotonic() < deadline and not all(p.exists() for p in others):
+        time.sleep(0.2)
 
 
 def loss_of(batch: Any, rank: int) -> Any:
@@ -80,7 +91,7 @@ def main() -> None:
             taken = len(result["steps"])
             if victim and taken >= spec["at"]:
                 if spec["mode"] == "hang":
-                    time.sleep(spec["hang_s"])
+                    hang_until_the_others_are_done(out, rank, spec["hang_s"])
                     break
             else:
                 first.feedback(batch, loss_of(batch, rank))

@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 
 import pytest
 from shardutil import LogNormal, Sources, write_sources
 
-#: Test modules that pytest-xdist must run on one worker: their tests share one expensive session
-#: resource (test_service.py: one Ray cluster per test session).
-ONE_WORKER = ("test_service.py",)
+#: Test modules whose tests pytest-xdist keeps together on one worker, and the part of a test's id that
+#: groups them ("" for the whole module): they share an expensive fixture that each worker would
+#: otherwise build again. test_service.py: one Ray cluster per test session; test_distributed.py: two
+#: torchrun jobs per world size (a module fixture with params "2proc" and "3proc"), each ~25 s.
+TOGETHER = {"test_service.py": "", "test_distributed.py": r"\[(\d+proc)"}
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """Under ``-n N`` (``--dist load``, the default): every test on its own, as ``load`` does, except
-    that the tests of each module of :data:`ONE_WORKER` go to one worker together. (pytest-xdist's
+    that the tests of each group of :data:`TOGETHER` go to one worker together. (pytest-xdist's
     ``xdist_group`` marks do not group under pytest 9, whose node ids they can no longer rename.)"""
     if config.getvalue("dist") != "load":
         return None
@@ -23,7 +26,11 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     class Scheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return path if path.rsplit("/", 1)[-1] in ONE_WORKER else nodeid
+            pattern = TOGETHER.get(path.rsplit("/", 1)[-1])
+            if pattern is None:
+                return nodeid
+            found = re.search(pattern, nodeid) if pattern else None
+            return f"{path}::{found.group(1)}" if found else path if not pattern else nodeid
 
     return Scheduling(config, log)
 

@@ -12,7 +12,7 @@ there (``cluster.run(fn, ...)``); the in-process references run here, in the tes
 
 Services are kept in the driver between tests (``_SERVICES``), because a reader actor costs ~2-3 s
 to start (it imports torch). Readers ask for a quarter CPU, so that a 2-CPU cluster holds them all.
-Under pytest-xdist the module's tests all go to one worker (tests/conftest.py, ``ONE_WORKER``), so
+Under pytest-xdist the module's tests all go to one worker (tests/conftest.py, ``TOGETHER``), so
 a test run has one cluster.
 """
 

@@ -3,7 +3,8 @@ over four sources of clearly different difficulty and size, with the same token 
 under static, temperature and adaptive mixing (issue 16).
 
     python -m benchmarks adaptive [--quick]          # in the suite (one Markdown table)
-    python -m benchmarks.adaptive [--quick] [--steps N] [--seeds K] [--png FILE]   # default: 600 steps, 3 seeds (~25 min here)
+    python -m benchmarks.adaptive [--quick] [--steps N] [--seeds K] [--png FILE]
+        # default: 600 steps, 3 seeds (~25 min here)
 
 Data (written once under ``<bench-dir>/adaptive/``): the built-in demo text (:mod:`mixer.cli.demo`:
 ``prose`` paragraphs, ``code`` functions, ``books`` long documents), every document cut into chunks
@@ -339,8 +340,8 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchRes
             static = r if method == "static" else static
             runs.setdefault(method, []).append(r)
             log(
-                f"seed {seed} {method}: held-out {json.dumps({k: round(v, 3) for k, v in r['held_out'].items()})}, worst {r['worst']:.3f}, "
-                f"mean {r['mean']:.3f}, {r['steps']} steps [{r['seconds']:.1f} s]"
+                f"seed {seed} {method}: held-out {json.dumps({k: round(v, 3) for k, v in r['held_out'].items()})}, "
+                f"worst {r['worst']:.3f}, mean {r['mean']:.3f}, {r['steps']} steps [{r['seconds']:.1f} s]"
             )
     results = {m: _average(rs, names) for m, rs in runs.items()}
     png = getattr(opts, "png", None) or opts.bench_dir / f"{NAME}{'.quick' if opts.profile == 'quick' else ''}.png"
@@ -355,8 +356,9 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchRes
     for method, r in results.items():
         losses = "/".join(format(r["held_out"][n], ".3f") for n in names)
         note = (
-            f"held-out {losses} ({'/'.join(names)}); worst {r['worst']:.3f} ({r['worst_source']}), mean {r['mean']:.3f}; "
-            f"vs static: worst {r['worst'] - base['worst']:+.3f}, mean {r['mean'] - base['mean']:+.3f}"
+            f"held-out {losses} ({'/'.join(names)}); worst {r['worst']:.3f} ({r['worst_source']}), mean "
+            f"{r['mean']:.3f}; vs static: worst {r['worst'] - base['worst']:+.3f}, mean "
+            f"{r['mean'] - base['mean']:+.3f}"
         )
         rows.append(
             {

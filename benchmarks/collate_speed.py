@@ -181,7 +181,8 @@ def main_captured(opts: argparse.Namespace) -> None:
         collate_mod.NATIVE = True
         for name, ts in loops.items():
             print(
-                f"whole loop, {name}: CPU-µs/sample per round {', '.join(f'{t:.2f}' for t in ts)} (median {np.median(ts):.2f})"
+                f"whole loop, {name}: CPU-µs/sample per round {', '.join(f'{t:.2f}' for t in ts)} (median "
+                f"{np.median(ts):.2f})"
             )
 
 
@@ -191,7 +192,8 @@ def report(best: dict[str, float], n: int, rounds: int) -> None:
     for name, t in best.items():
         print(f"| {name} | {t / n * 1e6:.3f} |")
     print(
-        f"compiled / python: {best['compiled'] / best['python']:.2f}; slot: {best['compiled-slot'] / best['python-slot']:.2f}"
+        f"compiled / python: {best['compiled'] / best['python']:.2f}; slot: "
+        f"{best['compiled-slot'] / best['python-slot']:.2f}"
     )
 
 

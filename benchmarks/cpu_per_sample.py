@@ -15,8 +15,9 @@ come out of the pair: the *marginal* ratio, (CPU at the budget - CPU at half) pe
 price of a long run, where the fixed part vanishes; and the *fixed* extra CPU of the workers per pass,
 in seconds (what is left of the 2-worker CPU at the budget after the marginal price of its samples,
 less the same for 0 workers). The main process's own share with 2 workers is reported per batch:
-what receiving the batches costs there, beside the bookkeeping every loader does. Target: CPU-µs/sample with 2 workers <= 1.2x that with 0 at the
-default budget (one pass of the data, ~200k samples); it was 1.3 before.
+what receiving the batches costs there, beside the bookkeeping every loader does. Target: CPU-µs/sample
+with 2 workers <= 1.2x that with 0 at the default budget (one pass of the data, ~200k samples); it was
+1.3 before.
 """
 
 from __future__ import annotations

@@ -283,7 +283,8 @@ def startup(
     warm = build(cache_dir)
     shutil.rmtree(cache_dir, ignore_errors=True)
     log(
-        f"start-up, {n} HTTP sources at {TTFB_MS} ms TTFB: {plain[0]:.2f} s ({plain[1]} GETs); cached: cold {cold[0]:.2f} s, warm {warm[0]:.2f} s ({warm[1]} GETs)"
+        f"start-up, {n} HTTP sources at {TTFB_MS} ms TTFB: {plain[0]:.2f} s ({plain[1]} GETs); cached: cold "
+        f"{cold[0]:.2f} s, warm {warm[0]:.2f} s ({warm[1]} GETs)"
     )
     return {
         "sources": n,
@@ -363,9 +364,9 @@ def io_table(rows: list[dict[str, Any]], start: dict[str, Any] | None) -> str:
     out = common.markdown_table(header, body)
     if start is not None:
         out += (
-            f"\n\n`Mixture()` over {start['sources']} HTTP sources at {start['ttfb_ms']} ms to first byte: {start['build_s']:.2f} s "
-            f"({start['build_gets']} GETs, {_mb(start['build_sent_bytes'])} sent); with a profile cache: cold {start['cold_s']:.2f} s, "
-            f"warm {start['warm_s']:.2f} s with {start['warm_gets']} GETs"
+            f"\n\n`Mixture()` over {start['sources']} HTTP sources at {start['ttfb_ms']} ms to first byte: "
+            f"{start['build_s']:.2f} s ({start['build_gets']} GETs, {_mb(start['build_sent_bytes'])} sent); with a "
+            f"profile cache: cold {start['cold_s']:.2f} s, warm {start['warm_s']:.2f} s with {start['warm_gets']} GETs"
         )
     return out
 
@@ -378,11 +379,15 @@ def to_row(r: dict[str, Any]) -> dict[str, Any]:
     label = f"{r['sources']} sources ({r['transport']})"
     rss = r["worker_rss_mb"]
     note = (
-        f"{r['batches']} batches in {r['stream_s']:.1f} s; Mixture() {r['build_s']:.2f} s; state {_mb(r['state_pickled_bytes'])} "
-        f"pickled, {_mb(r['state_json_bytes'])} JSON, {1e3 * r['state_s']:.0f} ms; fds/worker {r['worker_fds']}"
+        f"{r['batches']} batches in {r['stream_s']:.1f} s; Mixture() {r['build_s']:.2f} s; state "
+        f"{_mb(r['state_pickled_bytes'])} pickled, {_mb(r['state_json_bytes'])} JSON, {1e3 * r['state_s']:.0f} ms; "
+        f"fds/worker {r['worker_fds']}"
     )
     if r.get("read_over_delivered") is not None:
-        note += f"; read/delivered {r['read_over_delivered']:.2f}, {r['steady_gets']} GETs, peak {r['peak_connections']} connections"
+        note += (
+            f"; read/delivered {r['read_over_delivered']:.2f}, {r['steady_gets']} GETs, peak "
+            f"{r['peak_connections']} connections"
+        )
     return {
         "bench": NAME,
         "method": label,
@@ -493,7 +498,8 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchRes
             )
             continue
         log(
-            f"{n} local sources: RSS/worker {r['worker_rss_mb']} MB, state {r['state_pickled_bytes']} B [{time.perf_counter() - t0:.1f} s]"
+            f"{n} local sources: RSS/worker {r['worker_rss_mb']} MB, state {r['state_pickled_bytes']} B "
+            f"[{time.perf_counter() - t0:.1f} s]"
         )
         rows.append(r)
     if http_n:
@@ -502,7 +508,8 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchRes
             try:
                 r = measure(http_n, root, sizes, batches, log, base=f"http://127.0.0.1:{port}/", counters=counters)
                 log(
-                    f"{http_n} HTTP sources: read/delivered {r['read_over_delivered']}, peak {r['peak_connections']} connections [{time.perf_counter() - t0:.1f} s]"
+                    f"{http_n} HTTP sources: read/delivered {r['read_over_delivered']}, peak {r['peak_connections']} "
+                    f"connections [{time.perf_counter() - t0:.1f} s]"
                 )
                 rows.append(r)
             except Exception as exc:  # noqa: BLE001

@@ -344,7 +344,8 @@ def summarize(paths: list[Path]) -> int:
         m = r["config"].get("machine", {})
         print()
         print(
-            f"Machine: {m.get('platform')}, {m.get('cpus')} CPUs, GPU {m.get('gpu', '—')}, torch {m.get('torch')}, CUDA {m.get('cuda', '—')}."
+            f"Machine: {m.get('platform')}, {m.get('cpus')} CPUs, GPU {m.get('gpu', '—')}, torch {m.get('torch')}, "
+            f"CUDA {m.get('cuda', '—')}."
         )
     if len(machines) > 1:
         print("(results from different machines)")
@@ -419,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"Machine: {machine['platform']}, {machine['cpus']} CPUs{', ' + machine['gpu'] if 'gpu' in machine else ''}, "
         f"torch {machine['torch']}; config {opts.config}, {opts.workers} worker(s)/rank, prefetch {opts.prefetch}, "
-        f"{opts.steps} steps after {opts.warmup} warm-up; matmul {rows[0]['matmul_ms']:.3f} ms x {rows[0]['matmuls_per_step']}/step."
+        f"{opts.steps} steps after {opts.warmup} warm-up; matmul {rows[0]['matmul_ms']:.3f} ms x "
+        f"{rows[0]['matmuls_per_step']}/step."
     )
     path = opts.json or REPO / ".bench" / f"multigpu-{opts.device}-{world}x-{opts.step_ms:g}ms.json"
     path.parent.mkdir(parents=True, exist_ok=True)

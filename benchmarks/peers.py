@@ -106,7 +106,8 @@ def methods(
             "torchdata.nodes (token-corrected weights)",
             torchdata_run(shards, decode, tokprobs, budget, batch_size),
             skip=td,
-            note=f"weights {'/'.join(f'{p:.3f}' for p in tokprobs)} (w / mean length); decode: {opts.decode}; {budget_note}",
+            note=f"weights {'/'.join(f'{p:.3f}' for p in tokprobs)} (w / mean length); decode: {opts.decode}; "
+            f"{budget_note}",
         ),
     }
     for w in (1, 2):

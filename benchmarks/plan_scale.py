@@ -271,9 +271,10 @@ def to_row(r: dict) -> dict:
     if r["sizes"] == "index":
         note = (
             f"{r['readers']:,} readers, {r['shards_per_reader']:.2f} shards/reader (shards touched per reader "
-            f"{r['shards_per_reader_min_max'][0]}-{r['shards_per_reader_min_max'][1]}); plan {1e3 * r['plan_s_median']:.0f} ms/reader "
-            f"(max {1e3 * r['plan_s_max']:.0f}); imbalance {r['imbalance']:.4f} max/mean tokens (min/mean {r['min_over_mean']:.4f}); "
-            "each byte read once (disjoint byte ranges)"
+            f"{r['shards_per_reader_min_max'][0]}-{r['shards_per_reader_min_max'][1]}); plan "
+            f"{1e3 * r['plan_s_median']:.0f} ms/reader (max {1e3 * r['plan_s_max']:.0f}); imbalance "
+            f"{r['imbalance']:.4f} max/mean tokens (min/mean {r['min_over_mean']:.4f}); each byte read once (disjoint "
+            "byte ranges)"
         )
         return {
             "bench": NAME,
@@ -285,10 +286,11 @@ def to_row(r: dict) -> dict:
             **r,
         }
     note = (
-        f"{r['readers']:,} readers, {r['shards_per_reader']:.1f} shards/reader ({r['shards_per_reader_min_max'][0]}-"
-        f"{r['shards_per_reader_min_max'][1]}); plan {1e3 * r['plan_s_median']:.0f} ms/reader (max {1e3 * r['plan_s_max']:.0f}); "
-        f"imbalance {r['imbalance']:.3f} (whole-shard bound {r['lower_bound']:.3f}, min/mean {r['min_over_mean']:.3f}); "
-        f"largest shard {r['largest_over_median']:.1f}x median"
+        f"{r['readers']:,} readers, {r['shards_per_reader']:.1f} shards/reader "
+        f"({r['shards_per_reader_min_max'][0]}-{r['shards_per_reader_min_max'][1]}); plan "
+        f"{1e3 * r['plan_s_median']:.0f} ms/reader (max {1e3 * r['plan_s_max']:.0f}); imbalance {r['imbalance']:.3f} "
+        f"(whole-shard bound {r['lower_bound']:.3f}, min/mean {r['min_over_mean']:.3f}); largest shard "
+        f"{r['largest_over_median']:.1f}x median"
     )
     return {"bench": NAME, "method": r["label"], "label": r["label"], "kind": "plan", "status": "ok", "note": note, **r}
 

@@ -152,7 +152,8 @@ def one_pass(shards: ShardSet, patterns: list[str], io_options: dict[str, Any] |
             tally.note(f"{retries} retries, {skipped} skips")
         if (tally.samples, tally.tokens) != (shards.samples, shards.tokens):
             raise RuntimeError(
-                f"one pass delivered {tally.samples:,}/{shards.samples:,} samples, {tally.tokens:,}/{shards.tokens:,} tokens"
+                f"one pass delivered {tally.samples:,}/{shards.samples:,} samples, {tally.tokens:,}/{shards.tokens:,} "
+                "tokens"
             )
         del loader, mix
         gc.collect()

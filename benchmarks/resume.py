@@ -16,11 +16,12 @@ alternating rounds, each of:
   batch: the reader re-reads every buffered sample at its (shard, byte offset) and re-runs
   < state_every batches;
 
-(each round keeps the fastest of 3 tries of each, 1 with --quick) and, once, `replay`: the time the first pass took to reach the deep batch, i.e. what resuming by
-replaying the stream would cost. Every resumed first batch is checked against the uninterrupted
-pass. State size: compact JSON of `loader.state_dict()`, total and per reader (worker). Beside the
-times: the bytes of shard ranges a restore reads again (from the lowest to the highest buffered
-offset of each shard), which explains most of the difference between the points.
+(each round keeps the fastest of 3 tries of each, 1 with --quick) and, once, `replay`: the time the
+first pass took to reach the deep batch, i.e. what resuming by replaying the stream would cost.
+Every resumed first batch is checked against the uninterrupted pass. State size: compact JSON of
+`loader.state_dict()`, total and per reader (worker). Beside the times: the bytes of shard ranges a
+restore reads again (from the lowest to the highest buffered offset of each shard), which explains
+most of the difference between the points.
 """
 
 from __future__ import annotations
@@ -132,7 +133,8 @@ def measure(
     cuts = _cut_points(mix, num_workers, shards, max_tokens)
     at = cuts["at"]
     log(
-        f"num_workers={num_workers}: states at batches {at} (deep: {cuts['deep_epoch_fraction']:.0%} of {cuts['largest']}'s epoch)"
+        f"num_workers={num_workers}: states at batches {at} (deep: {cuts['deep_epoch_fraction']:.0%} of "
+        f"{cuts['largest']}'s epoch)"
     )
     order = ["fresh", *POINTS]
     times: dict[str, list[float]] = {what: [] for what in order}
@@ -142,7 +144,8 @@ def measure(
             seconds, keys = min(_first_batch(mix, num_workers, state) for _ in range(repeats))
             if what != "fresh" and keys != cuts["after"][at[what]]:
                 raise AssertionError(
-                    f"num_workers={num_workers}: resumed at batch {at[what]}, the next batch differs from the uninterrupted pass"
+                    f"num_workers={num_workers}: resumed at batch {at[what]}, the next batch differs from the "
+                    "uninterrupted pass"
                 )
             times[what].append(seconds)
     out: dict[str, Any] = {
@@ -193,10 +196,10 @@ def to_row(r: dict[str, Any]) -> dict[str, Any]:
     label = f"resume, num_workers={r['num_workers']}"
     points = ", ".join(f"batch {r[f'{p}_batch']} {1e3 * r[f'{p}_s']:.0f} ms" for p in POINTS)
     note = (
-        f"first batch: fresh {1e3 * r['fresh_s']:.0f} ms; resumed at {points} (deep = {r['deep_epoch_fraction']:.0%} into the epoch; "
-        f"deep/early {r['deep_over_early']:.2f}, deep/mid {r['deep_over_mid']:.2f}); replaying to batch {r['deep_batch']} instead: "
-        f"{r['replay_deep_s']:.1f} s; state {r['state_bytes_deep'] / 1024:.0f} KiB (largest reader {r['state_bytes_per_reader_max_deep'] / 1024:.0f} KiB); "
-        f"restore re-reads "
+        f"first batch: fresh {1e3 * r['fresh_s']:.0f} ms; resumed at {points} (deep = {r['deep_epoch_fraction']:.0%} "
+        f"into the epoch; deep/early {r['deep_over_early']:.2f}, deep/mid {r['deep_over_mid']:.2f}); replaying to "
+        f"batch {r['deep_batch']} instead: {r['replay_deep_s']:.1f} s; state {r['state_bytes_deep'] / 1024:.0f} KiB "
+        f"(largest reader {r['state_bytes_per_reader_max_deep'] / 1024:.0f} KiB); restore re-reads "
         + " / ".join(f"{r[f'reread_mb_{p}']:.0f}" for p in POINTS)
         + " MB of shard ranges (early / mid / deep) "
         f"and re-runs <= {r['rerun_batches_max']} batch(es) per reader"

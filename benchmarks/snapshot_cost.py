@@ -146,8 +146,9 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchRes
         log(f"state_every={every:g}: {g['count']:g} full collections per run, {g['ms']:.1f} ms (medians)")
     p = in_place(shards, batches, repeats=5 if opts.quick else 20)
     log(
-        f"_snapshot() in place: {p['ms']:.2f} ms (median of {p['snapshots']}), {p['us_per_sample']:.3f} µs/sample; warm {p['warm_ms']:.2f} ms; "
-        f"{p['shuffle']} shuffled + {p['batched']} batched samples held, {p['per_batch']:.0f} samples/batch"
+        f"_snapshot() in place: {p['ms']:.2f} ms (median of {p['snapshots']}), {p['us_per_sample']:.3f} µs/sample; "
+        f"warm {p['warm_ms']:.2f} ms; {p['shuffle']} shuffled + {p['batched']} batched samples held, "
+        f"{p['per_batch']:.0f} samples/batch"
     )
     checks = [
         dict(

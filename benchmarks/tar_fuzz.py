@@ -364,8 +364,8 @@ def one_case(rng: np.random.Generator) -> str:
         i = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
         raise AssertionError(
             f"compiled and Python readers differ ({how}, {opts}, short={short}, fail_at={fail_at}) at item {i} of "
-            f"{len(got)}/{len(want)}:\ncompiled: {str(got[i : i + 1])[:1500]}\npython:   {str(want[i : i + 1])[:1500]}\n"
-            f"shard (hex): {data.hex() if len(data) < 20000 else len(data)}"
+            f"{len(got)}/{len(want)}:\ncompiled: {str(got[i : i + 1])[:1500]}\npython:   "
+            f"{str(want[i : i + 1])[:1500]}\nshard (hex): {data.hex() if len(data) < 20000 else len(data)}"
         )
     return how
 

@@ -318,7 +318,8 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchRes
                 f"{decode}_w{w}",
                 f"{'mixer.TextDecode' if decode == 'textdecode' else 'per-sample encode()'}, num_workers={w}",
                 stream(mixtures[decode], budget, w),
-                note=f"TokenBudget({MAX_TOKENS}, max_length={MAX_LENGTH}); stops at {budget / 1e6:.1f}M real tokens; CPU incl. workers",
+                note=f"TokenBudget({MAX_TOKENS}, max_length={MAX_LENGTH}); stops at {budget / 1e6:.1f}M real tokens; "
+                "CPU incl. workers",
             )
             for decode in mixtures
             for w in WORKERS

@@ -322,7 +322,8 @@ def build_table(shards: ShardSet, opts: argparse.Namespace) -> dict[str, Method]
             "randommix_tokprobs",
             "wds RandomMix (token-corrected probs)",
             randommix(shards, decode, tokprobs, budget),
-            note=f"probs {'/'.join(f'{p:.3f}' for p in tokprobs)} (w / mean length); decode: {opts.decode}; {budget_note}",
+            note=f"probs {'/'.join(f'{p:.3f}' for p in tokprobs)} (w / mean length); decode: {opts.decode}; "
+            f"{budget_note}",
         ),
         "mixer_reader": Method(
             "mixer_reader",

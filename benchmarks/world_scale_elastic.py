@@ -34,7 +34,8 @@ and 1,024 ranks (16 workers each) shows which cost grows with the world.
 
 The same at 1,000 sources (median 2,048 shards each: most split in-shard over 16,384 readers), one
 timed rank per shape. `--quick`: 10 sources, 4 / 8 / 16 old ranks x 4 workers, and a check that the
-simulated agreement gives the states a rank computes by reading every saved state (`agree=None`), JSON for JSON.
+simulated agreement gives the states a rank computes by reading every saved state (`agree=None`),
+JSON for JSON.
 """
 
 from __future__ import annotations

@@ -182,10 +182,12 @@ def main(argv: list[str] | None = None) -> int:
         if k == 0:
             print(f"first batch: {batch!r}")
             print(
-                f"  audio {tuple(batch['audio'].shape)} {batch['audio'].dtype}, audio_lengths {batch['audio_lengths'].tolist()}"
+                f"  audio {tuple(batch['audio'].shape)} {batch['audio'].dtype}, audio_lengths "
+                f"{batch['audio_lengths'].tolist()}"
             )
             print(
-                f"  text  {tuple(batch['text'].shape)} {batch['text'].dtype}, text_lengths {batch['text_lengths'].tolist()}"
+                f"  text  {tuple(batch['text'].shape)} {batch['text'].dtype}, text_lengths "
+                f"{batch['text_lengths'].tolist()}"
             )
             n, s = int(batch["audio_lengths"][0]), int(batch["text_lengths"][0])
             print(f"  {batch.keys[0]}: {detokenize(batch['text'][0, :s].numpy())!r}")
@@ -199,16 +201,18 @@ def main(argv: list[str] | None = None) -> int:
     counters = loader.counters()
     utterances = np.array([counters[s.name]["samples"] for s in sources], dtype=np.float64)
     print(
-        f"\n{args.batches} batches in {took:.1f} s ({utterances.sum() / took:.0f} utterances/s, {seconds.sum() / took:.0f} audio-s/s), "
-        f"audio padding efficiency {stats['total']['padding_efficiency']:.3f}"
+        f"\n{args.batches} batches in {took:.1f} s ({utterances.sum() / took:.0f} utterances/s, "
+        f"{seconds.sum() / took:.0f} audio-s/s), audio padding efficiency {stats['total']['padding_efficiency']:.3f}"
     )
     print(
-        f"{'source':10s} {'utterances':>10s} {'size share':>10s} {'NeMo T=5':>9s} {'target':>7s} {'realized':>9s} {'audio s':>8s} {'dropped':>8s}"
+        f"{'source':10s} {'utterances':>10s} {'size share':>10s} {'NeMo T=5':>9s} {'target':>7s} {'realized':>9s} "
+        f"{'audio s':>8s} {'dropped':>8s}"
     )
     for i, s in enumerate(sources):
         print(
-            f"{s.name:10s} {int(sizes[i]):10d} {sizes[i] / sizes.sum():10.3f} {nemo[i]:9.3f} {stats['sources'][s.name]['target_now']:7.3f} "
-            f"{stats['sources'][s.name]['total']['realized']:9.3f} {seconds[i]:8.1f} {counters[s.name]['dropped']:8d}"
+            f"{s.name:10s} {int(sizes[i]):10d} {sizes[i] / sizes.sum():10.3f} {nemo[i]:9.3f} "
+            f"{stats['sources'][s.name]['target_now']:7.3f} {stats['sources'][s.name]['total']['realized']:9.3f} "
+            f"{seconds[i]:8.1f} {counters[s.name]['dropped']:8d}"
         )
     print(f"total {time.perf_counter() - t0:.1f} s")
     if tmp is not None:

@@ -41,7 +41,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--regen-golden",
         action="store_true",
         default=False,
-        help="tests/project/test_golden.py: rewrite tests/project/golden/*.json from the current code instead of comparing with them",
+        help="tests/project/test_golden.py: rewrite tests/project/golden/*.json from the current code instead of "
+        "comparing with them",
     )
 
 

@@ -51,10 +51,11 @@ class _Open(Generic[T]):
 
 
 class Packer(Generic[T]):
-    """Level 2 for :class:`~mixer.Packed`, a :class:`~mixer.batching.batchers.Batcher` like :class:`~mixer.batching.batchers.Bucketer`: ``add`` places
-    an item's tokens (first fit; pieces when splitting) and puts full batches on ``ready`` as
-    :class:`PackedGroup`\\ s; ``drain`` empties everything at the end of a finite pass. Placement is
-    a pure function of the order of arrival, so a restored packer continues exactly."""
+    """Level 2 for :class:`~mixer.Packed`, a :class:`~mixer.batching.batchers.Batcher` like
+    :class:`~mixer.batching.batchers.Bucketer`: ``add`` places an item's tokens (first fit; pieces when
+    splitting) and puts full batches on ``ready`` as :class:`PackedGroup`\\ s; ``drain`` empties
+    everything at the end of a finite pass. Placement is a pure function of the order of arrival, so a
+    restored packer continues exactly."""
 
     def __init__(self, packed: Packed, *, locate: Callable[[T], Location] = locate_sample) -> None:
         self.locate = locate
@@ -199,7 +200,8 @@ class Packer(Generic[T]):
             r, c, s, k = (int(x) for x in p[-4:])
             if not (0 <= r < self.rows and 0 <= c and c + k <= self.row_len):
                 raise StateError(
-                    f"packer state places a piece at row {r}, column {c} ({k} tokens): not in {self.rows} rows of {self.row_len}"
+                    f"packer state places a piece at row {r}, column {c} ({k} tokens): not in {self.rows} rows of "
+                    f"{self.row_len}"
                 )
         self.emitted = int(state["emitted"])
         self._restoring = state

@@ -204,8 +204,8 @@ def _describe(schedule: Schedule | None) -> str:
         schedule, Adaptive
     ):  # the targets move only with loss from a training loop, which `mixer run` has not
         return (
-            f"adaptive ({schedule.policy}, an update every {schedule.update_every} steps) over {_describe(schedule.schedule)}; "
-            "no training loop reports loss here, so its targets stay the prior's"
+            f"adaptive ({schedule.policy}, an update every {schedule.update_every} steps) over "
+            f"{_describe(schedule.schedule)}; no training loop reports loss here, so its targets stay the prior's"
         )
     if isinstance(schedule, Curriculum):
         t = f" with temperature {schedule.temperature.start:g}" if schedule.temperature is not None else ""
@@ -328,7 +328,8 @@ def _plan(args: argparse.Namespace) -> int:
     source = (
         "from --tokens-per-step"
         if args.tokens_per_step
-        else "batching.max_tokens: an upper bound for one rank; pass --tokens-per-step with the real tokens per step over all ranks"
+        else "batching.max_tokens: an upper bound for one rank; pass --tokens-per-step with the real tokens per step "
+        "over all ranks"
     )
     print(f"tokens seen = step x {tps:,.0f} tokens per step ({source})")
     if missing:
@@ -404,8 +405,9 @@ def _pretokenize(args: argparse.Namespace) -> int:
     )
     skipped = f", {done.skipped:,} bad sample(s) skipped" if done.skipped else ""
     print(
-        f"{len(done.shards):,} shards ({len(done.written):,} written now, {len(done.shards) - len(done.written):,} complete "
-        f"before), {done.samples:,} samples, {done.tokens:,} tokens{skipped} -> {args.output} (index {done.index})"
+        f"{len(done.shards):,} shards ({len(done.written):,} written now, {len(done.shards) - len(done.written):,} "
+        f"complete before), {done.samples:,} samples, {done.tokens:,} tokens{skipped} -> {args.output} (index "
+        f"{done.index})"
     )
     return 0
 
@@ -520,21 +522,24 @@ def build_parser() -> argparse.ArgumentParser:
     index = sub.add_parser(
         "index",
         help="build or refresh shard indexes (sample offsets and token lengths), reading only new or changed shards",
-        description="Index shards: per shard its size, validator, sample count, and each sample's byte range and token "
-        "length. Written next to the shards (<dir>/mixer-index.json.gz) or to --location. Use it with Source(index=True) "
-        "(config: 'index: true'): nothing is read up front, and readers split shards by sample ranges.",
+        description="Index shards: per shard its size, validator, sample count, and each sample's byte range and "
+        "token length. Written next to the shards (<dir>/mixer-index.json.gz) or to --location. Use it with "
+        "Source(index=True) (config: 'index: true'): nothing is read up front, and readers split shards by sample "
+        "ranges.",
     )
     index.add_argument(
         "sources",
         nargs="+",
         metavar="SOURCE",
-        help="a shard pattern (brace pattern, folder, glob or remote prefix; default decode) or a config file (its sources)",
+        help="a shard pattern (brace pattern, folder, glob or remote prefix; default decode) or a config file (its "
+        "sources)",
     )
     index.add_argument(
         "--location",
         default=None,
         metavar="PATH_OR_URL",
-        help="the index file (local or fsspec URL; sources decoded alike may share one; default: mixer-index.json.gz in each shard directory)",
+        help="the index file (local or fsspec URL; sources decoded alike may share one; default: mixer-index.json.gz "
+        "in each shard directory)",
     )
     index.add_argument("--workers", type=_positive, default=8, metavar="N", help="shards read at once (default 8)")
     index.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -543,9 +548,10 @@ def build_parser() -> argparse.ArgumentParser:
     pre = sub.add_parser(
         "pretokenize",
         help="tokenize raw text shards once into tokens.npy shards and their index (resumable, in parallel)",
-        description="Tokenize text shards (a txt member, or a key of a json member) with a Hugging Face tokenizer into "
-        "tokens.npy shards of the same names in OUTPUT, and index them (OUTPUT/mixer-index.json.gz): train on them with "
-        "Source(name, 'OUTPUT/', index=True). Run again after an interruption, it converts only the shards not yet complete.",
+        description="Tokenize text shards (a txt member, or a key of a json member) with a Hugging Face tokenizer "
+        "into tokens.npy shards of the same names in OUTPUT, and index them (OUTPUT/mixer-index.json.gz): train on "
+        "them with Source(name, 'OUTPUT/', index=True). Run again after an interruption, it converts only the shards "
+        "not yet complete.",
     )
     pre.add_argument(
         "sources", nargs="+", metavar="SOURCE", help="shard patterns (brace pattern, folder, glob or remote prefix)"

@@ -250,8 +250,9 @@ def _sources(value: Any, allow_pipe: bool) -> tuple[list[Source], list[bool]]:
         m = _check.mapping(item, path)
         if "allow_pipe" in m:
             raise ConfigError(
-                f"{_check.at(path, 'allow_pipe')}: not a config key: 'pipe:' URLs run shell commands, so only code can allow them "
-                "(build_mixture(spec, allow_pipe=True) or load_config(path, allow_pipe=True)), never a config file alone"
+                f"{_check.at(path, 'allow_pipe')}: not a config key: 'pipe:' URLs run shell commands, so only code "
+                "can allow them (build_mixture(spec, allow_pipe=True) or load_config(path, allow_pipe=True)), never a "
+                "config file alone"
             )
         source = _build(Source, m, path, owners=_source_owners(m), convert=convert, allow_pipe=allow_pipe)
         if source.name in seen:
@@ -295,7 +296,8 @@ def _check_fields(
     """What the Mixture would refuse later: fields with packing, a source length naming no field."""
     if fields is not None and isinstance(batching, Packed):
         raise ConfigError(
-            "fields: multi-field samples are batched by a token budget (padded per field), not with batching.packed: true"
+            "fields: multi-field samples are batched by a token budget (padded per field), not with batching.packed: "
+            "true"
         )
     for i, s in enumerate(sources):
         if not isinstance(s.length, str):

@@ -118,7 +118,8 @@ class MixerDataModule(pl.LightningDataModule):
         super().__init__()
         if not (isinstance(mixture, Mixture) or callable(mixture)):
             raise ConfigError(
-                f"MixerDataModule: mixture must be a mixer.Mixture or a function that builds one (got {type(mixture).__name__})"
+                "MixerDataModule: mixture must be a mixer.Mixture or a function that builds one (got "
+                f"{type(mixture).__name__})"
             )
         self._mixture = mixture
         self.group = group

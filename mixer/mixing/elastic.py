@@ -166,7 +166,8 @@ class Saved:
         shapes = {(int(s["world_size"]), int(s["num_workers"])) for s in states}
         if len(shapes) != 1:
             raise StateError(
-                f"elastic resume: the states were saved by runs of different shapes (world_size, readers): {sorted(shapes)}"
+                "elastic resume: the states were saved by runs of different shapes (world_size, readers): "
+                f"{sorted(shapes)}"
             )
         ((world, self._per),) = shapes
         self._index = {int(s["rank"]): j for j, s in enumerate(states)}

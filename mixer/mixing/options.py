@@ -70,8 +70,8 @@ def parse_buffer_budget(value: Any, where: str) -> BufferBudget | None:
         return BufferBudget(_check.count(amount, where), m.group(3))  # type: ignore[arg-type]
     amount = _check.count(value, where)
     _warn.warn(
-        f"{where}={amount}: a bare integer counts samples, so a reader's memory grows with sample length; "
-        f"write '{amount} samples' to keep this meaning, or a token budget such as '{DEFAULT_BUFFER_BUDGET}' (the default)",
+        f"{where}={amount}: a bare integer counts samples, so a reader's memory grows with sample length; write "
+        f"'{amount} samples' to keep this meaning, or a token budget such as '{DEFAULT_BUFFER_BUDGET}' (the default)",
         FutureWarning,
     )
     return BufferBudget(amount, "samples")

@@ -177,7 +177,8 @@ def _index(
         for i, row in zip(shards, rows[loc].tolist()):
             if row in have.damage:
                 log.warning(
-                    "source %r: index: shard %s is damaged (%s): its %d sample(s) before the damage are read, not the rest",
+                    "source %r: index: shard %s is damaged (%s): its %d sample(s) before the damage are read, not the "
+                    "rest",
                     source.name,
                     storage.redact(urls[i]),
                     have.damage[row],
@@ -241,8 +242,8 @@ def _judge(source: Source, stale: Stale, locs: list[str], reasons: list[str]) ->
             else f"{', '.join(storage.redact(x) for x in locked)} cannot be written"
         )
         raise ShardError(
-            f"source {source.name!r}: index {where} is stale for {len(reasons)} shard(s): {shown}. Not re-indexed ({why}): "
-            f"rebuild it with `mixer index` (or mixer.build_index), or pass stale='reindex'"
+            f"source {source.name!r}: index {where} is stale for {len(reasons)} shard(s): {shown}. Not re-indexed "
+            f"({why}): rebuild it with `mixer index` (or mixer.build_index), or pass stale='reindex'"
         )
     log.warning(
         "source %r: index %s is stale for %d shard(s), re-indexing them: %s", source.name, where, len(reasons), shown

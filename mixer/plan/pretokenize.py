@@ -158,8 +158,8 @@ def _targets(name: str, inputs: list[str], out: Path) -> list[Path]:
         target = stem + ".tar"
         if target in seen:
             raise ConfigError(
-                f"source {name!r}: shards {storage.redact(seen[target])} and {storage.redact(url)} would both be written to "
-                f"{target}; pretokenize them into separate output directories"
+                f"source {name!r}: shards {storage.redact(seen[target])} and {storage.redact(url)} would both be "
+                f"written to {target}; pretokenize them into separate output directories"
             )
         seen[target] = url
         targets.append(out / target)
@@ -179,8 +179,8 @@ def _claim(out: Path, made_with: dict[str, Any]) -> None:
         if before != made_with:
             changed = sorted(k for k in made_with if before.get(k) != made_with[k])
             raise ConfigError(
-                f"pretokenize: {out} was pretokenized with other {', '.join(changed)} ({before}); to continue it, use the "
-                "same; or write to another directory"
+                f"pretokenize: {out} was pretokenized with other {', '.join(changed)} ({before}); to continue it, use "
+                "the same; or write to another directory"
             )
         return
     _atomic_write(path, json.dumps(made_with, indent=1).encode())

@@ -169,10 +169,10 @@ def _look(
     list (the same number from each), and of each shard at most ``max_bytes / shards`` bytes from
     its start (None: no bound; a shard whose first sample is longer is read up to four times as far,
     and again, until it gives one); the size is always the estimate. Runs once per job; the
-    result travels to every reader with the mixture. Remote shards are read with ranged requests that end about where the last sample
-    wanted ends (the first request of a source asks for :data:`FIRST_BYTES_PER_SAMPLE` per sample wanted, at most
-    :data:`FIRST_WINDOW` bytes; later ones for
-    what the samples measured so far predict).
+    result travels to every reader with the mixture. Remote shards are read with ranged requests that
+    end about where the last sample wanted ends (the first request of a source asks for
+    :data:`FIRST_BYTES_PER_SAMPLE` per sample wanted, at most :data:`FIRST_WINDOW` bytes; later ones
+    for what the samples measured so far predict).
 
     Every sample read is judged as a reader judges it (:func:`~mixer.read.sample.make_sample`'s decode, length policy
     for ``budget`` and ``on_error``): a sample too long for the budget is the same error naming
@@ -499,7 +499,8 @@ def _broadcast(look: Callable[[], Sequence[Any]], what: list[tuple[str, int]], g
     for (name, n), (_, m) in zip(what, theirs):
         if n != m:
             raise ConfigError(
-                f"source {name!r}: this rank lists {n} shard(s), rank 0 of the group {m}; every rank must see the same shards"
+                f"source {name!r}: this rank lists {n} shard(s), rank 0 of the group {m}; every rank must see the "
+                "same shards"
             )
     return list(value)
 

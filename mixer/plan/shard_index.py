@@ -70,7 +70,8 @@ class Entry:
         lengths = np.asarray(lengths, dtype=np.int64)
         if len(offsets) != len(lengths) + 1 or (offsets % BLOCK).any() or (np.diff(offsets) < 0).any():
             raise ConfigError(
-                f"index entry: {len(offsets)} offsets for {len(lengths)} samples (need one more, multiples of {BLOCK}, increasing)"
+                f"index entry: {len(offsets)} offsets for {len(lengths)} samples (need one more, multiples of "
+                f"{BLOCK}, increasing)"
             )
         deltas = np.diff(offsets, prepend=0) // BLOCK
         blob = {"offsets": _pack(deltas.astype("<u4")), "lengths": _pack(lengths.astype("<u4"))}
@@ -133,7 +134,8 @@ def _document(data: bytes, where: str) -> dict[str, Any]:
         raise ConfigError(f"index {where}: not a {FORMAT} file")
     if doc.get("version") != VERSION:
         raise ConfigError(
-            f"index {where}: version {doc.get('version')!r}, this mixer reads version {VERSION}: rebuild it with `mixer index`"
+            f"index {where}: version {doc.get('version')!r}, this mixer reads version {VERSION}: rebuild it with "
+            "`mixer index`"
         )
     return doc
 
@@ -305,7 +307,8 @@ def range_loss(
     sl: ShardSlice, next_index: int, next_offset: int, index: ShardIndex
 ) -> tuple[tuple[int, int, int, int], str]:
     """What giving up an indexed slice at sample ``next_index`` (byte ``next_offset``) loses, as
-    :meth:`mixer.stream.source_stream.SourceStream._loss` counts it: its samples not delivered, exactly, and the bytes left."""
+    :meth:`mixer.stream.source_stream.SourceStream._loss` counts it: its samples not delivered, exactly, and
+    the bytes left."""
     left = sl.stop - next_index if sl.stop is not None else 0
     end = sl.end if sl.end is not None else int(index.offsets(sl.shard)[-1])
     rest = max(end - next_offset, 0)

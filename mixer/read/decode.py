@@ -170,8 +170,9 @@ def default_tokens(sample: dict[str, Any], *, native: bool | None = None) -> np.
 
     No such member, or an array that is not 1-D integer, is a `SampleError` naming the shard, key
     and member. With the compiled core (`NATIVE`; ``native=False`` or ``mixer.read.decode.NATIVE =
-    False`` turns it off) a canonical ``np.save`` header of a 1-D native integer array, and a ``txt`` member, are read in C;
-    every other case, errors included, by the code below: the result is the same.
+    False`` turns it off) a canonical ``np.save`` header of a 1-D native integer array, and a ``txt``
+    member, are read in C; every other case, errors included, by the code below: the result is the
+    same.
     """
     if _tokens is not None and (NATIVE if native is None else native):
         tokens = _tokens(sample)

@@ -48,7 +48,8 @@ def tokenizers_module() -> Any:
             import tokenizers
         except ImportError as exc:
             raise ConfigError(
-                f"mixer.TextDecode needs the 'tokenizers' package ({exc}); install it with pip install 'wds-mixer[text]'"
+                f"mixer.TextDecode needs the 'tokenizers' package ({exc}); install it with pip install "
+                "'wds-mixer[text]'"
             ) from exc
         _tokenizers = tokenizers
     return _tokenizers
@@ -83,7 +84,8 @@ def _parse_field(field: Any) -> tuple[str, tuple[str, ...] | None]:
     if not member or (keys is not None and not all(keys)):
         _check.fail(
             "TextDecode.field",
-            f"must be a member name ('txt') or a member and a JSON key path ('json:text', 'json:meta.body'), got {field!r}",
+            "must be a member name ('txt') or a member and a JSON key path ('json:text', 'json:meta.body'), got "
+            f"{field!r}",
         )
     return member, keys
 

@@ -125,7 +125,8 @@ def stop_sync(
         raise ConfigError(
             f"sync_stop: the mixture is rank {mixture.rank} of {mixture.world_size} but this process is rank {rank} "
             f"of {size} in the {'given sync_group' if sync_group is not None else 'default process group'}; pass "
-            "make_loader(..., sync_group=<the data-parallel group>) (the dp_group given to the Mixture), or sync_stop=False"
+            "make_loader(..., sync_group=<the data-parallel group>) (the dp_group given to the Mixture), or "
+            "sync_stop=False"
         )
     if not collective.handles_cpu(group):
         group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)

@@ -131,8 +131,8 @@ class SharesTable:
                 )
             if waited > WAIT_WARN_S and not warned:
                 warn(
-                    f"a reader has waited {waited:.0f} s for the adaptive shares of step {step} (update {need - 1}): the "
-                    "training loop has not handed out the step that closes that window yet"
+                    f"a reader has waited {waited:.0f} s for the adaptive shares of step {step} (update {need - 1}): "
+                    "the training loop has not handed out the step that closes that window yet"
                 )
                 warned = True
             time.sleep(pause)
@@ -188,7 +188,8 @@ class Feedback:
         source = batch.source
         if loss.shape != (len(source),):
             raise ConfigError(
-                f"feedback: loss must have one value per sample of the batch, shape ({len(source)},), got {tuple(loss.shape)}"
+                f"feedback: loss must have one value per sample of the batch, shape ({len(source)},), got "
+                f"{tuple(loss.shape)}"
             )
         if self._sums is None:
             # Start from what a restored state brought (zeros otherwise), so that a resumed window
@@ -338,8 +339,8 @@ def make_feedback(
     )
     if adaptive.lag is not None and adaptive.lag < least:
         raise ConfigError(
-            f"Adaptive.lag: must be >= {least} with this loader (prefetch_factor x num_workers batches in flight, the device "
-            f"feed's and the rank sync's look-ahead, plus one), got {adaptive.lag}"
+            f"Adaptive.lag: must be >= {least} with this loader (prefetch_factor x num_workers batches in flight, the "
+            f"device feed's and the rank sync's look-ahead, plus one), got {adaptive.lag}"
         )
     reduce = None
     if mixture.world_size > 1:

@@ -363,7 +363,8 @@ class Loader:
         meta = upto if isinstance(upto, BatchMeta) else getattr(upto, "meta", None)
         if not isinstance(meta, BatchMeta):
             raise StateError(
-                f"state_dict(upto=...): expected a batch this loader handed out, or its meta (got {type(upto).__name__})"
+                "state_dict(upto=...): expected a batch this loader handed out, or its meta (got "
+                f"{type(upto).__name__})"
             )
         position = meta.position
         if position is None:
@@ -393,7 +394,8 @@ class Loader:
         checkpoint.check(state, self.mixture, num_workers=self.num_workers)
         if self.persistent_workers and self._started:
             raise StateError(
-                "load_state_dict must come before the first iteration when persistent_workers=True (the workers already run)"
+                "load_state_dict must come before the first iteration when persistent_workers=True (the workers "
+                "already run)"
             )
         if (state["adaptive"] is None) != (self._feedback is None):
             raise StateError("loader state: 'adaptive' must be given exactly when the mixture's schedule is Adaptive")

@@ -136,7 +136,8 @@ class MixerService:
                     self._handles[rank, j] = ray.get_actor(reader_name(self.name, rank, j), namespace=self.namespace)
                 except ValueError:
                     raise MixerError(
-                        f"mixer service {self.name!r} has no reader {j} of trainer {rank} (closed, or resized by another process?)"
+                        f"mixer service {self.name!r} has no reader {j} of trainer {rank} (closed, or resized by "
+                        "another process?)"
                     ) from None
             out.append(self._handles[rank, j])
         return out
@@ -194,8 +195,9 @@ class MixerService:
             if "already" not in str(exc):
                 raise
             raise MixerError(
-                f"mixer service {self.name!r}: an actor named {name!r} already lives in Ray namespace {self.namespace!r} "
-                "(a service of that name runs: connect to it with MixerService.connect, or choose another name)"
+                f"mixer service {self.name!r}: an actor named {name!r} already lives in Ray namespace "
+                f"{self.namespace!r} (a service of that name runs: connect to it with MixerService.connect, or choose "
+                "another name)"
             ) from exc
 
     def _wait_started(self, places: list[tuple[int, int]], timeout: float) -> None:
@@ -208,7 +210,8 @@ class MixerService:
             names = ", ".join(f"reader {j} of trainer {r}" for r, j in sorted(pending[m] for m in missing))
             raise MixerError(
                 f"mixer service {self.name!r}: {names} did not start within {timeout:g} s: Ray could not place them "
-                f"(reader_options {self.reader_options}: are there nodes with those resources?) or they cannot be reached"
+                f"(reader_options {self.reader_options}: are there nodes with those resources?) or they cannot be "
+                "reached"
             )
 
     def resize(self, readers_per_trainer: int, *, start_timeout: float = DEFAULT_START_TIMEOUT) -> None:

@@ -228,7 +228,8 @@ class RemoteStream:
             )
         self.restarts += 1
         log.warning(
-            "%s failed (%s); starting it again from the state of the last batch received (%d batch(es) after its snapshot)",
+            "%s failed (%s); starting it again from the state of the last batch received (%d batch(es) after its "
+            "snapshot)",
             self._where(link),
             why,
             link.received.replay,

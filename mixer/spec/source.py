@@ -29,16 +29,18 @@ class Source:
 
     ``urls``: a brace pattern (``shard-{000..127}.tar``), a list of patterns, a local folder or glob,
     or a remote prefix ending in ``/``; shards are ``.tar`` files, or ``.tar.gz`` / ``.tgz`` /
-    ``.tar.xz`` ones decompressed as they stream (:mod:`mixer.storage.compressed`). ``weight`` is the static
-    target share (normalised over sources). ``size`` is the source's size in tokens for temperature/proportional schedules; when
-    None it is estimated once, up front, identically for every reader (see :func:`~mixer.plan.profiling.profile_sources`).
+    ``.tar.xz`` ones decompressed as they stream (:mod:`mixer.storage.compressed`). ``weight`` is the
+    static target share (normalised over sources). ``size`` is the source's size in tokens for
+    temperature/proportional schedules; when None it is estimated once, up front, identically for every
+    reader (see :func:`~mixer.plan.profiling.profile_sources`).
     ``decode(sample) -> 1-D int array`` and ``length(sample) -> int`` replace the default (tokens from
     ``tokens.npy``, else ``input_ids.npy``, else the UTF-8 bytes of ``txt``; length = token count).
     ``decode`` may also return a mapping of named 1-D arrays (multi-field samples, collated by
     ``Mixture(fields=...)``; ``length`` may then name the field that counts, default the first), or
     None to drop the sample (a filter; counted in ``dropped``).
     ``on_error``: ``"raise"`` stops on a bad shard or sample with an error naming it; ``"skip"``
-    skips it, counts it (see :class:`~mixer.read.counters.Counters` for what a damaged shard loses) and warns once per shard.
+    skips it, counts it (see :class:`~mixer.read.counters.Counters` for what a damaged shard loses) and
+    warns once per shard.
     ``storage_options`` go to the fsspec filesystem of remote URLs (endpoint, credentials, ...);
     ``io_options`` (a mapping or :class:`mixer.IOOptions`: ``timeout``, ``retries``, ``backoff``,
     ``block_size``, ``read_ahead``) set how remote shards are read. ``allow_pipe=True`` accepts

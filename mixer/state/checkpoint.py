@@ -32,9 +32,10 @@ process::
     {"kind": "mixer.AllRanks", "version": 1, "rank": r, "states": [<loader state> | None, ...] | None,
      "trained": batches trained | None}
 
-The state never holds configuration: the mixture appears as its fingerprint (:mod:`mixer.mixing.fingerprint`), composed of
-what each configuration class says decides the stream (their ``describe()``), and a state of
-another mixture, version or topology is refused with a :class:`~mixer.StateError`.
+The state never holds configuration: the mixture appears as its fingerprint
+(:mod:`mixer.mixing.fingerprint`), composed of what each configuration class says decides the stream
+(their ``describe()``), and a state of another mixture, version or topology is refused with a
+:class:`~mixer.StateError`.
 
 Buffered samples are stored by *location* and read again on restore: ``(shard, byte offset)`` in a
 stream or a per-source batcher, ``(source, shard, offset)`` in the shared batcher of
@@ -84,7 +85,9 @@ class CarriesState(Protocol):
     skips: Sequence[Sequence[int]]
 
 
-STATE_VERSION = 6  # 6: a stream's inherited slices (elastic resume); 5: columnar reader snapshots; 4: "adaptive" (feedback-driven mixing); 3: one checkpoint module
+# 6: a stream's inherited slices (elastic resume); 5: columnar reader snapshots; 4: "adaptive"
+# (feedback-driven mixing); 3: one checkpoint module
+STATE_VERSION = 6
 KIND = "mixer.Loader"
 _HISTORY = {
     1: "mixer before the PCG64 shuffle buffers (random.Random state)",
@@ -167,10 +170,11 @@ def check(state: Any, mixture: Topology, *, num_workers: int) -> dict[str, Any]:
     saved = (state["rank"], state["world_size"], state["num_workers"])
     if saved != (mixture.rank, mixture.world_size, readers):
         raise StateError(
-            f"loader state was saved with rank {saved[0]} of {saved[1]} and {saved[2]} reader(s) per rank; this loader "
-            f"is rank {mixture.rank} of {mixture.world_size} with {readers}: one rank's state resumes the same num_workers "
-            "or world_size only (another shape would repeat or lose samples of the current source-epochs); for an elastic "
-            "resume pass the list of the states of all the saved ranks (see mixer.mixing.elastic)"
+            f"loader state was saved with rank {saved[0]} of {saved[1]} and {saved[2]} reader(s) per rank; this "
+            f"loader is rank {mixture.rank} of {mixture.world_size} with {readers}: one rank's state resumes the same "
+            "num_workers or world_size only (another shape would repeat or lose samples of the current "
+            "source-epochs); for an elastic resume pass the list of the states of all the saved ranks (see "
+            "mixer.mixing.elastic)"
         )
     if not isinstance(state["readers"], list) or len(state["readers"]) != readers:
         raise StateError(f"loader state: 'readers' must list {readers} reader state(s)")
@@ -192,8 +196,8 @@ def check_saved(state: Any, mixture: Topology) -> dict[str, Any]:
             _HISTORY.get(version, "not a version this mixer knows") if isinstance(version, int) else "no valid version"
         )
         raise StateError(
-            f"loader state version {version!r} ({what}) cannot be loaded: this mixer reads state version {STATE_VERSION} "
-            "only; resume with the mixer that saved it, or start the data stream afresh"
+            f"loader state version {version!r} ({what}) cannot be loaded: this mixer reads state version "
+            f"{STATE_VERSION} only; resume with the mixer that saved it, or start the data stream afresh"
         )
     expect_keys("loader", state, LOADER_KEYS)
     if state["fingerprint"] != mixture.fingerprint:

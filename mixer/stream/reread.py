@@ -64,7 +64,8 @@ def reread(
                         )
                         if sample is None:
                             raise StateError(
-                                f"source {source.name!r}: the sample at byte {off} of {storage.redact(url)} no longer decodes as it did"
+                                f"source {source.name!r}: the sample at byte {off} of {storage.redact(url)} no longer "
+                                "decodes as it did"
                             )
                         out[(shard, off)] = sample
                         if text is not None and max(chunks[shard, off]) >= 0:
@@ -74,7 +75,8 @@ def reread(
         missing = offsets - {off for sh, off in out if sh == shard}
         if missing:
             raise StateError(
-                f"source {source.name!r}: no sample starts at byte(s) {sorted(missing)[:5]} of {storage.redact(url)}: the shard changed since the state was saved"
+                f"source {source.name!r}: no sample starts at byte(s) {sorted(missing)[:5]} of {storage.redact(url)}: "
+                "the shard changed since the state was saved"
             )
     if text is not None:
         _add_chunks(out, text, docs, chunks, text.chunk_length(budget.longest), source.name)
@@ -106,8 +108,8 @@ def _add_chunks(
                 continue
             if k >= len(pieces):
                 raise StateError(
-                    f"source {name!r}: the document at byte {doc.offset} of shard {doc.shard} no longer has a chunk {k} "
-                    f"(it makes {len(pieces)}): the shard or the tokenizer changed since the state was saved"
+                    f"source {name!r}: the document at byte {doc.offset} of shard {doc.shard} no longer has a chunk "
+                    f"{k} (it makes {len(pieces)}): the shard or the tokenizer changed since the state was saved"
                 )
             out[(doc.shard, pieces[k].offset)] = pieces[k]
         if -1 not in ks:

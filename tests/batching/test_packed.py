@@ -227,7 +227,8 @@ def test_a_document_longer_than_a_row_needs_splitting_or_max_length(shards):
     # found while profiling: the readers' error, naming shard and key
     with pytest.raises(
         mixer.SampleError,
-        match=r"source 'long': shard \S*long-\d+\.tar, key '[^']+': length \d+ exceeds seq_len=512; set Packed\(split_documents=True",
+        match=r"source 'long': shard \S*long-\d+\.tar, key '[^']+': length \d+ exceeds seq_len=512; set "
+        r"Packed\(split_documents=True",
     ):
         mixture(shards, batching=mixer.Packed(max_tokens=4 * SEQ, seq_len=SEQ))
     packed = mixer.Packed(max_tokens=4 * SEQ, seq_len=SEQ, max_length=SEQ, overlong="drop")

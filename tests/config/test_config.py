@@ -451,8 +451,9 @@ ERRORS = [
     (
         _set("zzz", 1),
         "zzz: unknown key (expected one of: sources, batching, schedule, selector, unit, mix, stop, seed, "
-        "shuffle_buffer, pad_id, dtype, state_every, buffer_budget, fields, profile_cache, profile_share, sampling_technique, sampling_temperature, sampling_probabilities, sampling_scale, "
-        "shuffle, concat_sampling_technique, concat_sampling_temperature, concat_sampling_probabilities, "
+        "shuffle_buffer, pad_id, dtype, state_every, buffer_budget, fields, profile_cache, profile_share, "
+        "sampling_technique, sampling_temperature, sampling_probabilities, sampling_scale, shuffle, "
+        "concat_sampling_technique, concat_sampling_temperature, concat_sampling_probabilities, "
         "concat_sampling_scale, concat_shuffle, concat_sampling_seed)",
     ),
     (_set("sources", DELETE), "sources: required"),
@@ -516,7 +517,8 @@ ERRORS = [
     ),
     (
         _set("sources[0].length", "audio"),
-        "sources[0].length: 'audio' names a field, but there is no 'fields' key; add fields, or give an import path 'package.module:function'",
+        "sources[0].length: 'audio' names a field, but there is no 'fields' key; add fields, or give an import path "
+        "'package.module:function'",
     ),
     (
         lambda c: c.update(fields={"audio": {}, "text": {}}) or c["sources"][0].update(length="audoi"),
@@ -659,7 +661,8 @@ ERRORS = [
     (_set("schedule.temperature", {"end": 1}), "schedule.temperature.start: required"),
     (
         _set("schedule.temperature", {"start": 5, "shape": "cos"}),
-        "schedule.temperature.shape: must be one of 'constant', 'linear', 'cosine', 'step', got 'cos'; did you mean 'cosine'?",
+        "schedule.temperature.shape: must be one of 'constant', 'linear', 'cosine', 'step', got 'cos'; did you mean "
+        "'cosine'?",
     ),
     (
         _set("schedule.temperature", {"start": 5, "end": 1}),
@@ -722,7 +725,8 @@ ERRORS = [
     ),
     (
         lambda c: c.update(schedule={"weights": {"a": 1}, "temperature": 2}),
-        "schedule.weights: cannot be combined with 'temperature' (for a temperature over these weights, give one phase with both)",
+        "schedule.weights: cannot be combined with 'temperature' (for a temperature over these weights, give one "
+        "phase with both)",
     ),
     (
         lambda c: c.update(schedule={"weights": {"a": 1}, "hierarchical": {"beta_group": 1, "beta_source": 1}}),
@@ -753,7 +757,8 @@ ERRORS = [
     ),
     (
         lambda c: c.update(schedule=copy.deepcopy(PHASES)) or c["schedule"]["phases"][2].update(ramp_steps=5),
-        "schedule.phases[2].ramp_steps: phases count tokens (schedule.phases[0].until_tokens); don't mix steps and tokens",
+        "schedule.phases[2].ramp_steps: phases count tokens (schedule.phases[0].until_tokens); don't mix steps and "
+        "tokens",
     ),
     (
         lambda c: c.update(schedule=copy.deepcopy(PHASES)) or c["schedule"]["phases"][0].update(ramp_tokens=5),
@@ -801,7 +806,8 @@ ERRORS = [
                 "phases": [{"until_tokens": 10}, {"temperature": {"start": 2, "end": 1, "shape": "linear", "steps": 5}}]
             }
         ),
-        "schedule.phases[1].temperature.steps: a phase's temperature counts from the phase's start, and these phases count tokens; give its length as 'tokens'",
+        "schedule.phases[1].temperature.steps: a phase's temperature counts from the phase's start, and these phases "
+        "count tokens; give its length as 'tokens'",
     ),
     (
         lambda c: c.update(schedule={"phases": [{"weights": {"a": 1}, "temperature": {"start": 2, "base": "sizes"}}]}),
@@ -823,7 +829,8 @@ ERRORS = [
     ),
     (
         _set("concat_sampling_technique", "round_robin"),
-        "concat_sampling_technique: must be one of 'temperature', 'random', 'round-robin', got 'round_robin'; did you mean 'round-robin'?",
+        "concat_sampling_technique: must be one of 'temperature', 'random', 'round-robin', got 'round_robin'; did you "
+        "mean 'round-robin'?",
     ),
     (
         lambda c: c.update(sampling_temperature=2, concat_sampling_temperature=2),
@@ -837,15 +844,16 @@ ERRORS = [
     (
         _set("concat_sampling_scale", 2),
         (
-            "concat_sampling_scale: only 1 is supported, got 2: NeMo multiplies its epoch length by it, but a mixture streams "
-            "without an epoch length; bound the run in the training loop (or `mixer run --steps N`), or use stop: all_exhausted "
-            "for exactly one pass over every source"
+            "concat_sampling_scale: only 1 is supported, got 2: NeMo multiplies its epoch length by it, but a mixture "
+            "streams without an epoch length; bound the run in the training loop (or `mixer run --steps N`), or use "
+            "stop: all_exhausted for exactly one pass over every source"
         ),
     ),
     (_set("sampling_scale", 0), "sampling_scale: must be > 0, got 0"),
     (
         lambda c: c.update(sampling_technique="temperature", schedule={"temperature": 2}),
-        "schedule: conflicts with sampling_technique: 'temperature'; NeMo's keys set the target shares, use one or the other",
+        "schedule: conflicts with sampling_technique: 'temperature'; NeMo's keys set the target shares, use one or "
+        "the other",
     ),
     (
         lambda c: c.update(concat_sampling_temperature=2, schedule={"min_prob": 0.1}),
@@ -854,11 +862,13 @@ ERRORS = [
     ),
     (
         lambda c: c.update(sampling_technique="random", sampling_temperature=5),
-        "sampling_temperature: only used with sampling_technique 'temperature' (NeMo ignores it with 'random'); remove it",
+        "sampling_temperature: only used with sampling_technique 'temperature' (NeMo ignores it with 'random'); "
+        "remove it",
     ),
     (
         lambda c: c.update(concat_sampling_probabilities=[0.2, 0.3, 0.5]),
-        "concat_sampling_probabilities: only used with sampling_technique 'random' (NeMo ignores it with 'temperature'); remove it",
+        "concat_sampling_probabilities: only used with sampling_technique 'random' (NeMo ignores it with "
+        "'temperature'); remove it",
     ),
     (
         lambda c: c.update(sampling_technique="random", sampling_probabilities=[0.5, 0.5]),
@@ -1053,7 +1063,8 @@ def test_build_mixture_from_yaml(tmp_path, three_sources):
     batching: {{max_tokens: 16384, multiple_of: 2, max_length: 16384}}
     sources:
       - {{name: web,   urls: "{three_sources["web"][0]}",   weight: 0.5, size: 1.0e6, group: en}}
-      - {{name: code,  urls: "{three_sources["code"][0]}",  weight: 0.3, size: 2.0e5, decode: "mixer.read.decode:default_tokens"}}
+      - {{name: code,  urls: "{three_sources["code"][0]}",  weight: 0.3, size: 2.0e5,
+         decode: "mixer.read.decode:default_tokens"}}
       - {{name: books, urls: "{three_sources["books"][0]}", weight: 0.2, size: 4.0e5, group: en, on_error: skip}}
     schedule:
       phases:

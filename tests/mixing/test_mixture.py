@@ -342,7 +342,10 @@ def test_error_sample_without_tokens_names_shard_and_key(tmp_path):
 
 # One judge of length for the up-front profile and for the readers (issue 12, item 5): the same
 # error, naming source, shard and key, and the same on_error policy.
-OVERLONG = r"source '{}': shard \S*{}-000000\.tar, key '{}': length {} exceeds max_tokens=512; set TokenBudget\(max_length=\.\.\. to truncate or drop"
+OVERLONG = (
+    r"source '{}': shard \S*{}-000000\.tar, key '{}': length {} exceeds max_tokens=512; set "
+    r"TokenBudget\(max_length=\.\.\. to truncate or drop"
+)
 
 
 def test_error_sample_longer_than_budget_found_while_profiling(tmp_path):
@@ -356,7 +359,8 @@ def test_a_sample_longer_than_budget_found_while_profiling_is_skipped_and_counte
     pattern = write_token_shards(tmp_path, "early", [[10] * 5 + [900] + [10] * 5])
     with pytest.warns(
         RuntimeWarning,
-        match=r"skipping bad sample\(s\) in shard .*early-000000\.tar.*'early-000000-000005': length 900 exceeds.*while profiling",
+        match=r"skipping bad sample\(s\) in shard .*early-000000\.tar.*'early-000000-000005': length 900 "
+        r"exceeds.*while profiling",
     ):
         mix = mixer.Mixture(
             [mixer.Source("early", pattern, on_error="skip")],

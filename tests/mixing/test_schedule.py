@@ -358,7 +358,8 @@ def _phases(*phases):
         ),
         (
             lambda: Curriculum([Phase(until=10), Phase(temperature=Temperature(2, 1, "linear", steps=5))]),
-            "Curriculum.phases[1].temperature: counts steps from the phase's start, but this curriculum counts tokens; give its length in tokens",
+            "Curriculum.phases[1].temperature: counts steps from the phase's start, but this curriculum counts "
+            "tokens; give its length in tokens",
         ),
         (
             lambda: Curriculum([Phase({"a": 1})], temperature=Temperature(2, base="sizes")),

@@ -112,8 +112,8 @@ def test_cli_report_of_an_adaptive_config(shards, tmp_path, capsys):
     assert cli.main(["run", str(path), "--steps", "20", "--report", str(out)]) == 0
     printed = capsys.readouterr().out
     assert (
-        "schedule adaptive (exp_gradient, an update every 4 steps) over static (the sources' weights); no training loop reports loss here"
-        in printed
+        "schedule adaptive (exp_gradient, an update every 4 steps) over static (the sources' weights); no training "
+        "loop reports loss here" in printed
     )
     rep = json.loads(out.read_text())
     a = rep["adaptive"]

@@ -169,7 +169,9 @@ def test_sample_unit_shares_errors_and_table_count_samples(three_sources, num_wo
         batching=mixer.TokenBudget(max_tokens=8192, max_length=8192),
         schedule=STEP_CURRICULUM,
         unit="samples",
-        seed=4,  # (at 40 batches the 0.05 below is near chance: seed 5 misses it by 0.005 on the reservoir refilled per sample, seed 3 by 0.008 refilled in bursts)
+        # (at 40 batches the 0.05 below is near chance: seed 5 misses it by 0.005 on the reservoir refilled
+        # per sample, seed 3 by 0.008 refilled in bursts)
+        seed=4,
     )
     loader = mixer.make_loader(mix, num_workers=num_workers, stats_window=9)
     tally = Tally(mix)

@@ -97,7 +97,8 @@ def test_stale_entries_are_named_then_reindexed_or_refused(sources, caplog):
     os.utime(changed, ns=(1, 1))  # same bytes, new modification time: the validator differs
     with pytest.raises(
         ShardError,
-        match=r"stale for 1 shard\(s\): .*few-000001.tar \(indexed: \d+ bytes, mtime:\d+; now: \d+ bytes, mtime:1\).*stale='refuse'",
+        match=r"stale for 1 shard\(s\): .*few-000001.tar \(indexed: \d+ bytes, mtime:\d+; now: \d+ bytes, "
+        r"mtime:1\).*stale='refuse'",
     ):
         mixer.load_index(pattern, stale="refuse")
     with caplog.at_level("WARNING", logger="mixer.plan.index"):

@@ -589,11 +589,13 @@ def test_not_a_tar(tmp_path: Path) -> None:
         ),
         (
             bz2.compress(b"x" * 2000),
-            r"not a tar file \(starts with b'BZh9.*; bzip2-compressed data: name the shard \.tar\.bz2 or \.tbz2 or \.tbz$",
+            r"not a tar file \(starts with b'BZh9.*; bzip2-compressed data: name the shard \.tar\.bz2 or \.tbz2 or "
+            r"\.tbz$",
         ),
         (
             b"\x28\xb5\x2f\xfd" + bytes(600),
-            r"not a tar file \(starts with b'\(\\xb5/\\xfd.*; zstd-compressed data: name the shard \.tar\.zst or \.tzst$",
+            r"not a tar file \(starts with b'\(\\xb5/\\xfd.*; zstd-compressed data: name the shard \.tar\.zst or "
+            r"\.tzst$",
         ),
     ],
     ids=["text", "html", "gzip", "xz", "bzip2", "zstd"],

@@ -131,7 +131,8 @@ def test_a_rank_that_stops_makes_the_others_raise_within_the_timeout(patterns, t
         assert err is not None and err["type"] == "MixerError", r
         msg = err["message"]
         assert msg.startswith(
-            f"adaptive feedback on rank {r['rank']}: the all_reduce of the per-source losses that closes an update window"
+            f"adaptive feedback on rank {r['rank']}: the all_reduce of the per-source losses that closes an update "
+            "window"
         ), msg
         assert (
             f"got no answer within sync_timeout={timeout} s" in msg

@@ -187,7 +187,8 @@ def test_an_exhausted_source_keeps_its_weight_and_the_pass_delivers_everything_o
         ),
         (
             {"num_workers": 1, "multiprocessing_context": "spawn"},
-            r"^schedule Adaptive: needs DataLoader workers started by fork .*multiprocessing_context='fork' \(Linux\) or num_workers=0$",
+            r"^schedule Adaptive: needs DataLoader workers started by fork .*multiprocessing_context='fork' \(Linux\) "
+            r"or num_workers=0$",
         ),
         (
             {"num_workers": 1, "multiprocessing_context": "forkserver"},

@@ -1,5 +1,5 @@
-"""Compressed shards (``.tar.gz``, ``.tgz``, ``.tar.xz``, ``.tar.bz2``, ``.tar.zst``): read locally, over HTTP and S3 on 127.0.0.1,
-listed in folders and prefixes, resumed mid-shard, and damaged.
+"""Compressed shards (``.tar.gz``, ``.tgz``, ``.tar.xz``, ``.tar.bz2``, ``.tar.zst``): read locally, over
+HTTP and S3 on 127.0.0.1, listed in folders and prefixes, resumed mid-shard, and damaged.
 
 The invariant: a compressed shard yields exactly the samples of the same tar uncompressed, with the
 same (uncompressed) offsets, so that everything above the byte stream (resume points, ``__end__``,
@@ -265,7 +265,8 @@ def test_corrupt_and_mislabelled_data(root: Path, tmp_path: Path) -> None:
     (tmp_path / "bad.tar.gz").write_bytes(bytes(data))
     with pytest.raises(
         TarDamage,
-        match=r"bad\.tar\.gz: corrupt gzip data within the first \d+ compressed bytes \(\d+ bytes into the tar\): Error -3",
+        match=r"bad\.tar\.gz: corrupt gzip data within the first \d+ compressed bytes \(\d+ bytes into the tar\): "
+        r"Error -3",
     ) as err:
         plain_or_gz(tmp_path / "bad.tar.gz")
     assert not err.value.truncated and isinstance(err.value.__cause__, CodecError)

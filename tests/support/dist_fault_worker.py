@@ -4,11 +4,11 @@
 
 Every rank iterates a finite loader (``make_loader(sync_timeout=...)``); the rank ``victim`` stops
 itself (SIGSTOP, ``how="stop"``) or is killed (SIGKILL, ``how="kill"``) after handing out ``at``
-batches, as a frozen or crashed trainer would, or is only late (sleeps ``late_s``, ``how="late"``). Every other rank records what its loop ended with
-in ``OUT_DIR/rank<r>.json`` (the error's type and message, the batches it got, the seconds from its
-last batch to the error) and then returns normally: a process left with a pending collective would
-hang here at exit, which the test sees. The stopped victim writes its pid to ``OUT_DIR/victim.pid``
-first, so the test can end it.
+batches, as a frozen or crashed trainer would, or is only late (sleeps ``late_s``, ``how="late"``).
+Every other rank records what its loop ended with in ``OUT_DIR/rank<r>.json`` (the error's type and
+message, the batches it got, the seconds from its last batch to the error) and then returns normally:
+a process left with a pending collective would hang here at exit, which the test sees. The stopped
+victim writes its pid to ``OUT_DIR/victim.pid`` first, so the test can end it.
 """
 
 from __future__ import annotations

@@ -8,11 +8,11 @@ group), iterates its loader to the end and writes ``OUT_DIR/<case>-<phase>-rank<
 the keys, the source of each sample and a digest of the tensors (a filler batch: only that it is one
 and has rows, since its contents are a copy), plus ``loader.sync_report()`` and what ``stats()``
 counted. In the ``run`` phase the loader state after batch ``save_at`` goes to
-``OUT_DIR/<case>-rank<r>.state.pt`` (torch.save); ``save_at="tail"`` saves after every one of the pass's last ``tail`` batches (and after its last), and
-the resume phase continues from each of them to the end; ``save_at="filler"`` picks the batch count at which
-the first rank handed out its first filler (agreed over the ranks after the pass), so the state is
-saved inside that rank's filler phase. The ``resume`` phase loads it into a fresh loader and records
-the continuation. A case whose stream
+``OUT_DIR/<case>-rank<r>.state.pt`` (torch.save); ``save_at="tail"`` saves after every one of the
+pass's last ``tail`` batches (and after its last), and the resume phase continues from each of them to
+the end; ``save_at="filler"`` picks the batch count at which the first rank handed out its first
+filler (agreed over the ranks after the pass), so the state is saved inside that rank's filler phase.
+The ``resume`` phase loads it into a fresh loader and records the continuation. A case whose stream
 raises records the error instead, and the next case still runs (every rank took part in the same
 collectives up to the failure).
 """

@@ -46,7 +46,8 @@ def wait_no_children(deadline_s: float) -> bool:
 
 
 class FailingDecode:
-    """Decodes normally, except that a worker raises on its 450th sample (in its second source-epoch, after it has delivered batches) (a bug in user code)."""
+    """Decodes normally, except that a worker raises on its 450th sample (in its second source-epoch,
+    after it has delivered batches) (a bug in user code)."""
 
     def __init__(self) -> None:
         self.seen = 0

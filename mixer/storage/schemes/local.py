@@ -51,7 +51,8 @@ def _expand_local(pattern: str, original: str) -> list[tuple[str, int | None]]:
             tars = sorted(p for p in globmod.glob(os.path.join(globmod.escape(path), "*")) if is_shard_name(p))
             if not tars:
                 raise ShardError(
-                    f"folder {path!r} (from {original!r}) holds no shards ({', '.join('*' + x for x in SHARD_SUFFIXES)})"
+                    f"folder {path!r} (from {original!r}) holds no shards "
+                    f"({', '.join('*' + x for x in SHARD_SUFFIXES)})"
                 )
             out.extend((p, os.stat(p).st_size) for p in tars if os.path.isfile(p))
         elif has_magic(path):

@@ -86,8 +86,9 @@ async def _http_client(limit: int, **kwargs: Any) -> Any:
 
 
 class _HTTPRemote(PumpRemote):
-    """GET with ``Range: bytes=pos-`` (``pos-end`` with an end byte) through the aiohttp session of fsspec's HTTP filesystem (so its
-    ``storage_options``, e.g. ``headers`` or ``client_kwargs``, apply), with the status checked here."""
+    """GET with ``Range: bytes=pos-`` (``pos-end`` with an end byte) through the aiohttp session of
+    fsspec's HTTP filesystem (so its ``storage_options``, e.g. ``headers`` or ``client_kwargs``, apply),
+    with the status checked here."""
 
     def __init__(self, fs: Any, url: str, timeout: float, block_size: int, max_connections: int) -> None:
         super().__init__(fs, url, timeout, block_size, max_connections)

@@ -40,7 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--methods",
         type=lambda s: [m for m in s.split(",") if m],
         default=None,
-        help="throughput: comma-separated subset of raw,wds,randommix,randommix_tokprobs,mixer_reader,mixer,mixer_all_exhausted,"
+        help="throughput: comma-separated subset of raw,wds,randommix,randommix_tokprobs,mixer_reader,mixer,"
+        "mixer_all_exhausted,"
         "torchdata,torchdata_tokprobs,mixer_w1,mixer_w2",
     )
     p.add_argument(
@@ -105,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     shards = {r.config.get("shards") for r in results}
     print(
-        f"Machine: {machine['platform']}, {machine['cpus']} CPUs, Python {machine['python']}, torch {machine['torch']}, "
-        f"webdataset {machine['webdataset']}, torch threads {opts.torch_threads}; load average before {tuple(round(x, 2) for x in machine['loadavg'])}, "
+        f"Machine: {machine['platform']}, {machine['cpus']} CPUs, Python {machine['python']}, "
+        f"torch {machine['torch']}, webdataset {machine['webdataset']}, torch threads {opts.torch_threads}; "
+        f"load average before {tuple(round(x, 2) for x in machine['loadavg'])}, "
         f"after {tuple(round(x, 2) for x in os.getloadavg())}."
     )
     for s in sorted(x for x in shards if x):

@@ -1,7 +1,7 @@
 """Level 2: the batchers that group one source's (or, with ``mix="sample"``, every source's)
 samples into batches: :class:`Bucketer` (length buckets under a :class:`~mixer.TokenBudget`) and
-:class:`Packer` (documents packed into rows, :class:`~mixer.Packed`; in `mixer.batching.packer`), with the same interface
-(``add`` → ``ready`` queue, ``release``, ``drain``) and the same state: each is a
+:class:`Packer` (documents packed into rows, :class:`~mixer.Packed`; in `mixer.batching.packer`), with the same
+interface (``add`` → ``ready`` queue, ``release``, ``drain``) and the same state: each is a
 :class:`~mixer.state.checkpoint.Rereads` part whose state lists its items by location (``locate(item)``:
 ``(shard, offset)``, or ``(source, shard, offset)`` in ``mix="sample"``), so the mixture's exact
 resume re-reads a packer's documents like it does a bucketer's.
@@ -257,7 +257,8 @@ class Bucketer(_Core, Generic[T]):  # type: ignore[valid-type,misc]
             state["items"]
         ):
             raise StateError(
-                f"bucketer state: 'buckets' {buckets[:3]}... do not fit {len(self.edges)} buckets and {len(state['items'])} items"
+                f"bucketer state: 'buckets' {buckets[:3]}... do not fit {len(self.edges)} buckets "
+                f"and {len(state['items'])} items"
             )
         self.emitted = int(state["emitted"])
         self._opened = [0] * len(self.edges)

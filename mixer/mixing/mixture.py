@@ -185,7 +185,8 @@ class Mixture(IterableDataset[Batch]):
         self.budget: BufferBudget | None = parse_buffer_budget(self.buffer_budget, "Mixture.buffer_budget")
         if self.budget is not None and self.budget.amount < 2 * len(sources):
             raise ConfigError(
-                f"Mixture.buffer_budget: must give each of the {len(sources)} sources at least 2 {self.budget.unit} (shuffle and buckets), "
+                f"Mixture.buffer_budget: must give each of the {len(sources)} sources at least 2 {self.budget.unit} "
+                "(shuffle and buckets), "
                 f"so >= {2 * len(sources)}, got {self.budget.amount}; or None for no budget"
             )
         self.sources = sources
@@ -197,7 +198,8 @@ class Mixture(IterableDataset[Batch]):
         for s in sources:
             if isinstance(s.length, str) and (fields is None or s.length not in fields):
                 raise ConfigError(
-                    f"source {s.name!r}: length={s.length!r} names a field, but the mixture's fields= {sorted(fields or ())} lack it"
+                    f"source {s.name!r}: length={s.length!r} names a field, "
+                    f"but the mixture's fields= {sorted(fields or ())} lack it"
                 )
             if isinstance(s.decode, TextDecode) and (s.length is not None or fields is not None):
                 raise ConfigError(
@@ -479,7 +481,8 @@ class Reader:
             yield self._collate(cut, self._meta(cut))
 
     def settle(self) -> dict[str, Any]:
-        """After ``load_state_dict``: the state where the saved reader stood after its replay (:mod:`mixer.mixing.elastic`)."""
+        """After ``load_state_dict``: the state where the saved reader stood after its replay
+        (:mod:`mixer.mixing.elastic`)."""
         self._cuts()
         return self.state_dict()
 

@@ -123,7 +123,9 @@ class SourceStream:
         self._shards = open_shards if open_shards is not None else storage.OpenShards(io.max_open_shards)
         self._suspended = False  # closed by the cap mid-shard: the next open is a reopen
         self._cold = False  # suspended since its last fresh shard: read too rarely to read ahead for
-        self._visit = 0  # bytes taken before the last suspension: a cold stream asks for that much first (then doubling), so a visit like the last one reads about what it takes
+        # bytes taken before the last suspension: a cold stream asks for that much first (then
+        # doubling), so a visit like the last one reads about what it takes
+        self._visit = 0
         self._opened_at = 0
         self._warned_shards: set[int] = set()
 
@@ -286,7 +288,8 @@ class SourceStream:
                 self.new_skips.append((self.epoch, self.slice_pos, *decision))
                 self._warn_once(
                     sl.shard,
-                    f"source {self.source.name!r}: skipping the rest of shard {storage.redact(self.listed.shards[sl.shard])} ({words}): {exc}",
+                    f"source {self.source.name!r}: skipping the rest of shard "
+                    f"{storage.redact(self.listed.shards[sl.shard])} ({words}): {exc}",
                 )
             else:
                 self._close()

@@ -3,7 +3,8 @@
     python -m benchmarks world_scale [--quick]        # one Markdown table, and the checks
     python -m benchmarks.world_scale [--quick|--smoke]  # the sections' own tables (--smoke: in the test suite)
 
-Sections (each a module with ``run(profile) -> list[dict]`` rows, ``profile`` one of :data:`PROFILES`;
+Sections (each a module with ``run(profile) -> list[dict]`` rows, ``profile`` a key of
+:data:`SIZES` (every section module has a size for each);
 those not present are left out):
 
 * ``plan``: the CPU time one reader takes to plan its part of epoch 0 of every source
@@ -43,7 +44,6 @@ SIZES = {
     "quick": {"sources": ((10, 64), (100, 16)), "worlds": (4, 8, 16), "workers": 4},
     "smoke": {"sources": ((10, 16), (30, 8)), "worlds": (4, 8), "workers": 2},
 }
-PROFILES = tuple(SIZES)  # "full", "quick", "smoke": every section module has a size for each
 OPTIONAL = ("world_scale_startup", "world_scale_index")
 
 

@@ -29,8 +29,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
             pattern = TOGETHER.get(path.rsplit("/", 1)[-1])
             if pattern is None:
                 return nodeid
-            found = re.search(pattern, nodeid) if pattern else None
-            return f"{path}::{found.group(1)}" if found else path if not pattern else nodeid
+            if not pattern:
+                return path
+            found = re.search(pattern, nodeid)  # a test without the param (no fixture to share) goes alone
+            return f"{path}::{found.group(1)}" if found else nodeid
 
     return Scheduling(config, log)
 

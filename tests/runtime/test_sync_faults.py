@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from servers import free_port
 from shardutil import LogNormal
+from waiting import wait_for_files
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "support" / "dist_fault_worker.py"
@@ -96,11 +97,9 @@ def launch(
     try:
         # the survivors must give up on their own: bounded by the timeout plus start-up, and then
         # exit (an agent waits for the other agents at exit, so its own exit tells nothing)
-        deadline = time.monotonic() + timeout + 90
-        while not all(p.exists() for p in paths) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        gave_up = wait_for_files(paths, timeout + 90)
         log = (tmp_path / "agent0.log").read_text(errors="replace")[-6000:]
-        assert all(p.exists() for p in paths), f"the survivors did not give up in time:\n{log}"
+        assert gave_up, f"the survivors did not give up in time:\n{log}"
         time.sleep(0.5)  # the results are written just before the return
         results = [json.loads(p.read_text()) for p in paths]
         deadline = time.monotonic() + 30

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from waiting import wait_for_files
 
 import mixer
 
@@ -34,10 +35,7 @@ def hang_until_the_others_are_done(out: Path, rank: int, most_s: float) -> None:
     """A hung step: no batch for the others until each has given up and written its result (they must
     raise within their ``sync_timeout``, well below ``most_s``), then on to the end. Waiting on their
     files instead of a fixed sleep ends the job seconds after the others raise."""
-    others = [out / f"rank{r}.json" for r in range(dist.get_world_size()) if r != rank]
-    deadline = time.monotonic() + most_s
-    while time.monotonic() < deadline and not all(p.exists() for p in others):
-        time.sleep(0.2)
+    wait_for_files([out / f"rank{r}.json" for r in range(dist.get_world_size()) if r != rank], most_s)
 
 
 def loss_of(batch: Any, rank: int) -> Any:

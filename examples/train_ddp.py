@@ -32,6 +32,7 @@ and data configuration (the loader refuses anything else with a clear error).
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import logging
@@ -42,6 +43,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  (imported before the process group exists: see main())
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -146,6 +148,21 @@ def main(argv: list[str] | None = None) -> int:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
+    train(opts, device)
+    # Everything that refers to the process group (DDP, the loader's rank sync) was made in train() and is
+    # gone now: collect what cycles kept, so that destroying the group joins its backend threads while the
+    # interpreter still runs. Left to interpreter shutdown, a gloo thread that still holds the last
+    # all_reduce of the final backward (a loaded machine can keep it waiting that long) releases it after
+    # Python has begun to exit, and the process aborts ("terminate called without an active exception").
+    # The group is freed only if nothing else holds it: torch.distributed.nn binds `group.WORLD` as default
+    # arguments when it is first imported, and DDP imports it (through torch._dynamo) on construction, so
+    # it is imported at the top of this file, while no group exists yet.
+    gc.collect()
+    dist.destroy_process_group()
+    return 0
+
+
+def train(opts: argparse.Namespace, device: torch.device) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {rank}: %(message)s")
 
@@ -207,8 +224,6 @@ def main(argv: list[str] | None = None) -> int:
     log.info("done: %d steps in %.1f s (world size %d)", step, time.perf_counter() - started, world)
     if log_file is not None:
         log_file.close()
-    dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

@@ -557,3 +557,28 @@ def test_train_ddp_example_trains_on_every_demo_sample_once_with_zero_loss_fille
     fillers = [rec for log in logs for rec in log if rec.get("filler")]
     assert fillers and all(rec["loss"] == 0.0 for rec in fillers)
     assert "filler step(s) (loss weighed by 0)" in proc.stderr
+
+
+@pytest.mark.slow
+def test_train_ddp_example_joins_its_gloo_threads_before_the_interpreter_exits(demo_shards, tmp_path):
+    """examples/train_ddp.py as a one-rank job: when its main() returns, the process group is destroyed
+    and its gloo threads joined. A gloo thread left running to interpreter exit can release DDP's last
+    all_reduce after Python began to shut down and abort the process (seen under CPU load), so the
+    example must not leave one, whatever the load."""
+    probe = (
+        "import glob, runpy, sys\n"
+        "sys.argv = [sys.argv[1], *sys.argv[2:]]\n"
+        "try:\n"
+        "    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+        "except SystemExit as done:\n"
+        "    assert not done.code, done.code\n"
+        "names = [open(t).read().strip() for t in glob.glob('/proc/self/task/*/comm')]\n"
+        "print('gloo threads at exit:', sum(n.startswith('pt_gloo') for n in names))\n"
+    )
+    cmd = [sys.executable, "-c", probe, str(REPO / "examples" / "train_ddp.py"), "--steps", "2", "--workers", "0"]
+    cmd += ["--max-tokens", "4096", "--cache-dir", str(Path(demo_shards["prose"]).parents[2])]
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", OMP_NUM_THREADS="1")
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "gloo threads at exit: 0" in proc.stdout, proc.stdout[-2000:]

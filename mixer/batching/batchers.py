@@ -46,7 +46,9 @@ class Batcher(Protocol[T]):
     is what the buffers hold in padded tokens, ``count`` how many items (``ready`` aside). ``add``
     buffers an item and says whether a batch is ready; ``release(hold, items, tokens)`` makes one ready
     early when the buffers hold more than ``hold`` or ``tokens`` padded tokens or more than ``items`` items;
-    ``drain`` yields every batch left at the end of a finite pass. State: see
+    ``drain`` yields every batch left at the end of a finite pass; ``close_epoch(source)`` makes
+    ready what it holds of a source (every item, or with ``source`` the pairs of that source) when
+    the source passes into its next source-epoch (``stop="never"``). State: see
     :class:`~mixer.state.checkpoint.Rereads` (``load_state_dict``, then ``locations`` and ``attach``)."""
 
     ready: deque[Any]
@@ -57,6 +59,8 @@ class Batcher(Protocol[T]):
     def add(self, item: T, length: int) -> bool: ...
 
     def release(self, hold: int, items: int = ..., tokens: int = ...) -> bool: ...
+
+    def close_epoch(self, source: int | None = None) -> bool: ...
 
     def drain(self) -> Iterator[list[T]]: ...
 
@@ -69,12 +73,36 @@ class Batcher(Protocol[T]):
     def attach(self, lookup: Callable[[Location], T]) -> None: ...
 
 
+# A bucket's wait bound, when TokenBudget.max_wait is None and a source's epoch (this reader's part)
+# is short: at most this fraction of the epoch in batches (and at most twice the number of buckets,
+# the bound for large sources), so that what a small source delivers in a part of its epoch is not
+# mostly its long samples (whose buckets fill first) while the short ones wait.
+EPOCH_WAIT = 0.25
+
+
+def default_wait(buckets: int, epoch_batches: float | None = None) -> int:
+    """A bucketer's ``max_wait`` when the budget leaves it to the bucketer: twice its number of
+    buckets, at most :data:`EPOCH_WAIT` of ``epoch_batches`` (a source-epoch of this reader, in full
+    batches: its tokens over ``max_tokens``), at least 1."""
+    wait = 2 * buckets
+    if epoch_batches is not None:
+        wait = min(wait, int(EPOCH_WAIT * epoch_batches))
+    return max(wait, 1)
+
+
 def make_batcher(
-    edges: Sequence[int], batching: TokenBudget | Packed, *, locate: Callable[[Any], Location] = locate_sample
+    edges: Sequence[int],
+    batching: TokenBudget | Packed,
+    *,
+    locate: Callable[[Any], Location] = locate_sample,
+    epoch_batches: float | None = None,
 ) -> Batcher[Any]:
     """A :class:`Packer` for :class:`~mixer.Packed`, else a :class:`Bucketer` over ``edges``;
-    ``locate(item)`` is where an item lives (its state lists items so)."""
-    return Packer(batching, locate=locate) if isinstance(batching, Packed) else Bucketer(edges, batching, locate=locate)
+    ``locate(item)`` is where an item lives (its state lists items so); ``epoch_batches``: the
+    source-epoch's size in full batches, when one source feeds it (see :func:`default_wait`)."""
+    if isinstance(batching, Packed):
+        return Packer(batching, locate=locate)
+    return Bucketer(edges, batching, locate=locate, epoch_batches=epoch_batches)
 
 
 class _PythonCore:
@@ -92,21 +120,28 @@ class Bucketer(_Core, Generic[T]):  # type: ignore[valid-type,misc]
     """Per-bucket buffers. ``add`` puts a batch (a list of items) on ``ready`` when the sample's
     bucket is full, and also when the bucket holding the oldest waiting sample has waited while
     ``max_wait`` batches left this bucketer, so a rare length is never held back for long.
-    ``drain`` empties the buffers at the end of a finite pass. Items keep arrival order in a bucket.
+    ``drain`` empties the buffers at the end of a finite pass, :meth:`close_epoch` at the end of a
+    source-epoch (``stop="never"``). Items keep arrival order in a bucket. (``max_wait`` None: see
+    :func:`default_wait`; ``epoch_batches`` is the source-epoch's size in full batches.)
 
     ``held`` is what the buffers hold in padded tokens (each item counted at its bucket's edge, an
     upper bound on its length); :meth:`release` caps it, so that a source read rarely does not hold
     (and read ahead) a whole set of nearly full buckets to hand out one batch now and then."""
 
     def __init__(
-        self, edges: Sequence[int], budget: TokenBudget, *, locate: Callable[[T], Location] = locate_sample
+        self,
+        edges: Sequence[int],
+        budget: TokenBudget,
+        *,
+        locate: Callable[[T], Location] = locate_sample,
+        epoch_batches: float | None = None,
     ) -> None:
         self.locate = locate
         self.edges = [int(e) for e in edges]
         self.capacity = [budget.capacity(e) for e in self.edges]
         self.buffers: list[list[T]] = [[] for _ in self.edges]
         self.ready: deque[list[T]] = deque()
-        self.max_wait = budget.max_wait if budget.max_wait is not None else 2 * len(self.edges)
+        self.max_wait = budget.max_wait if budget.max_wait is not None else default_wait(len(self.edges), epoch_batches)
         self.emitted = 0  # batches that left the buffers
         # (batches emitted when the bucket's first item arrived, bucket); stale entries are skipped.
         self._waiting: list[tuple[int, int]] = []
@@ -178,13 +213,46 @@ class Bucketer(_Core, Generic[T]):  # type: ignore[valid-type,misc]
         self.emitted += 1
         return True
 
-    def _top_up(self, b: int, floor: float) -> list[tuple[int, int]]:
+    def close_epoch(self, source: int | None = None) -> bool:
+        """A source passed into its next source-epoch: cut every item it has in the buffers (all of
+        them; with ``source``, those of the ``(source, sample)`` pairs of that source) into batches
+        on ``ready`` before the new epoch's first item is added, so that no sample of the next epoch
+        leaves before all of this one have. Longest bucket first, each batch up to its bucket's
+        capacity, topped up from the buckets below while its estimated padding efficiency stays at
+        least :data:`TOKEN_RELEASE_EFFICIENCY` (as :meth:`release` does; the shorter ones form
+        batches of their own). Returns whether a batch is ready."""
+        if source is None:
+            pending, self.buffers = self.buffers, [[] for _ in self.edges]
+            self._waiting = []  # (every bucket is empty: their entries would only be skipped)
+        else:
+            pending = [[it for it in buf if it[0] == source] for buf in self.buffers]
+            self.buffers = [
+                buf if not mine else [it for it in buf if it[0] != source] for buf, mine in zip(self.buffers, pending)
+            ]
+        self.count -= sum(map(len, pending))
+        self.held -= sum(len(buf) * e for buf, e in zip(pending, self.edges))
+        b = len(pending) - 1
+        while b >= 0:
+            if not pending[b]:
+                b -= 1
+                continue
+            batch: list[T] = []
+            for k, t in self._top_up(b, TOKEN_RELEASE_EFFICIENCY, pending):
+                batch += pending[k][:t]
+                pending[k] = pending[k][t:]
+            self.ready.append(batch)
+            self.emitted += 1
+        return bool(self.ready)
+
+    def _top_up(self, b: int, floor: float, buffers: list[list[T]] | None = None) -> list[tuple[int, int]]:
         """How many items to take from bucket ``b`` and the ones below it, ``[(bucket, count)]``:
-        up to ``capacity[b]``, keeping ``real / (count * edges[b]) >= floor`` (at bucket edges)."""
+        up to ``capacity[b]``, keeping ``real / (count * edges[b]) >= floor`` (at bucket edges);
+        of ``buffers`` (default: the bucketer's)."""
+        buffers = self.buffers if buffers is None else buffers
         room, value, n, eb = self.capacity[b], 0, 0, self.edges[b]
         plan = []
         for k in range(b, -1, -1):
-            t, ek = min(len(self.buffers[k]), room), self.edges[k]
+            t, ek = min(len(buffers[k]), room), self.edges[k]
             if ek < floor * eb:  # (value + t ek) / ((n + t) eb) >= floor bounds t
                 t = min(t, max(int((value - floor * n * eb) // (floor * eb - ek)), 0))
             if t:

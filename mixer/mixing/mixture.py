@@ -353,7 +353,10 @@ class Reader:
             shared = make_batcher(mixture.edges[0], budget, locate=locate_pair)
             self.batchers = [shared] * n
         else:
-            self.batchers = [make_batcher(e, budget) for e in mixture.edges]
+            # Under stop="never", a source's epoch (this reader's part) in full batches: a small
+            # source's wait bound (default_wait; a finite pass keeps the bound of large sources).
+            epochs = [p.size / world.readers / budget.max_tokens if not finite else None for p in mixture.profiles]
+            self.batchers = [make_batcher(e, budget, epoch_batches=n) for e, n in zip(mixture.edges, epochs)]
         self.selector = make_selector(mixture.selector, n, seed=mixture.seed, stream=(world.rank, world.worker))
         if mixture.mix == "batch" and isinstance(self.selector, Deficit):
             # The deficit selector visits sources in a near-cyclic order, on which closing the least

@@ -214,21 +214,21 @@ class Bucketer(_Core, Generic[T]):  # type: ignore[valid-type,misc]
         return True
 
     def close_epoch(self, source: int | None = None) -> bool:
-        """A source passed into its next source-epoch: cut every item it has in the buffers (all of
-        them; with ``source``, those of the ``(source, sample)`` pairs of that source) into batches
-        on ``ready`` before the new epoch's first item is added, so that no sample of the next epoch
-        leaves before all of this one have. Longest bucket first, each batch up to its bucket's
+        """A source passed into its next source-epoch: cut every item it has in the buffers into
+        batches on ``ready`` before the new epoch's first item is added, so that no sample of the
+        next epoch leaves before all of this one have: all the items, or with ``source`` (items are
+        ``(source, sample)`` pairs, one bucketer for every source) the items of every bucket that
+        holds one of that source's, the other sources' with them. Longest bucket first, each batch up to its bucket's
         capacity, topped up from the buckets below while its estimated padding efficiency stays at
         least :data:`TOKEN_RELEASE_EFFICIENCY` (as :meth:`release` does; the shorter ones form
         batches of their own). Returns whether a batch is ready."""
         if source is None:
             pending, self.buffers = self.buffers, [[] for _ in self.edges]
             self._waiting = []  # (every bucket is empty: their entries would only be skipped)
-        else:
-            pending = [[it for it in buf if it[0] == source] for buf in self.buffers]
-            self.buffers = [
-                buf if not mine else [it for it in buf if it[0] != source] for buf, mine in zip(self.buffers, pending)
-            ]
+        else:  # the buckets holding the source's items leave whole (the others' items with them: fuller batches)
+            closing = [any(it[0] == source for it in buf) for buf in self.buffers]
+            pending = [buf if c else [] for buf, c in zip(self.buffers, closing)]
+            self.buffers = [[] if c else buf for buf, c in zip(self.buffers, closing)]
         self.count -= sum(map(len, pending))
         self.held -= sum(len(buf) * e for buf, e in zip(pending, self.edges))
         b = len(pending) - 1

@@ -62,6 +62,8 @@ class Batcher(Protocol[T]):
 
     def close_epoch(self, source: int | None = None) -> bool: ...
 
+    def expire(self) -> bool: ...
+
     def drain(self) -> Iterator[list[T]]: ...
 
     def state_dict(self) -> dict[str, Any]: ...
@@ -78,16 +80,22 @@ class Batcher(Protocol[T]):
 # the bound for large sources), so that what a small source delivers in a part of its epoch is not
 # mostly its long samples (whose buckets fill first) while the short ones wait.
 EPOCH_WAIT = 0.25
+# The least padding efficiency (estimated at bucket edges, where it is an upper bound) of a batch
+# that a small source's wait bound (Bucketer.expire) or the end of a source-epoch (close_epoch) cuts
+# from partial buckets: such batches are a small part of a source's tokens, so padding stays near
+# that of full buckets while they leave fuller (measured: benchmarks/length_drift.py).
+EXPIRE_EFFICIENCY = 0.95
 
 
-def default_wait(buckets: int, epoch_batches: float | None = None) -> int:
-    """A bucketer's ``max_wait`` when the budget leaves it to the bucketer: twice its number of
-    buckets, at most :data:`EPOCH_WAIT` of ``epoch_batches`` (a source-epoch of this reader, in full
-    batches: its tokens over ``max_tokens``), at least 1."""
-    wait = 2 * buckets
-    if epoch_batches is not None:
-        wait = min(wait, int(EPOCH_WAIT * epoch_batches))
-    return max(wait, 1)
+def epoch_wait(buckets: int, epoch_batches: float | None = None) -> int | None:
+    """A small source's wait bound (:meth:`Bucketer.expire`) when the budget leaves it to the
+    bucketer: :data:`EPOCH_WAIT` of ``epoch_batches`` (a source-epoch of this reader, in full
+    batches: its tokens over ``max_tokens``), at least 1; None when that is not under ``max_wait``'s
+    default, twice the number of buckets (a large source) or no epoch is given."""
+    if epoch_batches is None:
+        return None
+    wait = max(int(EPOCH_WAIT * epoch_batches), 1)
+    return wait if wait < 2 * buckets else None
 
 
 def make_batcher(
@@ -99,7 +107,7 @@ def make_batcher(
 ) -> Batcher[Any]:
     """A :class:`Packer` for :class:`~mixer.Packed`, else a :class:`Bucketer` over ``edges``;
     ``locate(item)`` is where an item lives (its state lists items so); ``epoch_batches``: the
-    source-epoch's size in full batches, when one source feeds it (see :func:`default_wait`)."""
+    source-epoch's size in full batches, when one source feeds it (see :func:`epoch_wait`)."""
     if isinstance(batching, Packed):
         return Packer(batching, locate=locate)
     return Bucketer(edges, batching, locate=locate, epoch_batches=epoch_batches)
@@ -122,7 +130,7 @@ class Bucketer(_Core, Generic[T]):  # type: ignore[valid-type,misc]
     ``max_wait`` batches left this bucketer, so a rare length is never held back for long.
     ``drain`` empties the buffers at the end of a finite pass, :meth:`close_epoch` at the end of a
     source-epoch (``stop="never"``). Items keep arrival order in a bucket. (``max_wait`` None: see
-    :func:`default_wait`; ``epoch_batches`` is the source-epoch's size in full batches.)
+    :func:`epoch_wait`; ``epoch_batches`` is the source-epoch's size in full batches.)
 
     ``held`` is what the buffers hold in padded tokens (each item counted at its bucket's edge, an
     upper bound on its length); :meth:`release` caps it, so that a source read rarely does not hold
@@ -141,7 +149,9 @@ class Bucketer(_Core, Generic[T]):  # type: ignore[valid-type,misc]
         self.capacity = [budget.capacity(e) for e in self.edges]
         self.buffers: list[list[T]] = [[] for _ in self.edges]
         self.ready: deque[list[T]] = deque()
-        self.max_wait = budget.max_wait if budget.max_wait is not None else default_wait(len(self.edges), epoch_batches)
+        self.max_wait = budget.max_wait if budget.max_wait is not None else 2 * len(self.edges)
+        # A small source's wait bound (see expire), when the budget leaves the bound to the bucketer.
+        self.epoch_wait = epoch_wait(len(self.edges), epoch_batches) if budget.max_wait is None else None
         self.emitted = 0  # batches that left the buffers
         # (batches emitted when the bucket's first item arrived, bucket); stale entries are skipped.
         self._waiting: list[tuple[int, int]] = []
@@ -220,7 +230,7 @@ class Bucketer(_Core, Generic[T]):  # type: ignore[valid-type,misc]
         ``(source, sample)`` pairs, one bucketer for every source) the items of every bucket that
         holds one of that source's, the other sources' with them. Longest bucket first, each batch up to its bucket's
         capacity, topped up from the buckets below while its estimated padding efficiency stays at
-        least :data:`TOKEN_RELEASE_EFFICIENCY` (as :meth:`release` does; the shorter ones form
+        least :data:`EXPIRE_EFFICIENCY` (as :meth:`release` tops up; the shorter ones form
         batches of their own). Returns whether a batch is ready."""
         if source is None:
             pending, self.buffers = self.buffers, [[] for _ in self.edges]
@@ -237,12 +247,51 @@ class Bucketer(_Core, Generic[T]):  # type: ignore[valid-type,misc]
                 b -= 1
                 continue
             batch: list[T] = []
-            for k, t in self._top_up(b, TOKEN_RELEASE_EFFICIENCY, pending):
+            for k, t in self._top_up(b, EXPIRE_EFFICIENCY, pending):
                 batch += pending[k][:t]
                 pending[k] = pending[k][t:]
             self.ready.append(batch)
             self.emitted += 1
         return bool(self.ready)
+
+    def expire(self) -> bool:
+        """When ``epoch_wait`` is set (a small source's wait bound, see :func:`epoch_wait`) and no
+        batch is ready: if the bucket holding the oldest waiting item has waited while
+        ``epoch_wait`` batches left, put on ``ready`` the batch that takes its items with the most
+        real tokens times padding efficiency, from that bucket or one above it, topped up from
+        the buckets below while its estimated padding efficiency stays at least
+        :data:`EXPIRE_EFFICIENCY` (so that partial buckets leave together rather than one by one). Called once per batch the source is asked for (ages move only as batches leave).
+        Returns whether a batch is ready."""
+        wait = self.epoch_wait
+        if wait is None or self.ready:
+            return bool(self.ready)
+        waiting, buffers, opened = self._waiting, self.buffers, self._opened
+        while waiting and (not buffers[waiting[0][1]] or opened[waiting[0][1]] != waiting[0][0]):
+            heapq.heappop(waiting)  # stale: the bucket was emptied since
+        if not waiting or self.emitted - waiting[0][0] < wait:
+            return False
+        b = waiting[0][1]
+        best, best_plan = -1.0, []
+        for c in range(b, len(buffers)):
+            if c > b and not buffers[c]:
+                continue
+            plan = self._top_up(c, EXPIRE_EFFICIENCY)
+            if all(k != b for k, _ in plan):
+                break
+            value = sum(t * self.edges[k] for k, t in plan)
+            score = value * value / (self.capacity[c] * self.edges[c])
+            if score > best:
+                best, best_plan = score, plan
+        batch: list[T] = []
+        for k, t in best_plan:
+            buf = buffers[k]
+            batch += buf[:t]
+            buffers[k] = buf[t:]
+            self.held -= t * self.edges[k]
+            self.count -= t
+        self.ready.append(batch)
+        self.emitted += 1
+        return True
 
     def _top_up(self, b: int, floor: float, buffers: list[list[T]] | None = None) -> list[tuple[int, int]]:
         """How many items to take from bucket ``b`` and the ones below it, ``[(bucket, count)]``:

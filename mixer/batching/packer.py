@@ -89,6 +89,10 @@ class Packer(Generic[T]):
             self._emit(batch)
         return bool(self.ready)
 
+    def expire(self) -> bool:
+        """(A bucketer's small-source wait bound; a packer's batches leave as they fill.)"""
+        return bool(self.ready)
+
     def add(self, item: T, length: int) -> bool:
         """Place ``item`` (``length`` tokens); returns whether a batch is ready."""
         n = int(length)

@@ -354,7 +354,7 @@ class Reader:
             self.batchers = [shared] * n
         else:
             # Under stop="never", a source's epoch (this reader's part) in full batches: a small
-            # source's wait bound (default_wait; a finite pass keeps the bound of large sources).
+            # source's wait bound (epoch_wait; a finite pass keeps the bound of large sources).
             epochs = [p.size / world.readers / budget.max_tokens if not finite else None for p in mixture.profiles]
             self.batchers = [make_batcher(e, budget, epoch_batches=n) for e, n in zip(mixture.edges, epochs)]
         self.selector = make_selector(mixture.selector, n, seed=mixture.seed, stream=(world.rank, world.worker))

@@ -228,28 +228,36 @@ class Bucketer(_Core, Generic[T]):  # type: ignore[valid-type,misc]
         batches on ``ready`` before the new epoch's first item is added, so that no sample of the
         next epoch leaves before all of this one have: all the items, or with ``source`` (items are
         ``(source, sample)`` pairs, one bucketer for every source) the items of every bucket that
-        holds one of that source's, the other sources' with them. Longest bucket first, each batch up to its bucket's
-        capacity, topped up from the buckets below while its estimated padding efficiency stays at
-        least :data:`EXPIRE_EFFICIENCY` (as :meth:`release` tops up; the shorter ones form
-        batches of their own). Returns whether a batch is ready."""
+        holds one of that source's, the other sources' with them. Cut longest bucket first, each
+        batch up to its bucket's capacity, topped up from the buckets below while its estimated
+        padding efficiency stays at least :data:`EXPIRE_EFFICIENCY` (as :meth:`release` tops up;
+        the shorter ones form batches of their own); handed out in the order that keeps the share
+        of the samples delivered closest to the share of the tokens (:func:`_even_order`), so that
+        a small source whose whole epoch waited in its buckets does not deliver its long samples
+        first. Returns whether a batch is ready."""
         if source is None:
             pending, self.buffers = self.buffers, [[] for _ in self.edges]
             self._waiting = []  # (every bucket is empty: their entries would only be skipped)
         else:  # the buckets holding the source's items leave whole (the others' items with them: fuller batches)
-            closing = [any(it[0] == source for it in buf) for buf in self.buffers]
+            closing = [any(it[0] == source for it in buf) for buf in self.buffers]  # type: ignore[index]
             pending = [buf if c else [] for buf, c in zip(self.buffers, closing)]
             self.buffers = [[] if c else buf for buf, c in zip(self.buffers, closing)]
         self.count -= sum(map(len, pending))
         self.held -= sum(len(buf) * e for buf, e in zip(pending, self.edges))
+        cut: list[tuple[list[T], int]] = []  # (batch, its tokens at the edges)
         b = len(pending) - 1
         while b >= 0:
             if not pending[b]:
                 b -= 1
                 continue
             batch: list[T] = []
+            tokens = 0
             for k, t in self._top_up(b, EXPIRE_EFFICIENCY, pending):
                 batch += pending[k][:t]
                 pending[k] = pending[k][t:]
+                tokens += t * self.edges[k]
+            cut.append((batch, tokens))
+        for batch in _even_order(cut):
             self.ready.append(batch)
             self.emitted += 1
         return bool(self.ready)
@@ -260,8 +268,9 @@ class Bucketer(_Core, Generic[T]):  # type: ignore[valid-type,misc]
         ``epoch_wait`` batches left, put on ``ready`` the batch that takes its items with the most
         real tokens times padding efficiency, from that bucket or one above it, topped up from
         the buckets below while its estimated padding efficiency stays at least
-        :data:`EXPIRE_EFFICIENCY` (so that partial buckets leave together rather than one by one). Called once per batch the source is asked for (ages move only as batches leave).
-        Returns whether a batch is ready."""
+        :data:`EXPIRE_EFFICIENCY` (so that partial buckets leave together rather than one by one).
+        Called once per batch the source is asked for (ages move only as batches leave). Returns
+        whether a batch is ready."""
         wait = self.epoch_wait
         if wait is None or self.ready:
             return bool(self.ready)
@@ -405,6 +414,21 @@ class Bucketer(_Core, Generic[T]):  # type: ignore[valid-type,misc]
 if not NATIVE:
     Bucketer.add = Bucketer._py_add  # type: ignore[method-assign]
 _CORE_FIELDS = ("count", "held", "emitted", "max_wait", "edges", "capacity", "buffers", "ready", "_waiting", "_opened")
+
+
+def _even_order(batches: list[tuple[list[T], int]]) -> list[list[T]]:
+    """``(batch, tokens)`` pairs in the order that keeps, after each batch, the fraction of all
+    their items handed out closest to the fraction of all their tokens (ties: the earlier one):
+    batches of short samples (many items, few tokens) go between those of long ones, not last."""
+    items = sum(len(b) for b, _ in batches)
+    tokens = sum(t for _, t in batches) or 1
+    left, out, n, t = list(batches), [], 0, 0
+    while left:
+        j = min(range(len(left)), key=lambda i: abs((n + len(left[i][0])) / items - (t + left[i][1]) / tokens))
+        batch, bt = left.pop(j)
+        out.append(batch)
+        n, t = n + len(batch), t + bt
+    return out
 
 
 def _rebuilt(cls: type[Bucketer[Any]], fields: dict[str, Any]) -> Bucketer[Any]:

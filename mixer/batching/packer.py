@@ -84,7 +84,8 @@ class Packer(Generic[T]):
         leave, part-filled, oldest first, so that no document of the next epoch is placed before
         one of this epoch in an earlier batch (at most ``open_batches`` part-filled batches per
         source-epoch). Returns whether a batch is ready."""
-        for batch in [b for b in self.open if source is None or any(p[0][0] == source for p in b.pieces)]:  # type: ignore[index]
+        closing = [b for b in self.open if source is None or any(p[0][0] == source for p in b.pieces)]  # type: ignore[index]
+        for batch in closing:
             self.open.remove(batch)
             self._emit(batch)
         return bool(self.ready)

@@ -101,7 +101,7 @@ def _next_batch(
     ``cap`` and ``token_cap`` whenever a batch leaves. (A stream passing into its next epoch
     closes the batcher's epoch before it hands out the sample: ``add`` then finds batches ready.)"""
     ready = batcher.ready
-    if ready or batcher.release(hold, cap, token_cap) or batcher.expire():
+    if ready or batcher.expire() or batcher.release(hold, cap, token_cap):
         return ready.popleft()
     add = batcher.add
     most = min(hold, token_cap)

@@ -92,7 +92,7 @@ class SourceStream:
         self.buffer_size = shuffle_buffer
         # Called when the stream passes into its next source-epoch, before the new epoch's first
         # sample is handed out (the mixing loop closes the source's buckets then: mixer.mixing.loops).
-        self.on_epoch: Callable[[], None] | None = None
+        self.on_epoch: Callable[[], object] | None = None
         # Hold the next source-epoch back even with the buffer empty (TextStream, while it tokenizes
         # a run of this epoch's documents).
         self._hold_epoch = False

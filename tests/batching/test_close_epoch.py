@@ -22,15 +22,17 @@ def filled(cls, edges, max_tokens, items, **options):
     return b
 
 
-def test_close_cuts_every_bucket_longest_first_each_to_its_capacity():
+def test_close_cuts_every_bucket_and_hands_the_batches_out_evenly():
     """Edges 100/200/400 at 800 tokens: capacities 8, 4, 2. One sample of 390, three of 190, five
     of 90: a shorter bucket tops up a longer one only while the batch stays >= 95% efficient at the
-    edges (200 in a 400 batch: 50%; 100 in a 200 one: 50%), so three batches, longest first."""
+    edges (200 in a 400 batch: 50%; 100 in a 200 one: 50%), so three batches. Of 9 items and 1500
+    tokens (at the edges), the 200s (3 items, 600 tokens: 1/3 vs 2/5) go first, then the 100s (8/9
+    vs 11/15, closer than the 400's 4/9 vs 2/3), then the 400: not the long ones first."""
     items = [("L", 390)] + [(f"m{i}", 190) for i in range(3)] + [(f"s{i}", 90) for i in range(5)]
     b = filled(Bucketer, [100, 200, 400], 800, items)
     emitted = b.emitted
     assert b.close_epoch()
-    assert [list(x) for x in b.ready] == [["L"], ["m0", "m1", "m2"], ["s0", "s1", "s2", "s3", "s4"]]
+    assert [list(x) for x in b.ready] == [["m0", "m1", "m2"], ["s0", "s1", "s2", "s3", "s4"], ["L"]]
     assert (b.count, b.held, b.emitted, b.buffers, b._waiting) == (0, 0, emitted + 3, [[], [], []], [])
 
 
@@ -41,7 +43,7 @@ def test_close_tops_up_from_the_bucket_below_while_efficient():
     items = [(f"a{i}", 102) for i in range(3)] + [(f"b{i}", 95) for i in range(6)]
     b = filled(Bucketer, [100, 104, 200], 832, items)
     b.close_epoch()
-    assert [list(x) for x in b.ready] == [["a0", "a1", "a2", "b0", "b1", "b2", "b3", "b4"], ["b5"]]
+    assert sorted(map(list, b.ready), key=len) == [["b5"], ["a0", "a1", "a2", "b0", "b1", "b2", "b3", "b4"]]
     assert b.count == 0 and b.held == 0
 
 

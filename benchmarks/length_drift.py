@@ -9,7 +9,9 @@ tokens. For the small source, for each ``mix``:
 * TV ½ / 1 / 2: total variation between the length histogram of its samples delivered within the
   first ½, 1 and 2 epochs' worth of its tokens and the histogram of the source itself (16 bins);
 * double: the fraction of its samples delivered twice before all were delivered once (and, over
-  every source-epoch of the run, the most delivered ``k + 1`` times before all ``k`` times);
+  every source-epoch of the run, the most delivered ``k + 1`` times before all ``k`` times; when a
+  run ends before all were delivered once, those delivered twice by then), and the fraction never
+  delivered in the run;
 * padding efficiency (real tokens / padded slots) and batch fill (real tokens / ``max_tokens``) of
   its batches (``mix="sample"``: of all batches, the buckets being shared).
 
@@ -106,13 +108,14 @@ def measure(patterns: dict[str, str], small: list[int], mix: str, variant: str) 
         upto = int(np.searchsorted(cum, f * total)) + 1
         hist = np.histogram(own[:upto], BINS)[0] / upto
         tv[f] = 0.5 * float(np.abs(hist - ref).sum())
-    first, worst = doubles(keys, len(small))
+    first, worst, never = doubles(keys, len(small))
     return {
         "mix": mix,
         "variant": variant,
         **{f"tv_{f:g}": v for f, v in tv.items()},
         "double_first": first,
         "double_worst": worst,
+        "never_delivered": never,
         "padding_efficiency": real / padded,
         "batch_fill": real / (batches * MAX_TOKENS),
         "batches": batches,
@@ -120,12 +123,14 @@ def measure(patterns: dict[str, str], small: list[int], mix: str, variant: str) 
     }
 
 
-def doubles(keys: list[str], n: int) -> tuple[float, float]:
-    """The fraction of the ``n`` samples delivered twice before all were delivered once (``keys``:
-    the source's deliveries in order), and the most, over the source-epochs completed, delivered
-    ``k + 1`` times before all were delivered ``k`` times."""
+def doubles(keys: list[str], n: int) -> tuple[float, float, float]:
+    """From the ``n`` samples' deliveries in order (``keys``): the fraction delivered twice before
+    all were delivered once (when not all were by the end of the run: those delivered twice by
+    then, a lower bound); the most, over the source-epochs of the run, delivered ``k + 1`` times
+    before all were delivered ``k`` times (the same lower bound for the last); the fraction never
+    delivered in the run."""
     counts: Counter[str] = Counter()
-    k, at_k, worst, first = 1, 0, 0.0, float("nan")
+    k, at_k, worst, first = 1, 0, 0.0, None
     for key in keys:
         counts[key] += 1
         if counts[key] == k:
@@ -136,7 +141,8 @@ def doubles(keys: list[str], n: int) -> tuple[float, float]:
             worst = max(worst, over)
             k += 1
             at_k = sum(1 for c in counts.values() if c >= k)
-    return first, worst
+    over = sum(1 for c in counts.values() if c > k) / n
+    return (over if first is None else first), max(worst, over), 1 - len(counts) / n
 
 
 def _baseline(code: Path, patterns: dict[str, str], small: list[int], mix: str) -> dict[str, Any]:
@@ -160,13 +166,14 @@ def _baseline(code: Path, patterns: dict[str, str], small: list[int], mix: str) 
 
 def table(rows: list[dict[str, Any]]) -> str:
     header = ["mix", "code", "TV ½ epoch", "TV 1 epoch", "TV 2 epochs", "delivered twice before all once",
-              "padding eff.", "batch fill"]  # fmt: skip
+              "never delivered", "padding eff.", "batch fill"]  # fmt: skip
     body = [
         [
             r["mix"],
             r["variant"],
             *(f"{r[f'tv_{f:g}']:.3f}" for f in FRACTIONS),
             f"{r['double_first']:.3f} (worst epoch {r['double_worst']:.3f})",
+            f"{r['never_delivered']:.3f}",
             f"{r['padding_efficiency']:.3f}",
             f"{r['batch_fill']:.3f}",
         ]

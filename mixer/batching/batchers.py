@@ -98,6 +98,26 @@ def epoch_wait(buckets: int, epoch_batches: float | None = None) -> int | None:
     return wait if wait < 2 * buckets else None
 
 
+# The most source-epoch closes per batch a shared bucketer (mix="sample") makes, over its number of
+# buckets: each close takes the buckets holding the source out part-filled, so with many sources of
+# short epochs closing them all would leave few batches full.
+CLOSE_RATE = 0.5
+
+
+def closing_sources(rates: Sequence[float], buckets: int) -> list[bool]:
+    """Which sources a shared bucketer closes at their epochs' ends, given how often each turns
+    its epoch (``rates``: source-epochs per batch of the bucketer, 0 for never): the rarest first,
+    while together at most :data:`CLOSE_RATE` over ``buckets`` per batch (the others' epochs are
+    not closed: a sample of such a source may be delivered again before all of its epoch were)."""
+    budget, chosen = CLOSE_RATE / max(buckets, 1), [False] * len(rates)
+    for i in sorted(range(len(rates)), key=lambda i: (rates[i], i)):
+        if rates[i] > budget:
+            break
+        budget -= rates[i]
+        chosen[i] = True
+    return chosen
+
+
 def make_batcher(
     edges: Sequence[int],
     batching: TokenBudget | Packed,

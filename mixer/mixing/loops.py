@@ -126,14 +126,16 @@ def mix_samples(
     retire: Callable[[int], bool],
     count_tokens: bool,
     drain: bool,
+    closes: Sequence[bool] | None = None,
 ) -> Iterator[Cut]:
     """Batches of samples whose sources the selector picks one sample at a time (and is told each
     sample's length, or 1), cut by one shared ``batcher``, which releases a batch early when it
     holds more than ``caps[0]`` items or ``token_caps[0]`` padded tokens (its part of the reader's
     buffer budget). ``drain``: when the sources are done, the batches still held follow (a finite
-    pass delivering everything)."""
+    pass delivering everything). ``closes[i]``: whether source ``i``'s epochs are closed (default:
+    all; see :func:`mixer.batching.batchers.closing_sources`)."""
     for i, stream in enumerate(streams):
-        stream.on_epoch = partial(batcher.close_epoch, i)
+        stream.on_epoch = partial(batcher.close_epoch, i) if closes is None or closes[i] else None
     live = bool(active.any())  # (asked again only when a source retires: per sample it costs)
     while live:
         p = probs()

@@ -131,3 +131,13 @@ def test_a_packer_closes_the_open_batches_of_the_source():
     shared.add((0, "a"), 6)
     shared.close_epoch(1)  # holds nothing of source 1: nothing leaves
     assert not shared.ready and len(shared.open) == 1
+
+
+def test_a_shared_bucketer_closes_the_epochs_of_its_rarest_sources_within_a_rate():
+    """At most CLOSE_RATE / buckets closes per batch in all (here 0.5 / 10 = 0.05), the rarest
+    first: 0, 0.01, 0.015 and 0.02 make 0.045, and 0.3 is too many; with 0.025 in place of 0.015,
+    0.01 + 0.02 leave 0.02, too little for it. Sources that never turn (rate 0) always close."""
+    assert batchers_module.CLOSE_RATE == 0.5
+    assert batchers_module.closing_sources([0.02, 0.3, 0.01, 0.0, 0.015], 10) == [True, False, True, True, True]
+    assert batchers_module.closing_sources([0.02, 0.3, 0.01, 0.0, 0.025], 10) == [True, False, True, True, False]
+    assert batchers_module.closing_sources([1.0], 10) == [False]

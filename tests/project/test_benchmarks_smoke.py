@@ -203,5 +203,7 @@ def test_length_drift_quick_reports_histograms_doubles_and_fill(tmp_path: Path) 
     for r in rows.values():
         assert all(0 <= r[f"tv_{f}"] <= 1 for f in ("0.5", "1", "2"))
         assert 0 < r["padding_efficiency"] <= 1 and 0 < r["batch_fill"] <= 1
-        assert r["double_first"] == 0 and r["double_worst"] == 0
+        # mix="sample" closes a source's epochs only while closes are rare enough (closing_sources):
+        # at the quick sizes the small source turns its epoch too often in the shared batches
+        assert r["mix"] == "sample" or r["double_first"] == 0 and r["double_worst"] == 0
     assert "| length_drift | delivered twice, mix=batch | 0.000 |" in proc.stdout

@@ -32,6 +32,7 @@ from mixer.mixing.mixture import Mixture
 from mixer.observe.stats import DEFAULT_WINDOW, Stats
 from mixer.plan.world import seed_for
 from mixer.read.counters import Counters
+from mixer.runtime import interrupts
 from mixer.runtime.device import DeviceLike, to_device
 from mixer.runtime.distributed import DEFAULT_SYNC_TIMEOUT, StopSync, SyncEnd, max_over_ranks, stop_sync
 from mixer.runtime.feedback import Feedback, SharesTable, make_feedback
@@ -250,6 +251,7 @@ class Loader:
         )
 
     def __iter__(self) -> Iterator[Batch]:
+        interrupts.watch()  # a Ctrl-C that a finalizer swallowed ends the pass at the next batch
         self._stats.reset(resumed=self._resume is not None)
         resume, self._resume = self._resume, None
         self._reset_bookkeeping(resume)
@@ -299,6 +301,7 @@ class Loader:
         batches = source if self.device is None else to_device(source, self.device, prefetch=self.device_prefetch)
         logs = self._logs
         for batch in batches:
+            interrupts.raise_noted()
             meta = batch.meta
             if meta.filler:  # delivers nothing: no state, no counters (StopSync counts it)
                 batch.meta = replace(meta, position=self._position)

@@ -123,3 +123,33 @@ def test_workers_exit_promptly_when_the_main_process_dies(pattern, sig):
     assert gone_by(pids, signalled + 2.0), [p for p in pids if alive(p)]
     proc.communicate(timeout=60)
     assert left_in_shm(before) == set()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_ctrl_c_that_a_finalizer_swallowed_ends_the_pass_at_the_next_batch(pattern, workers):
+    """A KeyboardInterrupt raised inside a finalizer (where a Ctrl-C lands when it arrives while a batch's
+    slot is being released) is only printed by Python; the loader raises it at the next batch, or an
+    endless pass would go on after Ctrl-C."""
+    import weakref
+
+    import mixer
+
+    mix = mixer.Mixture(
+        [mixer.Source("s", pattern)], batching=mixer.TokenBudget(max_tokens=64, max_length=64), stop="never"
+    )
+    it = iter(mixer.make_loader(mix, num_workers=workers))
+    next(it)
+
+    class Freed:
+        pass
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt  # what the signal handler raises inside the finalizer
+
+    freed = Freed()
+    weakref.finalize(freed, interrupted)
+    del freed  # Python reports the interrupt as unraisable and carries on
+    with pytest.raises(KeyboardInterrupt):
+        next(it)
+    assert next(it, None) is None  # the pass ended there, as a Ctrl-C between batches ends it

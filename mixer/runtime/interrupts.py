@@ -1,0 +1,40 @@
+"""Ctrl-C that Python would swallow. A ``KeyboardInterrupt`` raised while a finalizer runs is
+"unraisable": Python prints it and carries on. The main process runs such finalizers all the time (a
+batch's shared-memory slot goes back to its worker, by a weakref callback, when the batch's tensors are
+freed), so a Ctrl-C that lands in one, which a loaded machine makes likely enough, would be lost, and a
+loop over an endless stream (``stop="never"``) would never end. While a loader iterates, such an
+interrupt is noted and raised at the next batch. Python's own report of it is still printed."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+__all__ = ["raise_noted", "watch"]
+
+_noted = False
+_previous: Any = None
+
+
+def _hook(unraisable: Any) -> None:
+    global _noted
+    if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
+        _noted = True
+    (_previous or sys.__unraisablehook__)(unraisable)
+
+
+def watch() -> None:
+    """From now on, note a swallowed ``KeyboardInterrupt`` (chained to the hook in place; once per
+    process). One swallowed before this call belonged to something else and is forgotten."""
+    global _noted, _previous
+    _noted = False
+    if sys.unraisablehook is not _hook:
+        _previous, sys.unraisablehook = sys.unraisablehook, _hook
+
+
+def raise_noted() -> None:
+    """Raise the ``KeyboardInterrupt`` a finalizer swallowed since :func:`watch`, if one did."""
+    global _noted
+    if _noted:
+        _noted = False
+        raise KeyboardInterrupt

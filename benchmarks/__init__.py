@@ -25,7 +25,6 @@ BENCHMARKS = (
     "layouts",
     "many_sources",
     "buffer_budget",
-    "length_drift",
     "buffer_memory",
     "adaptive",
     "snapshot_cost",

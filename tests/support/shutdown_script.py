@@ -8,8 +8,10 @@ process has no live child process left (checked here, where the children are sti
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import os
+import signal
 import sys
 import time
 
@@ -62,6 +64,12 @@ class FailingDecode:
 
 def main() -> None:
     scenario, pattern = sys.argv[1], sys.argv[2]
+    # This stands in for a training job in a terminal's foreground, whose SIGINT Python turns into
+    # KeyboardInterrupt. A test run started as a background job of a non-interactive shell (`make test &`,
+    # as CI scripts do) has SIGINT ignored, which children inherit and Python then leaves alone: the
+    # Ctrl-C scenario would wait forever for an interrupt that never comes.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's dump of a hung scenario
     decode = FailingDecode() if scenario == "worker-error" else None
     mix = mixer.Mixture(
         [mixer.Source("s", pattern, decode=decode)],

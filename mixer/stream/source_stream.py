@@ -129,6 +129,7 @@ class SourceStream:
         self._shards = open_shards if open_shards is not None else storage.OpenShards(io.max_open_shards)
         self._suspended = False  # closed by the cap mid-shard: the next open is a reopen
         self._cold = False  # suspended since its last fresh shard: read too rarely to read ahead for
+        self._new = True  # no shard opened yet (in this process): see _open_next
         # bytes taken before the last suspension: a cold stream asks for that much first (then
         # doubling), so a visit like the last one reads about what it takes
         self._visit = 0
@@ -377,8 +378,13 @@ class SourceStream:
         fresh = self.next_offset == 0  # (a reopen after a suspension, or a resume, is not)
         self.counters.shards_opened += fresh
         self.counters.reopened += not fresh and self._suspended
-        # Read ahead only for a source read steadily (not suspended since its last fresh shard).
-        ahead, self._cold, self._suspended = not self._cold, self._cold and not fresh, False
+        # Read ahead only for a source read steadily (not suspended since its last fresh shard). A
+        # stream whose first shard opens while the cap is full (its reader reads more sources than the
+        # cap holds; this one has no record yet) starts cold, as if suspended at once: each stream
+        # starting steady began read_ahead shards that the cap mostly closed unread.
+        joins_full, self._new = self._new and self._shards.full, False
+        ahead = not self._cold and not joins_full
+        self._cold, self._suspended = (self._cold and not fresh) or joins_full, False
         if self.next_index < sl.start:  # [index] a sample range: from its first sample's byte
             self.next_index, self.next_offset = sl.start, sl.begin
         self._opened_at = self.next_offset

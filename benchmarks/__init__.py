@@ -25,6 +25,7 @@ BENCHMARKS = (
     "layouts",
     "many_sources",
     "buffer_budget",
+    "length_drift",
     "buffer_memory",
     "adaptive",
     "snapshot_cost",

@@ -46,7 +46,9 @@ class Batcher(Protocol[T]):
     is what the buffers hold in padded tokens, ``count`` how many items (``ready`` aside). ``add``
     buffers an item and says whether a batch is ready; ``release(hold, items, tokens)`` makes one ready
     early when the buffers hold more than ``hold`` or ``tokens`` padded tokens or more than ``items`` items;
-    ``drain`` yields every batch left at the end of a finite pass. State: see
+    ``drain`` yields every batch left at the end of a finite pass; ``close_epoch(source)`` makes
+    ready what it holds of a source (every item, or with ``source`` the pairs of that source) when
+    the source passes into its next source-epoch (``stop="never"``). State: see
     :class:`~mixer.state.checkpoint.Rereads` (``load_state_dict``, then ``locations`` and ``attach``)."""
 
     ready: deque[Any]
@@ -57,6 +59,10 @@ class Batcher(Protocol[T]):
     def add(self, item: T, length: int) -> bool: ...
 
     def release(self, hold: int, items: int = ..., tokens: int = ...) -> bool: ...
+
+    def close_epoch(self, source: int | None = None) -> bool: ...
+
+    def expire(self) -> bool: ...
 
     def drain(self) -> Iterator[list[T]]: ...
 
@@ -69,12 +75,62 @@ class Batcher(Protocol[T]):
     def attach(self, lookup: Callable[[Location], T]) -> None: ...
 
 
+# A bucket's wait bound, when TokenBudget.max_wait is None and a source's epoch (this reader's part)
+# is short: at most this fraction of the epoch in batches (and at most twice the number of buckets,
+# the bound for large sources), so that what a small source delivers in a part of its epoch is not
+# mostly its long samples (whose buckets fill first) while the short ones wait.
+EPOCH_WAIT = 0.25
+# The least padding efficiency (estimated at bucket edges, where it is an upper bound) of a batch
+# that a small source's wait bound (Bucketer.expire) or the end of a source-epoch (close_epoch) cuts
+# from partial buckets: such batches are a small part of a source's tokens, so padding stays near
+# that of full buckets while they leave fuller (measured: benchmarks/length_drift.py).
+EXPIRE_EFFICIENCY = 0.95
+
+
+def epoch_wait(buckets: int, epoch_batches: float | None = None) -> int | None:
+    """A small source's wait bound (:meth:`Bucketer.expire`) when the budget leaves it to the
+    bucketer: :data:`EPOCH_WAIT` of ``epoch_batches`` (a source-epoch of this reader, in full
+    batches: its tokens over ``max_tokens``), at least 1; None when that is not under ``max_wait``'s
+    default, twice the number of buckets (a large source) or no epoch is given."""
+    if epoch_batches is None:
+        return None
+    wait = max(int(EPOCH_WAIT * epoch_batches), 1)
+    return wait if wait < 2 * buckets else None
+
+
+# The most source-epoch closes per batch a shared bucketer (mix="sample") makes, over its number of
+# buckets: each close takes the buckets holding the source out part-filled, so with many sources of
+# short epochs closing them all would leave few batches full.
+CLOSE_RATE = 0.5
+
+
+def closing_sources(rates: Sequence[float], buckets: int) -> list[bool]:
+    """Which sources a shared bucketer closes at their epochs' ends, given how often each turns
+    its epoch (``rates``: source-epochs per batch of the bucketer, 0 for never): the rarest first,
+    while together at most :data:`CLOSE_RATE` over ``buckets`` per batch (the others' epochs are
+    not closed: a sample of such a source may be delivered again before all of its epoch were)."""
+    budget, chosen = CLOSE_RATE / max(buckets, 1), [False] * len(rates)
+    for i in sorted(range(len(rates)), key=lambda i: (rates[i], i)):
+        if rates[i] > budget:
+            break
+        budget -= rates[i]
+        chosen[i] = True
+    return chosen
+
+
 def make_batcher(
-    edges: Sequence[int], batching: TokenBudget | Packed, *, locate: Callable[[Any], Location] = locate_sample
+    edges: Sequence[int],
+    batching: TokenBudget | Packed,
+    *,
+    locate: Callable[[Any], Location] = locate_sample,
+    epoch_batches: float | None = None,
 ) -> Batcher[Any]:
     """A :class:`Packer` for :class:`~mixer.Packed`, else a :class:`Bucketer` over ``edges``;
-    ``locate(item)`` is where an item lives (its state lists items so)."""
-    return Packer(batching, locate=locate) if isinstance(batching, Packed) else Bucketer(edges, batching, locate=locate)
+    ``locate(item)`` is where an item lives (its state lists items so); ``epoch_batches``: the
+    source-epoch's size in full batches, when one source feeds it (see :func:`epoch_wait`)."""
+    if isinstance(batching, Packed):
+        return Packer(batching, locate=locate)
+    return Bucketer(edges, batching, locate=locate, epoch_batches=epoch_batches)
 
 
 class _PythonCore:
@@ -92,14 +148,21 @@ class Bucketer(_Core, Generic[T]):  # type: ignore[valid-type,misc]
     """Per-bucket buffers. ``add`` puts a batch (a list of items) on ``ready`` when the sample's
     bucket is full, and also when the bucket holding the oldest waiting sample has waited while
     ``max_wait`` batches left this bucketer, so a rare length is never held back for long.
-    ``drain`` empties the buffers at the end of a finite pass. Items keep arrival order in a bucket.
+    ``drain`` empties the buffers at the end of a finite pass, :meth:`close_epoch` at the end of a
+    source-epoch (``stop="never"``). Items keep arrival order in a bucket. (``max_wait`` None: see
+    :func:`epoch_wait`; ``epoch_batches`` is the source-epoch's size in full batches.)
 
     ``held`` is what the buffers hold in padded tokens (each item counted at its bucket's edge, an
     upper bound on its length); :meth:`release` caps it, so that a source read rarely does not hold
     (and read ahead) a whole set of nearly full buckets to hand out one batch now and then."""
 
     def __init__(
-        self, edges: Sequence[int], budget: TokenBudget, *, locate: Callable[[T], Location] = locate_sample
+        self,
+        edges: Sequence[int],
+        budget: TokenBudget,
+        *,
+        locate: Callable[[T], Location] = locate_sample,
+        epoch_batches: float | None = None,
     ) -> None:
         self.locate = locate
         self.edges = [int(e) for e in edges]
@@ -107,6 +170,8 @@ class Bucketer(_Core, Generic[T]):  # type: ignore[valid-type,misc]
         self.buffers: list[list[T]] = [[] for _ in self.edges]
         self.ready: deque[list[T]] = deque()
         self.max_wait = budget.max_wait if budget.max_wait is not None else 2 * len(self.edges)
+        # A small source's wait bound (see expire), when the budget leaves the bound to the bucketer.
+        self.epoch_wait = epoch_wait(len(self.edges), epoch_batches) if budget.max_wait is None else None
         self.emitted = 0  # batches that left the buffers
         # (batches emitted when the bucket's first item arrived, bucket); stale entries are skipped.
         self._waiting: list[tuple[int, int]] = []
@@ -178,13 +243,94 @@ class Bucketer(_Core, Generic[T]):  # type: ignore[valid-type,misc]
         self.emitted += 1
         return True
 
-    def _top_up(self, b: int, floor: float) -> list[tuple[int, int]]:
+    def close_epoch(self, source: int | None = None) -> bool:
+        """A source passed into its next source-epoch: cut every item it has in the buffers into
+        batches on ``ready`` before the new epoch's first item is added, so that no sample of the
+        next epoch leaves before all of this one have: all the items, or with ``source`` (items are
+        ``(source, sample)`` pairs, one bucketer for every source) the items of every bucket that
+        holds one of that source's, the other sources' with them. Cut longest bucket first, each
+        batch up to its bucket's capacity, topped up from the buckets below while its estimated
+        padding efficiency stays at least :data:`EXPIRE_EFFICIENCY` (as :meth:`release` tops up;
+        the shorter ones form batches of their own); handed out in the order that keeps the share
+        of the samples delivered closest to the share of the tokens (:func:`_even_order`), so that
+        a small source whose whole epoch waited in its buckets does not deliver its long samples
+        first. Returns whether a batch is ready."""
+        if source is None:
+            pending, self.buffers = self.buffers, [[] for _ in self.edges]
+            self._waiting = []  # (every bucket is empty: their entries would only be skipped)
+        else:  # the buckets holding the source's items leave whole (the others' items with them: fuller batches)
+            closing = [any(it[0] == source for it in buf) for buf in self.buffers]  # type: ignore[index]
+            pending = [buf if c else [] for buf, c in zip(self.buffers, closing)]
+            self.buffers = [[] if c else buf for buf, c in zip(self.buffers, closing)]
+        self.count -= sum(map(len, pending))
+        self.held -= sum(len(buf) * e for buf, e in zip(pending, self.edges))
+        cut: list[tuple[list[T], int]] = []  # (batch, its tokens at the edges)
+        b = len(pending) - 1
+        while b >= 0:
+            if not pending[b]:
+                b -= 1
+                continue
+            batch: list[T] = []
+            tokens = 0
+            for k, t in self._top_up(b, EXPIRE_EFFICIENCY, pending):
+                batch += pending[k][:t]
+                pending[k] = pending[k][t:]
+                tokens += t * self.edges[k]
+            cut.append((batch, tokens))
+        for batch in _even_order(cut):
+            self.ready.append(batch)
+            self.emitted += 1
+        return bool(self.ready)
+
+    def expire(self) -> bool:
+        """When ``epoch_wait`` is set (a small source's wait bound, see :func:`epoch_wait`) and no
+        batch is ready: if the bucket holding the oldest waiting item has waited while
+        ``epoch_wait`` batches left, put on ``ready`` the batch that takes its items with the most
+        real tokens times padding efficiency, from that bucket or one above it, topped up from
+        the buckets below while its estimated padding efficiency stays at least
+        :data:`EXPIRE_EFFICIENCY` (so that partial buckets leave together rather than one by one).
+        Called once per batch the source is asked for (ages move only as batches leave). Returns
+        whether a batch is ready."""
+        wait = self.epoch_wait
+        if wait is None or self.ready:
+            return bool(self.ready)
+        waiting, buffers, opened = self._waiting, self.buffers, self._opened
+        while waiting and (not buffers[waiting[0][1]] or opened[waiting[0][1]] != waiting[0][0]):
+            heapq.heappop(waiting)  # stale: the bucket was emptied since
+        if not waiting or self.emitted - waiting[0][0] < wait:
+            return False
+        b = waiting[0][1]
+        best, best_plan = -1.0, []
+        for c in range(b, len(buffers)):
+            if c > b and not buffers[c]:
+                continue
+            plan = self._top_up(c, EXPIRE_EFFICIENCY)
+            if all(k != b for k, _ in plan):
+                break
+            value = sum(t * self.edges[k] for k, t in plan)
+            score = value * value / (self.capacity[c] * self.edges[c])
+            if score > best:
+                best, best_plan = score, plan
+        batch: list[T] = []
+        for k, t in best_plan:
+            buf = buffers[k]
+            batch += buf[:t]
+            buffers[k] = buf[t:]
+            self.held -= t * self.edges[k]
+            self.count -= t
+        self.ready.append(batch)
+        self.emitted += 1
+        return True
+
+    def _top_up(self, b: int, floor: float, buffers: list[list[T]] | None = None) -> list[tuple[int, int]]:
         """How many items to take from bucket ``b`` and the ones below it, ``[(bucket, count)]``:
-        up to ``capacity[b]``, keeping ``real / (count * edges[b]) >= floor`` (at bucket edges)."""
+        up to ``capacity[b]``, keeping ``real / (count * edges[b]) >= floor`` (at bucket edges);
+        of ``buffers`` (default: the bucketer's)."""
+        buffers = self.buffers if buffers is None else buffers
         room, value, n, eb = self.capacity[b], 0, 0, self.edges[b]
         plan = []
         for k in range(b, -1, -1):
-            t, ek = min(len(self.buffers[k]), room), self.edges[k]
+            t, ek = min(len(buffers[k]), room), self.edges[k]
             if ek < floor * eb:  # (value + t ek) / ((n + t) eb) >= floor bounds t
                 t = min(t, max(int((value - floor * n * eb) // (floor * eb - ek)), 0))
             if t:
@@ -288,6 +434,21 @@ class Bucketer(_Core, Generic[T]):  # type: ignore[valid-type,misc]
 if not NATIVE:
     Bucketer.add = Bucketer._py_add  # type: ignore[method-assign]
 _CORE_FIELDS = ("count", "held", "emitted", "max_wait", "edges", "capacity", "buffers", "ready", "_waiting", "_opened")
+
+
+def _even_order(batches: list[tuple[list[T], int]]) -> list[list[T]]:
+    """``(batch, tokens)`` pairs in the order that keeps, after each batch, the fraction of all
+    their items handed out closest to the fraction of all their tokens (ties: the earlier one):
+    batches of short samples (many items, few tokens) go between those of long ones, not last."""
+    items = sum(len(b) for b, _ in batches)
+    tokens = sum(t for _, t in batches) or 1
+    left, out, n, t = list(batches), [], 0, 0
+    while left:
+        j = min(range(len(left)), key=lambda i: abs((n + len(left[i][0])) / items - (t + left[i][1]) / tokens))
+        batch, bt = left.pop(j)
+        out.append(batch)
+        n, t = n + len(batch), t + bt
+    return out
 
 
 def _rebuilt(cls: type[Bucketer[Any]], fields: dict[str, Any]) -> Bucketer[Any]:

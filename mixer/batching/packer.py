@@ -78,6 +78,22 @@ class Packer(Generic[T]):
             self._emit(self.open.pop(0))
         return bool(self.ready)
 
+    def close_epoch(self, source: int | None = None) -> bool:
+        """A source passed into its next source-epoch: the open batches holding its pieces (all of
+        them; with ``source``, those holding a piece of that source's ``(source, sample)`` pairs)
+        leave, part-filled, oldest first, so that no document of the next epoch is placed before
+        one of this epoch in an earlier batch (at most ``open_batches`` part-filled batches per
+        source-epoch). Returns whether a batch is ready."""
+        closing = [b for b in self.open if source is None or any(p[0][0] == source for p in b.pieces)]  # type: ignore[index]
+        for batch in closing:
+            self.open.remove(batch)
+            self._emit(batch)
+        return bool(self.ready)
+
+    def expire(self) -> bool:
+        """(A bucketer's small-source wait bound; a packer's batches leave as they fill.)"""
+        return bool(self.ready)
+
     def add(self, item: T, length: int) -> bool:
         """Place ``item`` (``length`` tokens); returns whether a batch is ready."""
         n = int(length)

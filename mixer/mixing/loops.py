@@ -7,6 +7,11 @@ shares ``probs()`` gives) and cuts batches with level 2 (:mod:`mixer.batching.ba
 * :func:`mix_samples` (``mix="sample"``): each sample's source is picked on its own; one batcher,
   shared by every source, holds ``(source, sample)`` pairs.
 
+When a source's stream passes into its next source-epoch (``stop="never"``) it calls its
+``on_epoch``, which both loops set to the batcher's ``close_epoch``: what the batcher holds of that
+source leaves before the new epoch's first sample is added, so that within a source no sample is
+delivered twice before every sample of its epoch was delivered once.
+
 Both read their inputs as they go, owned by the caller: ``probs()`` is asked before every pick
 (progress moves once per batch, so it may cache; it also keeps ``holds`` current), ``active`` masks
 the sources with data left, and ``retire(i)`` takes source ``i`` out when it has no more and says
@@ -17,6 +22,7 @@ yielded, so a state taken while the consumer holds a cut is the state after that
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import NamedTuple, Protocol
 
 import numpy as np
@@ -34,6 +40,17 @@ class Cut(NamedTuple):
     delivered: Delivered
 
 
+class SampleStream(Protocol):
+    """What the loops need of a source's stream (:class:`~mixer.stream.source_stream.SourceStream`):
+    its samples, and ``on_epoch``, called when it passes into its next source-epoch."""
+
+    on_epoch: Callable[[], object] | None
+
+    def __iter__(self) -> Iterator[Sample]: ...
+
+    def __next__(self) -> Sample: ...
+
+
 class Picker(Protocol):
     """What the loops need of level 1 (:mod:`mixer.mixing.selector`)."""
 
@@ -43,7 +60,7 @@ class Picker(Protocol):
 
 
 def mix_batches(
-    streams: Sequence[Iterator[Sample]],
+    streams: Sequence[SampleStream],
     batchers: Sequence[Batcher[Sample]],
     selector: Picker,
     layout: Layout,
@@ -60,6 +77,8 @@ def mix_batches(
     (``count_tokens``) or the samples the batch delivered. ``holds[i]``: what source ``i``'s
     batcher may hold, in padded tokens, before it releases a batch early; ``caps[i]`` in items and
     ``token_caps[i]`` in padded tokens: its part of the reader's buffer budget."""
+    for stream, batcher in zip(streams, batchers):
+        stream.on_epoch = batcher.close_epoch
     while active.any():
         p = probs()
         i = selector.choose(p, active)
@@ -74,14 +93,15 @@ def mix_batches(
 
 
 def _next_batch(
-    stream: Iterator[Sample], batcher: Batcher[Sample], hold: int, cap: int, token_cap: int
+    stream: SampleStream, batcher: Batcher[Sample], hold: int, cap: int, token_cap: int
 ) -> list[Sample] | None:
     """The source's next batch: one ready or released, else read until one is; at the end of the
     source's data whatever its batcher still holds, then None. ``ready`` is empty while reading,
     so checking ``count`` and ``held`` after each add keeps buffers and ready batches within
-    ``cap`` and ``token_cap`` whenever a batch leaves."""
+    ``cap`` and ``token_cap`` whenever a batch leaves. (A stream passing into its next epoch
+    closes the batcher's epoch before it hands out the sample: ``add`` then finds batches ready.)"""
     ready = batcher.ready
-    if ready or batcher.release(hold, cap, token_cap):
+    if ready or batcher.expire() or batcher.release(hold, cap, token_cap):
         return ready.popleft()
     add = batcher.add
     most = min(hold, token_cap)
@@ -94,7 +114,7 @@ def _next_batch(
 
 
 def mix_samples(
-    streams: Sequence[Iterator[Sample]],
+    streams: Sequence[SampleStream],
     batcher: Batcher[tuple[int, Sample]],
     selector: Picker,
     layout: Layout,
@@ -106,12 +126,16 @@ def mix_samples(
     retire: Callable[[int], bool],
     count_tokens: bool,
     drain: bool,
+    closes: Sequence[bool] | None = None,
 ) -> Iterator[Cut]:
     """Batches of samples whose sources the selector picks one sample at a time (and is told each
     sample's length, or 1), cut by one shared ``batcher``, which releases a batch early when it
     holds more than ``caps[0]`` items or ``token_caps[0]`` padded tokens (its part of the reader's
     buffer budget). ``drain``: when the sources are done, the batches still held follow (a finite
-    pass delivering everything)."""
+    pass delivering everything). ``closes[i]``: whether source ``i``'s epochs are closed (default:
+    all; see :func:`mixer.batching.batchers.closing_sources`)."""
+    for i, stream in enumerate(streams):
+        stream.on_epoch = partial(batcher.close_epoch, i) if closes is None or closes[i] else None
     live = bool(active.any())  # (asked again only when a source retires: per sample it costs)
     while live:
         p = probs()

@@ -16,7 +16,7 @@ import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
 from mixer.batching.batch import Batch, BatchMeta
-from mixer.batching.batchers import Batcher, make_batcher
+from mixer.batching.batchers import Batcher, closing_sources, make_batcher
 from mixer.batching.collate import Layout, count_delivered, make_layout
 from mixer.errors import ConfigError
 from mixer.mixing.fingerprint import fingerprint
@@ -352,8 +352,16 @@ class Reader:
         if mixture.mix == "sample":
             shared = make_batcher(mixture.edges[0], budget, locate=locate_pair)
             self.batchers = [shared] * n
+            # How often each source turns its epoch, in the shared batches (at the shares of step 0):
+            # the shared bucketer closes the epochs of the rarest ones only (closing_sources).
+            shares = mixture.target_at(0, 0.0)
+            rates = [s * world.readers * budget.max_tokens / max(p.size, 1.0) for p, s in zip(mixture.profiles, shares)]
+            self._closes = closing_sources(rates, len(mixture.edges[0]) or 1)
         else:
-            self.batchers = [make_batcher(e, budget) for e in mixture.edges]
+            # Under stop="never", a source's epoch (this reader's part) in full batches: a small
+            # source's wait bound (epoch_wait; a finite pass keeps the bound of large sources).
+            epochs = [p.size / world.readers / budget.max_tokens if not finite else None for p in mixture.profiles]
+            self.batchers = [make_batcher(e, budget, epoch_batches=n) for e, n in zip(mixture.edges, epochs)]
         self.selector = make_selector(mixture.selector, n, seed=mixture.seed, stream=(world.rank, world.worker))
         if mixture.mix == "batch" and isinstance(self.selector, Deficit):
             # The deficit selector visits sources in a near-cyclic order, on which closing the least
@@ -453,6 +461,7 @@ class Reader:
                 retire=self._retire,
                 count_tokens=count_tokens,
                 drain=m.stop == "all_exhausted",
+                closes=self._closes,
             )
         else:
             cuts = mix_batches(

@@ -44,7 +44,8 @@ class TokenBudget(_Described):
     ``max_length=None`` a sample longer than ``max_tokens`` is an error. ``num_buckets`` and
     ``max_bucket_ratio`` shape automatic edges. ``max_wait``: a bucket whose oldest sample has waited
     while this many batches left the same bucketer goes out as a partial batch, so a rare length is
-    never held back for long (None: twice the number of buckets).
+    never held back for long (None: twice the number of buckets; with ``stop="never"``, a small
+    source's at most a quarter of its epoch, see :func:`mixer.batching.batchers.epoch_wait`).
     """
 
     max_tokens: int

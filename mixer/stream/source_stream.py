@@ -87,9 +87,15 @@ class SourceStream:
         self.got_in_epoch = 0
         self.exhausted = False
         self.buffer: list[Sample] = []
-        # The shuffle buffer's size; shrunk to one epoch's worth when a reader's part of an epoch is
-        # smaller, so that the buffer never mixes several epochs of a small source.
+        # The shuffle buffer's size. (It never mixes two epochs: without ``finite``, the next
+        # source-epoch is read only once the buffer has handed out all of this one, see _open_next.)
         self.buffer_size = shuffle_buffer
+        # Called when the stream passes into its next source-epoch, before the new epoch's first
+        # sample is handed out (the mixing loop closes the source's buckets then: mixer.mixing.loops).
+        self.on_epoch: Callable[[], object] | None = None
+        # Hold the next source-epoch back even with the buffer empty (TextStream, while it tokenizes
+        # a run of this epoch's documents).
+        self._hold_epoch = False
         # Caps the mixture sets from the source's share and the reader's buffer budget (see
         # Reader._hold_ahead, set_limits): a rarely read source keeps a smaller buffer, so it does
         # not read ahead (and hold) a full buffer for a trickle; in samples and in tokens.
@@ -123,6 +129,7 @@ class SourceStream:
         self._shards = open_shards if open_shards is not None else storage.OpenShards(io.max_open_shards)
         self._suspended = False  # closed by the cap mid-shard: the next open is a reopen
         self._cold = False  # suspended since its last fresh shard: read too rarely to read ahead for
+        self._new = True  # no shard opened yet (in this process): see _open_next
         # bytes taken before the last suspension: a cold stream asks for that much first (then
         # doubling), so a visit like the last one reads about what it takes
         self._visit = 0
@@ -180,7 +187,7 @@ class SourceStream:
         while self.held < tokens:
             n = len(buf)
             step = tokens if tokens == NO_LIMIT else _fits(tokens - self.held, n, self.held)
-            # (the size is asked again after each shard opened: it shrinks at a small epoch's end)
+            # (asked again after each shard opened: the limits may have moved)
             while (want := min(self.buffer_size, self.limit, n + step) - len(buf)) > 0 and self._read_into(buf, want):
                 pass
             if len(buf) == n:
@@ -335,8 +342,12 @@ class SourceStream:
         c.skipped_bytes += nbytes
 
     def _open_next(self) -> bool:
-        """Open the shard of the current slice, moving to the next epoch at the end of one."""
+        """Open the shard of the current slice, moving to the next epoch at the end of one: once the
+        buffer has handed out every sample of this one (without ``finite``), so that the samples of a
+        source-epoch all leave the stream before any of the next (False until then)."""
         while self.slice_pos >= len(self._plan(self.epoch)):
+            if not self.finite and (self.buffer or self._hold_epoch):
+                return False
             self.counters.epochs += 1
             inherited = self.epoch == self.inherit_epoch  # an empty inheritance is no empty part
             if self.finite or (self.got_in_epoch == 0 and not inherited):
@@ -352,11 +363,6 @@ class SourceStream:
                     )
                 self.exhausted = True
                 return False
-            size = min(self.buffer_size, self.limit)
-            if (
-                len(self.buffer) < size and self.got_in_epoch < size and not inherited
-            ):  # (not a burst cut by the epoch's end)
-                self.buffer_size = len(self.buffer)
             if inherited:
                 self.inherited, self.inherit_epoch = [], -1
             self.epoch += 1
@@ -365,13 +371,20 @@ class SourceStream:
             self.next_offset = 0
             self.got_in_epoch = 0
             self.skips = {k: v for k, v in self.skips.items() if k[0] >= self.epoch}
+            if self.on_epoch is not None:
+                self.on_epoch()
         sl = self._plan(self.epoch)[self.slice_pos]
         url = self.listed.shards[sl.shard]
         fresh = self.next_offset == 0  # (a reopen after a suspension, or a resume, is not)
         self.counters.shards_opened += fresh
         self.counters.reopened += not fresh and self._suspended
-        # Read ahead only for a source read steadily (not suspended since its last fresh shard).
-        ahead, self._cold, self._suspended = not self._cold, self._cold and not fresh, False
+        # Read ahead only for a source read steadily (not suspended since its last fresh shard). A
+        # stream whose first shard opens while the cap is full (its reader reads more sources than the
+        # cap holds; this one has no record yet) starts cold, as if suspended at once: each stream
+        # starting steady began read_ahead shards that the cap mostly closed unread.
+        joins_full, self._new = self._new and self._shards.full, False
+        ahead = not self._cold and not joins_full
+        self._cold, self._suspended = (self._cold and not fresh) or joins_full, False
         if self.next_index < sl.start:  # [index] a sample range: from its first sample's byte
             self.next_index, self.next_offset = sl.start, sl.begin
         self._opened_at = self.next_offset

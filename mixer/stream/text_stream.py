@@ -76,13 +76,18 @@ class TextStream(SourceStream):
         """Fill the pool from the next run of documents; False when there are none."""
         docs: list[Sample] = []
         chars = 0
-        while len(docs) < RUN and chars < RUN_CHARS:
-            try:
-                doc = SourceStream.__next__(self)
-            except StopIteration:
-                break
-            docs.append(doc)
-            chars += doc.length
+        try:
+            while len(docs) < RUN and chars < RUN_CHARS:
+                # A run is of one source-epoch: the next is read once this run's chunks are handed out.
+                self._hold_epoch = bool(docs)
+                try:
+                    doc = SourceStream.__next__(self)
+                except StopIteration:
+                    break
+                docs.append(doc)
+                chars += doc.length
+        finally:
+            self._hold_epoch = False
         pieces = document_chunks(self.text, docs, self.chunk)
         for doc, chunks in zip(docs, pieces):
             if not chunks:

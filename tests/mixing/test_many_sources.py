@@ -91,7 +91,9 @@ def test_a_reader_holds_about_its_budget_in_tokens(many, mix_mode, packed):
     """The same, in tokens, part by part after every batch: a shuffle buffer stops at the sample
     that crosses its token limit (it reads counted runs of samples, each aimed at half the room
     left: say two samples over), a batcher releases a batch whenever it holds more than its cap
-    (one sample over, as a batch leaves). Without the budget the reader holds several times more."""
+    (one sample over, as a batch leaves). Without the budget the reader holds several times more
+    (over twice: these small sources' shuffle buffers empty at each epoch's end, and their buckets
+    wait a quarter of an epoch at most)."""
     n, budget = 120, 24000
     batching = (
         mixer.Packed(max_tokens=1024, seq_len=256, split_documents=True)
@@ -114,7 +116,7 @@ def test_a_reader_holds_about_its_budget_in_tokens(many, mix_mode, packed):
     total, over = seen[f"{budget} tokens"]
     assert over <= 2 * longest, seen
     assert total <= budget + 2 * longest, seen
-    assert seen[None][0] > 3 * budget, seen
+    assert seen[None][0] > 2 * budget, seen
 
 
 def test_a_token_budget_is_apportioned_by_share_with_a_floor(many):
@@ -199,7 +201,7 @@ def test_the_state_of_a_reader_costs_bytes_per_source_not_objects(many, mix_mode
     buffered = sum(mixer.state.checkpoint.buffered(state["snapshot"]))
     assert buffered == held(reader)
     size = len(json.dumps(state))
-    assert buffered > 200
+    assert buffered > 150
     assert size < 10 * MANY + 4 * buffered + 1500, (size, buffered)
 
 

@@ -417,8 +417,9 @@ def test_error_bad_enums(three_sources):
 
 
 def test_shuffle_buffer_never_spans_several_epochs_of_a_small_source(small_sources):
-    # 'few' has 37 samples, far fewer than the buffer: the buffer shrinks to one epoch, so reading
-    # never runs more than about one epoch ahead of what was handed out.
+    # 'few' has 37 samples, far fewer than the buffer: the buffer hands out all of an epoch before
+    # it reads the next, so every 37 samples in a row are the whole source once, and the stream
+    # says when it turns (on_epoch) before it hands out the new epoch's first sample.
     from mixer.plan.profiling import list_source
     from mixer.plan.world import World
     from mixer.read.counters import Counters
@@ -433,14 +434,17 @@ def test_shuffle_buffer_never_spans_several_epochs_of_a_small_source(small_sourc
         finite=False,
         counters=Counters(),
     )
-    keys = [next(stream).key for _ in range(10 * 37)]
-    # Without the shrink the buffer would read ~27 epochs ahead and some keys would be handed out
-    # far more often than others over ten epochs' worth.
-    assert stream.buffer_size == 37 and stream.epoch <= 11
-    # A sample stays in a random-replacement buffer for a geometric number of draws (mean: one
-    # buffer), so a few lag by two or three epochs; none runs ahead.
-    counts = Counter(keys).values()
-    assert min(counts) >= 6 and max(counts) <= 11
+    turns, keys = [], []
+    stream.on_epoch = lambda: turns.append((len(keys), stream.epoch))
+    for _ in range(10 * 37):
+        keys.append(next(stream).key)
+    assert turns == [(37 * e, e) for e in range(1, 10)]
+    assert stream.epoch == 9 and stream.buffer_size == 1000 and stream.counters.epochs == 9
+    for e in range(10):
+        assert len(set(keys[37 * e : 37 * (e + 1)])) == 37
+    assert len(set(keys[:37])) == len(set(small_sources["few"][1])) == 37
+    # shuffled anew each epoch
+    assert keys[:37] != keys[37:74]
 
 
 def test_fewer_shards_than_readers_warns_that_io_is_amplified(small_sources, caplog):

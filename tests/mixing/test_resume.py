@@ -141,13 +141,14 @@ def test_state_is_plain_small_and_torch_saveable(shards, tmp_path):
     take(loader, 40)
     state = loader.state_dict()
     text = json.dumps(state)
-    # Issue 6's target: under 1 MiB per worker with default buffers; here each reader holds a full
-    # shuffle buffer and bucket buffers after 40 batches, and issue 14's columns keep it to a few
+    # Issue 6's target: under 1 MiB per worker with default buffers; here each reader holds its
+    # sources' parts of an epoch (at most: a shuffle buffer hands out all of an epoch before it
+    # reads the next) and bucket buffers after 40 batches, and issue 14's columns keep it to a few
     # bytes per buffered sample.
     per_reader = [mixer.state.checkpoint.size_bytes(r) for r in state["readers"]]
     assert len(per_reader) == 2 and all(r["snapshot"] is not None for r in state["readers"])
     held = [sum(mixer.state.checkpoint.buffered(r["snapshot"])) for r in state["readers"]]
-    assert min(held) > 2000, held  # the buffered locations really are in it
+    assert min(held) > 400, held  # the buffered locations really are in it
     assert all(size < 4 * n + 2000 for size, n in zip(per_reader, held)), (per_reader, held)
     torch.save({"data": state}, tmp_path / "ckpt.pt")
     back = torch.load(tmp_path / "ckpt.pt", weights_only=True)["data"]

@@ -186,3 +186,24 @@ def test_cpu_per_sample_splits_fixed_and_marginal_cpu() -> None:
     by = {c["check"]: c for c in split_checks({o.method.name: o for o in (w0, w0h, w2, w2h)})}
     assert by["marginal CPU-µs/sample (half budget to budget), 2 workers / 0 workers"]["value"] == pytest.approx(1.1)
     assert by["fixed CPU-s per pass, 2 workers minus 0 workers"]["value"] == pytest.approx(0.3)
+
+
+@pytest.mark.skipif(not _mixture_importable(), reason="mixer.Mixture is not importable yet")
+def test_length_drift_quick_reports_histograms_doubles_and_fill(tmp_path: Path) -> None:
+    # `python -m benchmarks length_drift --quick` (a few seconds): every mix and variant measured, the
+    # figures in range; the epoch close's figure itself is judged (no sample twice before all once)
+    proc = _run_module(
+        [sys.executable, "-m", "benchmarks", "length_drift", "--quick", "--quiet", "--bench-dir", str(tmp_path)],
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads((tmp_path / "length_drift.quick.json").read_text())
+    rows = {r["method"]: r for r in result["rows"]}
+    assert set(rows) == {f"{m}/{v}" for m in ("batch", "sample") for v in ("default", "old wait")}
+    for r in rows.values():
+        assert all(0 <= r[f"tv_{f}"] <= 1 for f in ("0.5", "1", "2"))
+        assert 0 < r["padding_efficiency"] <= 1 and 0 < r["batch_fill"] <= 1
+        # mix="sample" closes a source's epochs only while closes are rare enough (closing_sources):
+        # at the quick sizes the small source turns its epoch too often in the shared batches
+        assert r["mix"] == "sample" or r["double_first"] == 0 and r["double_worst"] == 0
+    assert "| length_drift | delivered twice, mix=batch | 0.000 |" in proc.stdout

@@ -408,3 +408,34 @@ def test_documents_of_no_tokens_are_dropped_and_counted_not_an_end(corpus, tmp_p
     batches = list(mixer.make_loader(mix))
     assert sorted(k for b in batches for k in b.keys) == ["empty-0000-00040", "empty-0000-00041", "empty-0000-00042"]
     assert batches[-1].meta.counters[0][Counters.FIELDS.index("dropped")] == 40
+
+
+@pytest.mark.parametrize("shuffle_buffer", [1000, 1])
+def test_a_text_stream_hands_out_all_of_a_source_epoch_before_the_next(corpus, shuffle_buffer):
+    """Without a finite pass, a run of documents tokenized together is of one source-epoch, so the
+    chunks of an epoch all leave before any of the next and ``on_epoch`` is called between them
+    (the mixing loops close the source's buckets then), shuffled or in order."""
+    from mixer.plan.profiling import list_source
+    from mixer.plan.world import World
+    from mixer.read.counters import Counters
+    from mixer.stream.text_stream import make_stream
+
+    source = sources(corpus)[0]
+    stream = make_stream(
+        list_source(source),
+        World(),
+        seed=0,
+        budget=mixer.TokenBudget(max_tokens=4 * CHUNK, max_length=CHUNK),
+        shuffle_buffer=shuffle_buffer,
+        finite=False,
+        counters=Counters(),
+    )
+    keys, turns = [], []
+    stream.on_epoch = lambda: turns.append(len(keys))
+    for _ in range(2000):
+        keys.append(next(stream).key)
+    n = len(set(keys))
+    assert any("#" in k for k in keys) and n > len(corpus["web"][1])  # long documents came in chunks
+    assert turns[:3] == [n, 2 * n, 3 * n]
+    for e in range(len(keys) // n):
+        assert len(set(keys[e * n : (e + 1) * n])) == n

@@ -16,7 +16,7 @@ from shardutil import LogNormal, expected_tokens, write_token_shards
 import mixer
 from mixer.plan.world import World
 from mixer.read.counters import Counters
-from mixer.storage import OpenShards
+from mixer.storage import OpenShards, ReadAhead
 from mixer.storage.filesystems import close_filesystems
 
 # 12 sources of 2 shards of 60 samples: a shard holds several batches of a source at this budget,
@@ -245,6 +245,50 @@ def test_remote_streams_reopen_with_a_ranged_get_and_cold_ones_do_not_read_ahead
     # read ahead for every stream would begin 2 shards per fresh open, most of them closed unread by
     # the cap and asked for again (measured: 50 extra GETs for 35 shards opened; with the rule 13).
     assert len(fresh) - opened <= opened // 2, (len(fresh), opened)
+
+
+def _first_opens(monkeypatch, root, names, cap: int, n: int) -> dict[str, list[tuple[bool, bool]]]:
+    """Per source, its shard opens in order: (whether the cap was full when it opened, whether it
+    read ahead: was handed the shards that follow), in a pass of ``n`` batches over local files
+    (the stream decides what to read ahead whatever the scheme; only remote shards are begun)."""
+    opens: dict[str, list[tuple[bool, bool]]] = {}
+    lru: list[OpenShards] = []
+    real = ReadAhead.open
+
+    def spy(self, url, start_offset=0, upcoming=(), end_offset=None, window=None):
+        upcoming = list(upcoming)
+        opens.setdefault(url.rsplit("/", 2)[-2], []).append((lru[0].full, bool(upcoming)))
+        return real(self, url, start_offset, upcoming, end_offset, window)
+
+    monkeypatch.setattr(ReadAhead, "open", spy)
+    io = {"max_open_shards": cap}
+    sources = [mixer.Source(n, f"{root}/{n}/{n}-{{000000..000003}}.tar", size=1e4, io_options=io) for n in names]
+    mix = mixer.Mixture(sources, batching=mixer.TokenBudget(1024, buckets=[64, 128, 256]), seed=5, shuffle_buffer=4)
+    reader = mix.reader(World(rank=0, world_size=1, worker=0, num_workers=1))
+    lru.append(reader.open_shards)
+    take(reader, n)
+    return opens
+
+
+def test_a_stream_first_opened_under_a_full_cap_starts_cold(served, monkeypatch):
+    """A stream whose first shard opens while the cap is full (its reader reads more sources than the
+    cap holds, and this one was never read) reads nothing ahead, as if the cap had closed it at once:
+    not at that open, nor at its next fresh shard; it reads ahead again once it read a shard through
+    unclosed. Every stream starting as one read steadily began ``read_ahead`` shards at its first
+    opens, most of them closed unread by the cap (10 of the 14 extra GETs of the test above).
+    A stream that opens with room under the cap reads ahead from its first shard."""
+    root, names = served
+    capped = _first_opens(monkeypatch, root, names, 2, 40)
+    assert sorted(capped) == sorted(names)
+    joined_full = [name for name, seq in capped.items() if seq[0][0]]
+    assert 3 <= len(joined_full) < len(names)  # (the first streams opened with room under the cap)
+    for name, seq in capped.items():
+        assert seq[0][1] == (name not in joined_full), (name, seq)
+    for name in joined_full:  # (a second open may be the same shard's reopen: closed by the cap again)
+        assert not capped[name][1][1], (name, capped[name])
+    assert any(ahead for name in joined_full for _, ahead in capped[name][2:]), capped
+    roomy = _first_opens(monkeypatch, root, names, 64, 40)
+    assert all(not seq[0][0] and seq[0][1] for seq in roomy.values()), roomy
 
 
 def test_compressed_shards_reopen_by_decompressing_again(tmp_path):

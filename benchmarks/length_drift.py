@@ -103,16 +103,18 @@ def measure(patterns: dict[str, str], small: list[int], mix: str, variant: str) 
                 break
     ref = np.histogram(small, BINS)[0] / len(small)
     cum = np.cumsum(own)
-    tv = {}
+    tv, hists = {}, {}
     for f in FRACTIONS:
         upto = int(np.searchsorted(cum, f * total)) + 1
         hist = np.histogram(own[:upto], BINS)[0] / upto
-        tv[f] = 0.5 * float(np.abs(hist - ref).sum())
+        tv[f], hists[f] = 0.5 * float(np.abs(hist - ref).sum()), hist.tolist()
     first, worst, never = doubles(keys, len(small))
     return {
         "mix": mix,
         "variant": variant,
         **{f"tv_{f:g}": v for f, v in tv.items()},
+        **{f"hist_{f:g}": h for f, h in hists.items()},
+        "hist_source": ref.tolist(),
         "double_first": first,
         "double_worst": worst,
         "never_delivered": never,
@@ -165,8 +167,8 @@ def _baseline(code: Path, patterns: dict[str, str], small: list[int], mix: str) 
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    header = ["mix", "code", "TV ½ epoch", "TV 1 epoch", "TV 2 epochs", "delivered twice before all once",
-              "never delivered", "padding eff.", "batch fill"]  # fmt: skip
+    header = ["mix", "code", "TV ½ epoch", "TV 1 epoch", "TV 2 epochs", "delivered twice before all once"]
+    header += ["never delivered", "padding eff.", "batch fill"]
     body = [
         [
             r["mix"],
@@ -178,6 +180,19 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['batch_fill']:.3f}",
         ]
         for r in rows
+    ]
+    return common.markdown_table(header, body)
+
+
+def histograms(rows: list[dict[str, Any]]) -> str:
+    """The small source's length histogram (fraction of its samples per bin) beside those of what each
+    row delivered within ½ and 1 epoch's worth of its tokens; bins that no column fills are left out."""
+    header = ["length", "source"] + [f"{r['mix']} {r['variant']} {f:g}" for r in rows for f in FRACTIONS[:2]]
+    columns = [rows[0]["hist_source"]] + [r[f"hist_{f:g}"] for r in rows for f in FRACTIONS[:2]]
+    body = [
+        [f"{BINS[i]:.0f}-{BINS[i + 1]:.0f}", *(f"{c[i]:.3f}" for c in columns)]
+        for i in range(len(BINS) - 1)
+        if any(c[i] for c in columns)
     ]
     return common.markdown_table(header, body)
 
@@ -195,7 +210,7 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> common.BenchRes
                 log(f"mix={mix} {variant}: {r}")
                 rows.append(r)
     text = table(rows)
-    log("\n" + text)
+    log("\n" + text + "\n\nLength histograms of the small source (epochs' worth of its tokens):\n" + histograms(rows))
     ours = [r for r in rows if r["variant"] == "default"]
     checks = [
         *(common.value_check(NAME, f"padding efficiency, mix={r['mix']}", r["padding_efficiency"], 0.96) for r in ours),

@@ -68,8 +68,8 @@ def plan_rows(profile: str) -> list[dict[str, Any]]:
             readers = ranks * size["workers"]
             times = []
             for reader in (0, readers // 2 + 1):
-                world = World(rank=reader // size["workers"], world_size=ranks, worker=reader % size["workers"],
-                              num_workers=size["workers"])  # fmt: skip
+                rank, worker = divmod(reader, size["workers"])
+                world = World(rank=rank, world_size=ranks, worker=worker, num_workers=size["workers"])
                 t0 = time.process_time()
                 for i, (n, s) in enumerate(zip(counts, sizes)):
                     plan(n, world, seed=0, source=f"s{i:04d}", epoch=0, sizes=s)

@@ -363,8 +363,13 @@ def load(
         if trace:
             tracemalloc.stop()
     state = loader.state_dict()
-    return {"wall_s": wall, "cpu_s": cpu, "peak_mb": None if peak is None else peak / 2**20, "files": files,
-            "state_bytes": len(json.dumps(state, separators=(",", ":")))}  # fmt: skip
+    return {
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "peak_mb": None if peak is None else peak / 2**20,
+        "files": files,
+        "state_bytes": len(json.dumps(state, separators=(",", ":"))),
+    }
 
 
 def old_path_bound(mix: Any, old: OldWorld, texts: dict[int, str], samples: int = 3) -> float:

@@ -172,6 +172,10 @@ class Bucketer(_Core, Generic[T]):  # type: ignore[valid-type,misc]
         self.max_wait = budget.max_wait if budget.max_wait is not None else 2 * len(self.edges)
         # A small source's wait bound (see expire), when the budget leaves the bound to the bucketer.
         self.epoch_wait = epoch_wait(len(self.edges), epoch_batches) if budget.max_wait is None else None
+        # Items are (source, sample) pairs (a shared bucketer): {source: its wait bound} for the
+        # sources with short epochs, epoch_wait the least of them (expire leaves the buckets holding
+        # none of their items to fill); None: epoch_wait for every item.
+        self.bounded: dict[int, int] | None = None
         self.emitted = 0  # batches that left the buffers
         # (batches emitted when the bucket's first item arrived, bucket); stale entries are skipped.
         self._waiting: list[tuple[int, int]] = []
@@ -289,7 +293,10 @@ class Bucketer(_Core, Generic[T]):  # type: ignore[valid-type,misc]
         real tokens times padding efficiency, from that bucket or one above it, topped up from
         the buckets below while its estimated padding efficiency stays at least
         :data:`EXPIRE_EFFICIENCY` (so that partial buckets leave together rather than one by one).
-        Called once per batch the source is asked for (ages move only as batches leave). Returns
+        With ``bounded`` (a shared bucketer's sources with short epochs and their bounds), the
+        oldest bucket holding an item of such a source that has waited its source's bound, the
+        buckets holding none being left to fill. Called once per batch the source is asked for
+        (``mix="sample"``: each time a batch left; ages move only as batches leave). Returns
         whether a batch is ready."""
         wait = self.epoch_wait
         if wait is None or self.ready:
@@ -300,6 +307,18 @@ class Bucketer(_Core, Generic[T]):  # type: ignore[valid-type,misc]
         if not waiting or self.emitted - waiting[0][0] < wait:
             return False
         b = waiting[0][1]
+        if (bounded := self.bounded) is not None:  # the oldest bucket holding an item of a source past its bound
+            due = (
+                c
+                for since, c in sorted(waiting)
+                if (age := self.emitted - since) >= wait
+                and buffers[c]
+                and opened[c] == since
+                and any(age >= bounded.get(it[0], age + 1) for it in buffers[c])  # type: ignore[index]
+            )
+            if (found := next(due, None)) is None:
+                return False
+            b = found
         best, best_plan = -1.0, []
         for c in range(b, len(buffers)):
             if c > b and not buffers[c]:

@@ -151,7 +151,8 @@ def mix_samples(
             (batcher.count > caps[0] or batcher.held > token_caps[0])
             and batcher.release(1 << 62, caps[0], token_caps[0])
         ):
-            while batcher.ready:
+            # (expire: the wait bound of the sources with short epochs, as ages move: once per batch left)
+            while batcher.ready or batcher.expire():
                 yield _cut(batcher.ready.popleft(), layout)
     if drain:
         for rest in batcher.drain():

@@ -16,7 +16,7 @@ import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
 from mixer.batching.batch import Batch, BatchMeta
-from mixer.batching.batchers import Batcher, closing_sources, make_batcher
+from mixer.batching.batchers import Batcher, Bucketer, closing_sources, epoch_wait, make_batcher
 from mixer.batching.collate import Layout, count_delivered, make_layout
 from mixer.errors import ConfigError
 from mixer.mixing.fingerprint import fingerprint
@@ -350,13 +350,26 @@ class Reader:
         # (mix="sample": one shared level 2, repeated per source); use sites name the item type.
         self.batchers: list[Batcher[Any]]
         if mixture.mix == "sample":
-            shared = make_batcher(mixture.edges[0], budget, locate=locate_pair)
-            self.batchers = [shared] * n
             # How often each source turns its epoch, in the shared batches (at the shares of step 0):
             # the shared bucketer closes the epochs of the rarest ones only (closing_sources).
             shares = mixture.target_at(0, 0.0)
             rates = [s * world.readers * budget.max_tokens / max(p.size, 1.0) for p, s in zip(mixture.profiles, shares)]
             self._closes = closing_sources(rates, len(mixture.edges[0]) or 1)
+            # Under stop="never", each source it closes whose epoch (in shared batches) is short has
+            # the wait bound of a small source (epoch_wait) for the buckets holding its samples, so
+            # that what it delivers in part of its epoch is not mostly its long samples while its
+            # short ones wait in buckets the other sources fill slowly (a finite pass keeps the
+            # bound of large sources).
+            buckets = len(mixture.edges[0])
+            waits = [
+                epoch_wait(buckets, 1.0 / r) if c and r > 0 and not finite else None
+                for r, c in zip(rates, self._closes)
+            ]
+            bounded = {i: w for i, w in enumerate(waits) if w is not None}
+            shared = make_batcher(mixture.edges[0], budget, locate=locate_pair)
+            if isinstance(shared, Bucketer) and budget.max_wait is None and bounded:
+                shared.epoch_wait, shared.bounded = min(bounded.values()), bounded
+            self.batchers = [shared] * n
         else:
             # Under stop="never", a source's epoch (this reader's part) in full batches: a small
             # source's wait bound (epoch_wait; a finite pass keeps the bound of large sources).

@@ -110,3 +110,28 @@ def test_resume_across_the_turn_of_a_source_epoch_is_exact(drift_sources, mix_mo
     assert turns, "the small source should turn over its epoch"
     cuts = sorted({c for t in turns for c in (t - 1, t, t + 1)})
     assert_resumes_exactly(lambda: mixer.make_loader(mix), cuts=cuts, window=8, view=batch_view)
+
+
+def test_the_small_source_is_unbiased_within_its_epoch_in_shared_buckets(drift_sources):
+    """The same with one bucketer shared by the sources (mix="sample"): the small source's short
+    documents share buckets with the big source's, which fill them slowly; they were none of what it
+    delivered in the first half of its epoch's tokens before the shared buckets holding its samples
+    had its epoch's wait bound (those holding none of them are left to fill)."""
+    mix = mixture(drift_sources, mix="sample", weights={SMALL: 0.1, BIG: 0.9}, batching=mixer.TokenBudget(4096))
+    lengths = drift_sources[SMALL][1]
+    total = sum(lengths.values())
+    delivered, short, n, real, padded = 0, 0, 0, 0, 0
+    for b in mixer.make_loader(mix):
+        real, padded = real + int(b.lengths.sum()), padded + b.tokens.numel()
+        for k, s in zip(b.keys, b.source.tolist()):
+            if s == 0:
+                delivered += lengths[k]
+                short += lengths[k] < 100
+                n += 1
+        if delivered >= total / 2:
+            break
+    assert 0.35 <= short / n <= 0.65, (short, n)
+    assert real / padded >= 0.96
+    assert mix.reader(mixer.plan.world.World()).batchers[0].bounded == {
+        0: 52
+    }  # (the big source's epochs are not closed)

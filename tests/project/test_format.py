@@ -29,5 +29,6 @@ def test_no_python_file_opts_out_of_the_formatter():
 
 def test_the_check_finds_both_kinds_of_opt_out(tmp_path):
     sample = tmp_path / "sample.py"
-    sample.write_text("x = [1,2]  # fmt: skip\n# fmt: off\ny = 1\n# fmt: on\n", encoding="utf-8")
+    fmt = "# fmt" + ":"  # spelled apart, so that this file does not opt out itself
+    sample.write_text(f"x = [1,2]  {fmt} skip\n{fmt} off\ny = 1\n{fmt} on\n", encoding="utf-8")
     assert [line.split(": ", 1)[0] for line in opted_out([sample], tmp_path)] == ["sample.py:1", "sample.py:2"]

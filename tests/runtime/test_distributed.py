@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hangs import communicate_or_explain
 from servers import free_port
 from shardutil import LogNormal
 
@@ -200,10 +201,14 @@ def torchrun(nproc: int, spec: Path, out: Path, phase: str) -> None:
     env = dict(
         os.environ,
         OMP_NUM_THREADS="1",
+        PYTHONFAULTHANDLER="1",  # a hung run fails with every rank's stacks (communicate_or_explain)
         PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     )
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
-    assert proc.returncode == 0, f"torchrun {phase} x{nproc} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, start_new_session=True
+    )
+    out, err = communicate_or_explain(proc, 180)
+    assert proc.returncode == 0, f"torchrun {phase} x{nproc} failed:\n{out[-3000:]}\n{err[-6000:]}"
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2proc", "3proc"])

@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+from hangs import communicate_or_explain
 from shardutil import write_token_shards
 
 SUPPORT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support")
@@ -72,29 +73,6 @@ def worker_pids(proc: subprocess.Popen[str]) -> list[int]:
     return pids
 
 
-def finish(proc: subprocess.Popen[str], pids: list[int], timeout: float) -> tuple[str, str]:
-    """``proc.communicate``; a scenario that hangs fails with what explains a hang: each process's
-    signal masks from /proc (an ignored or blocked SIGINT never interrupts) and the Python stacks of
-    all its threads (the script dumps them on SIGUSR1)."""
-    try:
-        return proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        masks = []
-        for pid in [proc.pid, *pids]:
-            try:
-                with open(f"/proc/{pid}/status") as f:
-                    masks.append(f"{pid}: " + " ".join(x for x in f.read().splitlines() if x.startswith("Sig")))
-            except OSError as exc:
-                masks.append(f"{pid}: {exc}")
-        for pid in [*pids, proc.pid]:
-            if alive(pid):
-                os.kill(pid, signal.SIGUSR1)
-                time.sleep(0.5)
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate(timeout=30)
-        raise AssertionError(f"hung for {timeout:.0f}s\n" + "\n".join(masks) + f"\nstdout:\n{out}\nstderr:\n{err}")
-
-
 def gone_by(pids: list[int], deadline: float) -> bool:
     while time.monotonic() < deadline:
         if not any(alive(p) for p in pids):
@@ -109,7 +87,7 @@ def test_leaving_a_pass_leaves_no_worker_and_no_shared_memory(pattern, scenario)
     before = shm_entries()
     proc = start(scenario, pattern)
     pids = worker_pids(proc)
-    out, err = finish(proc, pids, timeout=120)
+    out, err = communicate_or_explain(proc, 120, dump=signal.SIGUSR1)
     assert proc.returncode == 0, err
     assert out.splitlines()[-1] == "clean", out + err
     if scenario == "worker-error":
@@ -125,7 +103,7 @@ def test_ctrl_c_stops_workers_and_main_cleanly(pattern):
     pids = worker_pids(proc)
     time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
-    out, err = finish(proc, pids, timeout=60)
+    out, err = communicate_or_explain(proc, 60, dump=signal.SIGUSR1)
     assert "interrupted" in out and out.splitlines()[-1] == "clean", out + err
     assert not any(alive(p) for p in pids)
     assert left_in_shm(before) == set()

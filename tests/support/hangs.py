@@ -1,0 +1,74 @@
+"""Tests that run a process tree (a scenario script, torchrun and its ranks, DataLoader workers) and
+wait for it: one that hangs fails with what explains the hang instead of a bare timeout."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+
+def descendants(pid: int) -> list[int]:
+    """The live processes below ``pid``, children before their own children."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+            except OSError:
+                continue
+            if state != "Z":
+                children.setdefault(int(ppid), []).append(int(entry))
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        found.append(todo.pop(0))
+        todo += children.get(found[-1], [])
+    return found
+
+
+def _describe(pid: int) -> str:
+    """A process's command, state, what it waits in (wchan) and its signal masks (an ignored or
+    blocked SIGINT never interrupts it)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            command = f.read().replace(b"\0", b" ").decode(errors="replace")[:160]
+        with open(f"/proc/{pid}/wchan") as f:
+            wchan = f.read()
+        with open(f"/proc/{pid}/status") as f:
+            status = " ".join(x for x in f.read().splitlines() if x.startswith(("State", "SigBlk", "SigIgn")))
+    except OSError as exc:
+        return f"{pid}: {exc}"
+    return f"{pid}: {command}\n    {status} wchan={wchan}"
+
+
+def communicate_or_explain(
+    proc: subprocess.Popen, timeout: float, *, dump: signal.Signals = signal.SIGABRT
+) -> tuple[str, str]:
+    """``proc.communicate(timeout=...)``. On a timeout: describe ``proc`` and every process below it,
+    send each ``dump`` (SIGABRT prints a Python process's stacks under ``PYTHONFAULTHANDLER=1``; a
+    script that registered ``faulthandler`` for SIGUSR1 prints them and goes on), kill the process
+    group (``proc`` must run in a session of its own) and fail with all of it and the output."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        tree = [proc.pid, *descendants(proc.pid)]
+        described = [_describe(pid) for pid in tree]
+        for pid in reversed(tree):  # the leaves first: a parent that dies first may take them along
+            try:
+                os.kill(pid, dump)
+            except OSError:
+                pass
+            time.sleep(0.3)
+        time.sleep(1.0)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        out, err = proc.communicate(timeout=30)
+        out, err = (x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (out, err))
+        raise AssertionError(
+            f"hung for {timeout:.0f}s; the processes:\n" + "\n".join(described) + f"\nstdout:\n{out[-4000:]}"
+            f"\nstderr (with their stacks):\n{err[-30000:]}"
+        ) from None

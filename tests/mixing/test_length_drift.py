@@ -83,15 +83,14 @@ def test_no_sample_twice_before_all_once_within_a_source_epoch(drift_sources, mi
     assert real / padded >= 0.96
 
 
-def test_the_small_source_is_unbiased_within_its_epoch(drift_sources):
-    """Over the first half of its first epoch's tokens, the small source's short documents are
-    about their share of its samples (half), not held back behind the long ones (they were a
-    fifth, or none, before its buckets' wait was bounded by its epoch)."""
-    mix = mixture(drift_sources)
-    lengths = drift_sources[SMALL][1]
+def first_half_epoch(mix: mixer.Mixture, lengths: dict[str, int]) -> tuple[int, int, float]:
+    """Stream until the small source (source 0, of these lengths by key) delivered half of its
+    epoch's tokens: how many of its samples were short (under 100 tokens), of how many, and the
+    padding efficiency of all the batches."""
     total = sum(lengths.values())
-    delivered, short, n = 0, 0, 0
+    delivered, short, n, real, padded = 0, 0, 0, 0, 0
     for b in mixer.make_loader(mix):
+        real, padded = real + int(b.lengths.sum()), padded + b.tokens.numel()
         for k, s in zip(b.keys, b.source.tolist()):
             if s == 0:
                 delivered += lengths[k]
@@ -99,6 +98,14 @@ def test_the_small_source_is_unbiased_within_its_epoch(drift_sources):
                 n += 1
         if delivered >= total / 2:
             break
+    return short, n, real / padded
+
+
+def test_the_small_source_is_unbiased_within_its_epoch(drift_sources):
+    """Over the first half of its first epoch's tokens, the small source's short documents are
+    about their share of its samples (half), not held back behind the long ones (they were a
+    fifth, or none, before its buckets' wait was bounded by its epoch)."""
+    short, n, _ = first_half_epoch(mixture(drift_sources), drift_sources[SMALL][1])
     assert 0.35 <= short / n <= 0.65, (short, n)
 
 
@@ -118,20 +125,8 @@ def test_the_small_source_is_unbiased_within_its_epoch_in_shared_buckets(drift_s
     delivered in the first half of its epoch's tokens before the shared buckets holding its samples
     had its epoch's wait bound (those holding none of them are left to fill)."""
     mix = mixture(drift_sources, mix="sample", weights={SMALL: 0.1, BIG: 0.9}, batching=mixer.TokenBudget(4096))
-    lengths = drift_sources[SMALL][1]
-    total = sum(lengths.values())
-    delivered, short, n, real, padded = 0, 0, 0, 0, 0
-    for b in mixer.make_loader(mix):
-        real, padded = real + int(b.lengths.sum()), padded + b.tokens.numel()
-        for k, s in zip(b.keys, b.source.tolist()):
-            if s == 0:
-                delivered += lengths[k]
-                short += lengths[k] < 100
-                n += 1
-        if delivered >= total / 2:
-            break
+    short, n, padding = first_half_epoch(mix, drift_sources[SMALL][1])
     assert 0.35 <= short / n <= 0.65, (short, n)
-    assert real / padded >= 0.96
-    assert mix.reader(mixer.plan.world.World()).batchers[0].bounded == {
-        0: 52
-    }  # (the big source's epochs are not closed)
+    assert padding >= 0.96
+    bounded = mix.reader(mixer.plan.world.World()).batchers[0].bounded
+    assert bounded == {0: 52}  # (the big source's epochs are not closed)

@@ -367,7 +367,7 @@ class Reader:
             ]
             bounded = {i: w for i, w in enumerate(waits) if w is not None}
             shared = make_batcher(mixture.edges[0], budget, locate=locate_pair)
-            if isinstance(shared, Bucketer) and budget.max_wait is None and bounded:
+            if isinstance(shared, Bucketer) and isinstance(budget, TokenBudget) and budget.max_wait is None and bounded:
                 shared.epoch_wait, shared.bounded = min(bounded.values()), bounded
             self.batchers = [shared] * n
         else:

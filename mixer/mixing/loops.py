@@ -137,6 +137,10 @@ def mix_samples(
     for i, stream in enumerate(streams):
         stream.on_epoch = partial(batcher.close_epoch, i) if closes is None or closes[i] else None
     live = bool(active.any())  # (asked again only when a source retires: per sample it costs)
+    # What the pass would hand out next before taking another sample: nothing on a fresh start; on a
+    # resume saved between two batches that the wait bound let out, the rest of them, as then.
+    while batcher.ready or batcher.expire():
+        yield _cut(batcher.ready.popleft(), layout)
     while live:
         p = probs()
         i = selector.choose(p, active)

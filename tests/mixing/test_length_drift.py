@@ -130,3 +130,12 @@ def test_the_small_source_is_unbiased_within_its_epoch_in_shared_buckets(drift_s
     assert padding >= 0.96
     bounded = mix.reader(mixer.plan.world.World()).batchers[0].bounded
     assert bounded == {0: 52}  # (the big source's epochs are not closed)
+
+
+def test_resume_while_shared_buckets_leave_by_a_small_source_bound_is_exact(drift_sources):
+    """The shared bucketer's bound (mix="sample") decides which buckets leave from the ages in its
+    state: a resume before, amid and after the batches the bound lets out (at batches 53 to 58
+    here) goes on with the same batches."""
+    mix = mixture(drift_sources, mix="sample", weights={SMALL: 0.1, BIG: 0.9}, batching=mixer.TokenBudget(4096))
+    assert mix.reader(mixer.plan.world.World()).batchers[0].bounded  # the bound is in force here
+    assert_resumes_exactly(lambda: mixer.make_loader(mix), cuts=[17, 50, 55, 60], window=8, view=batch_view)

@@ -35,18 +35,23 @@ What could make a golden value depend on the machine, and how it is kept out:
 * Encoder versions. Shard byte sizes enter the fingerprint through the size estimate (tokens per byte
   times bytes), so the speech shards hold WAV written by the standard library's ``wave`` (fixed
   bytes), not FLAC (whose encoder writes its vendor version into every file).
+* Vector widths. A float computed by a vectorised kernel may differ in its last bit between CPUs, so
+  floats are compared to ``FLOAT_REL_TOL`` (12 significant digits); all else exactly.
 * Left as is: compressed state columns and index blobs are zlib output; a Python linked to another
   deflate implementation (zlib-ng) would need the files regenerated, on the code before the change.
 """
 
 from __future__ import annotations
 
+import base64
 import gzip
 import hashlib
 import io
 import json
+import math
 import os
 import wave
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -196,8 +201,28 @@ def _text(value: Any) -> str:
     return json.dumps(value, sort_keys=True)
 
 
+# A float computed by vectorised kernels (torch's and numpy's reductions, exp) may differ in its last
+# bit or two between CPUs of different vector widths (seen: AVX-512 Intel vs AMD EPYC, 1.3e-16
+# relative in the adaptive policy's weights). Floats are compared to 12 significant digits, which
+# no change of the library's arithmetic slips under; every other value is compared exactly.
+FLOAT_REL_TOL = 1e-12
+# The selectors' float vectors, saved as their float64 bytes compressed (`mixer.state.columns.pack_floats`):
+# compared as floats too, by these key names only (an integer column's bytes are never read as floats).
+FLOAT_COLUMNS = ("target", "delivered", "amount", "picks")
+
+
+def _float_column(text: str) -> np.ndarray:
+    return np.frombuffer(zlib.decompress(base64.b64decode(text)), dtype="<f8")
+
+
+def _close_float_columns(want: str, got: str) -> bool:
+    a, b = _float_column(want), _float_column(got)
+    return a.shape == b.shape and bool(np.allclose(a, b, rtol=FLOAT_REL_TOL, atol=0.0))
+
+
 def differences(want: Any, got: Any, path: str) -> Iterator[tuple[str, Any, Any]]:
-    """Where two JSON values differ, in sorted key order: ``(path, expected, got)`` per leaf."""
+    """Where two JSON values differ, in sorted key order: ``(path, expected, got)`` per leaf (floats to
+    ``FLOAT_REL_TOL``)."""
     if isinstance(want, dict) and isinstance(got, dict):
         for k in sorted(set(want) | set(got)):
             if k not in want or k not in got:
@@ -209,6 +234,12 @@ def differences(want: Any, got: Any, path: str) -> Iterator[tuple[str, Any, Any]
             yield from differences(a, b, f"{path}[{i}]")
         if len(want) != len(got):
             yield f"{path} (length)", len(want), len(got)
+    elif isinstance(want, float) and isinstance(got, float):
+        if not math.isclose(want, got, rel_tol=FLOAT_REL_TOL):
+            yield path, want, got
+    elif path.rsplit(".", 1)[-1] in FLOAT_COLUMNS and isinstance(want, str) and isinstance(got, str):
+        if want != got and not _close_float_columns(want, got):
+            yield path, want, got
     elif _text(want) != _text(got):
         yield path, want, got
 
@@ -239,8 +270,8 @@ def _short(value: Any) -> str:
 
 
 class Golden:
-    """``check(file, key, value)``: ``value`` must equal ``tests/project/golden/<file>[key]`` as JSON text
-    (``json.dumps(..., sort_keys=True)``); under ``--regen-golden`` it is written there instead."""
+    """``check(file, key, value)``: ``value`` must equal ``tests/project/golden/<file>[key]`` leaf by leaf
+    (as JSON text, floats to ``FLOAT_REL_TOL``); under ``--regen-golden`` it is written there instead."""
 
     def __init__(self, regen: bool, forbidden: list[str]) -> None:
         self.regen = regen
@@ -263,8 +294,8 @@ class Golden:
             return
         if data is None or key not in data:
             pytest.fail(f"{shown}: no golden value {key!r}; write it with `{REGEN}`", pytrace=False)
-        if _text(data[key]) != text:
-            found = list(differences(data[key], json.loads(text), key)) or [(key, data[key], value)]
+        found = list(differences(data[key], json.loads(text), key))
+        if found:
             (where, want, got), more = found[0], [p for p, _, _ in found[1:]]
             also = (
                 f" (and at {len(more)} more: {', '.join(more[:4])}{', ...' if len(more) > 4 else ''})" if more else ""
@@ -331,6 +362,18 @@ def take(loader: mixer.Loader, n: int, *, feedback: bool = False) -> Iterator[An
 
 # Workers change the state's shape (one reader each, rotation, per-reader replay): pinned once, padded,
 # as the other layouts' per-reader parts are pinned at 0 workers (starting workers costs ~1 s).
+def test_floats_are_compared_to_twelve_digits_and_everything_else_exactly():
+    ulp = 0.45689178727533997
+    assert list(differences({"w": [ulp, 1]}, {"w": [math.nextafter(ulp, 1.0), 1]}, "k")) == []
+    assert list(differences({"w": [ulp]}, {"w": [ulp * (1 + 1e-10)]}, "k")) == [("k.w[0]", ulp, ulp * (1 + 1e-10))]
+    assert list(differences({"n": 1}, {"n": 1.0}, "k")) == [("k.n", 1, 1.0)]  # an int that became a float
+    assert list(differences({"s": "0.5"}, {"s": "0.50"}, "k")) == [("k.s", "0.5", "0.50")]
+    column = base64.b64encode(zlib.compress(np.array([ulp, 2.0]).tobytes())).decode()
+    nudged = base64.b64encode(zlib.compress(np.array([math.nextafter(ulp, 1.0), 2.0]).tobytes())).decode()
+    assert list(differences({"target": column}, {"target": nudged}, "k")) == []
+    assert list(differences({"offsets": column}, {"offsets": nudged}, "k")) == [("k.offsets", column, nudged)]
+
+
 @pytest.mark.parametrize(
     "config,num_workers", [("padded", 0), ("padded", 2), ("packed", 0), ("fields", 0), ("adaptive", 0)]
 )

@@ -4,6 +4,7 @@ process's state and the Python stacks of all of them, and nothing of it is left 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -50,6 +51,8 @@ def test_a_hung_tree_fails_with_every_process_and_its_stacks_and_is_killed(dump)
     assert report.startswith("hung for 1s")
     assert f"{proc.pid}: " in report and f"{child}: " in report and "wchan=" in report
     assert "parent_waits_here" in report
+    if shutil.which("gdb"):  # each thread's C stack: the sleep the parent waits in
+        assert f"--- C stacks of {proc.pid}" in report and "sleep" in report.split("C stacks:", 1)[1]
     if dump == signal.SIGABRT:  # SIGUSR1 reaches the child, which registered nothing and dies of it
         assert "child_waits_here" in report
     assert proc.poll() is not None and descendants(proc.pid) == []

@@ -4,6 +4,7 @@ wait for it: one that hangs fails with what explains the hang instead of a bare 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -40,7 +41,29 @@ def _describe(pid: int) -> str:
             status = " ".join(x for x in f.read().splitlines() if x.startswith(("State", "SigBlk", "SigIgn")))
     except OSError as exc:
         return f"{pid}: {exc}"
-    return f"{pid}: {command}\n    {status} wchan={wchan}"
+    threads = []
+    for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int) if os.path.isdir(f"/proc/{pid}/task") else []:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f, open(f"/proc/{pid}/task/{tid}/wchan") as g:
+                threads.append(f"{tid}:{f.read().strip()}@{g.read()}")
+        except OSError:
+            continue
+    return f"{pid}: {command}\n    {status} wchan={wchan}\n    threads: {' '.join(threads)}"
+
+
+def _native_stacks(pid: int) -> str:
+    """Every thread's C stack (gdb, where installed): a hang inside a C call (a lock taken in
+    ``fork``, a collective) shows only its Python caller in the Python stacks."""
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        return ""
+    command = [gdb, "-p", str(pid), "-batch", "-nx", "-ex", "set pagination off", "-ex", "thread apply all bt 30"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"gdb {pid}: {exc}\n"
+    lines = [x for x in done.stdout.splitlines() if x.startswith(("Thread", "#"))]
+    return f"--- C stacks of {pid}\n" + "\n".join(lines) + "\n"
 
 
 def communicate_or_explain(
@@ -55,6 +78,7 @@ def communicate_or_explain(
     except subprocess.TimeoutExpired:
         tree = [proc.pid, *descendants(proc.pid)]
         described = [_describe(pid) for pid in tree]
+        native = "".join(_native_stacks(pid) for pid in tree)
         for pid in reversed(tree):  # the leaves first: a parent that dies first may take them along
             try:
                 os.kill(pid, dump)
@@ -70,5 +94,5 @@ def communicate_or_explain(
         out, err = (x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (out, err))
         raise AssertionError(
             f"hung for {timeout:.0f}s; the processes:\n" + "\n".join(described) + f"\nstdout:\n{out[-4000:]}"
-            f"\nstderr (with their stacks):\n{err[-30000:]}"
+            f"\nstderr (with their stacks):\n{err[-30000:]}\nC stacks:\n{native[-30000:]}"
         ) from None

@@ -90,6 +90,7 @@ class Bounded:
         deadline = c.started + self.timeout + 1.0
         note_at = c.started + ARRIVED_AFTER_S
         noted: threading.Thread | None = None
+        completed = False  # seen completed after a wait that raised
         while True:
             until = deadline if noted else min(deadline, note_at)
             try:
@@ -100,8 +101,12 @@ class Bounded:
                     ).start()
                 return
             except RuntimeError as exc:
-                if c.work.is_completed() or time.monotonic() >= deadline:
+                # A wait that timed out raises too, and the operation may complete (successfully) between
+                # that and the look at it: once completed, the next wait gives its own outcome, an error
+                # only if it failed.
+                if completed or time.monotonic() >= deadline:
                     raise self._error(c, exc) from exc
+                completed = c.work.is_completed()
             if noted is None and time.monotonic() >= note_at:
                 # slow: say in the store that this rank got here, for the error of whoever gives up
                 noted = threading.Thread(target=self._note, args=(c.seq,), name="mixer-sync-note", daemon=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import chain
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
@@ -172,9 +172,10 @@ class Bucketer(_Core, Generic[T]):  # type: ignore[valid-type,misc]
         self.max_wait = budget.max_wait if budget.max_wait is not None else 2 * len(self.edges)
         # A small source's wait bound (see expire), when the budget leaves the bound to the bucketer.
         self.epoch_wait = epoch_wait(len(self.edges), epoch_batches) if budget.max_wait is None else None
+        self._wait_is_ours = budget.max_wait is None  # (bound_sources: a max_wait given keeps its bound)
         # Items are (source, sample) pairs (a shared bucketer): {source: its wait bound} for the
         # sources with short epochs, epoch_wait the least of them (expire leaves the buckets holding
-        # none of their items to fill); None: epoch_wait for every item.
+        # none of their items to fill); None: epoch_wait for every item. Set by bound_sources.
         self.bounded: dict[int, int] | None = None
         self.emitted = 0  # batches that left the buffers
         # (batches emitted when the bucket's first item arrived, bucket); stale entries are skipped.
@@ -285,6 +286,15 @@ class Bucketer(_Core, Generic[T]):  # type: ignore[valid-type,misc]
             self.ready.append(batch)
             self.emitted += 1
         return bool(self.ready)
+
+    def bound_sources(self, bounds: Mapping[int, int]) -> None:
+        """A shared bucketer (items are ``(source, sample)`` pairs): the buckets holding an item of a
+        source in ``bounds`` leave once they have waited that source's bound (:meth:`expire`), the
+        others wait to fill. Nothing changes when the budget gave ``max_wait`` (its bound holds for
+        every bucket) or ``bounds`` is empty."""
+        if self._wait_is_ours and bounds:
+            self.bounded = dict(bounds)
+            self.epoch_wait = min(self.bounded.values())
 
     def expire(self) -> bool:
         """When ``epoch_wait`` is set (a small source's wait bound, see :func:`epoch_wait`) and no

@@ -137,10 +137,16 @@ def mix_samples(
     for i, stream in enumerate(streams):
         stream.on_epoch = partial(batcher.close_epoch, i) if closes is None or closes[i] else None
     live = bool(active.any())  # (asked again only when a source retires: per sample it costs)
+
+    def ready() -> Iterator[Cut]:
+        # The batches ready, and those the wait bound of the sources with short epochs lets out as
+        # ages move (expire: once per batch left).
+        while batcher.ready or batcher.expire():
+            yield _cut(batcher.ready.popleft(), layout)
+
     # What the pass would hand out next before taking another sample: nothing on a fresh start; on a
     # resume saved between two batches that the wait bound let out, the rest of them, as then.
-    while batcher.ready or batcher.expire():
-        yield _cut(batcher.ready.popleft(), layout)
+    yield from ready()
     while live:
         p = probs()
         i = selector.choose(p, active)
@@ -155,9 +161,7 @@ def mix_samples(
             (batcher.count > caps[0] or batcher.held > token_caps[0])
             and batcher.release(1 << 62, caps[0], token_caps[0])
         ):
-            # (expire: the wait bound of the sources with short epochs, as ages move: once per batch left)
-            while batcher.ready or batcher.expire():
-                yield _cut(batcher.ready.popleft(), layout)
+            yield from ready()
     if drain:
         for rest in batcher.drain():
             yield _cut(rest, layout)

@@ -365,10 +365,9 @@ class Reader:
                 epoch_wait(buckets, 1.0 / r) if c and r > 0 and not finite else None
                 for r, c in zip(rates, self._closes)
             ]
-            bounded = {i: w for i, w in enumerate(waits) if w is not None}
             shared = make_batcher(mixture.edges[0], budget, locate=locate_pair)
-            if isinstance(shared, Bucketer) and isinstance(budget, TokenBudget) and budget.max_wait is None and bounded:
-                shared.epoch_wait, shared.bounded = min(bounded.values()), bounded
+            if isinstance(shared, Bucketer):  # (Packed packs: no buckets to bound)
+                shared.bound_sources({i: w for i, w in enumerate(waits) if w is not None})
             self.batchers = [shared] * n
         else:
             # Under stop="never", a source's epoch (this reader's part) in full batches: a small

@@ -51,15 +51,20 @@ def _describe(pid: int) -> str:
     return f"{pid}: {command}\n    {status} wchan={wchan}\n    threads: {' '.join(threads)}"
 
 
-def _native_stacks(pid: int) -> str:
+NATIVE_STACKS_S = 90.0  # gdb's time for a whole tree: the report must come before the test's own timeout
+
+
+def _native_stacks(pid: int, deadline: float) -> str:
     """Every thread's C stack (gdb, where installed): a hang inside a C call (a lock taken in
-    ``fork``, a collective) shows only its Python caller in the Python stacks."""
+    ``fork``, a collective) shows only its Python caller in the Python stacks. Nothing once
+    ``deadline`` (monotonic) has passed."""
     gdb = shutil.which("gdb")
-    if gdb is None:
+    left = deadline - time.monotonic()
+    if gdb is None or left < 1.0:
         return ""
     command = [gdb, "-p", str(pid), "-batch", "-nx", "-ex", "set pagination off", "-ex", "thread apply all bt 30"]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=left)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"gdb {pid}: {exc}\n"
     lines = [x for x in done.stdout.splitlines() if x.startswith(("Thread", "#"))]
@@ -78,7 +83,8 @@ def communicate_or_explain(
     except subprocess.TimeoutExpired:
         tree = [proc.pid, *descendants(proc.pid)]
         described = [_describe(pid) for pid in tree]
-        native = "".join(_native_stacks(pid) for pid in tree)
+        until = time.monotonic() + NATIVE_STACKS_S
+        native = "".join(_native_stacks(pid, until) for pid in tree)
         for pid in reversed(tree):  # the leaves first: a parent that dies first may take them along
             try:
                 os.kill(pid, dump)

@@ -19,24 +19,20 @@ cover the batches streamed so far, and the exit status is 130.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import math
 import os
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
-from tqdm.contrib.logging import logging_redirect_tqdm
 
 from mixer.batching.batch import Batch
 from mixer.cli.info import add_info_command
+from mixer.cli.progress import Progress
 from mixer.config.mixture_config import MixtureConfig, build_mixture, parse_config
 from mixer.errors import ConfigError, MixerError
 from mixer.mixing.adaptive import Adaptive
@@ -66,47 +62,16 @@ PLAN_POINTS = 600  # evaluation points of the plan plot over the whole horizon
 # ----------------------------------------------------------------------------------- run / demo
 
 
-@contextlib.contextmanager
-def _ctrl_c_noted() -> Iterator[list[int]]:
-    """Ctrl-C raises KeyboardInterrupt as usual and is also noted in the list yielded. One that lands
-    inside a finalizer (a batch's slot released when its view dies) is swallowed there by Python
-    ("Exception ignored in ..."); the DataLoader then fails on the workers the same Ctrl-C stopped.
-    Noted, the stream still ends as interrupted, and such a KeyboardInterrupt is not printed."""
-    seen: list[int] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield seen
-        return
-
-    def on_sigint(signum: int, frame: Any) -> None:
-        seen.append(signum)
-        signal.default_int_handler(signum, frame)
-
-    def unraisable(info: Any) -> None:
-        if not (seen and isinstance(info.exc_value, KeyboardInterrupt)):
-            hook(info)
-
-    previous, hook = signal.signal(signal.SIGINT, on_sigint), sys.unraisablehook
-    sys.unraisablehook = unraisable
-    try:
-        yield seen
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        sys.unraisablehook = hook
-
-
 def _stream(loader: Loader, *, steps: int, every: int, history: History | None) -> tuple[dict[str, Any], bool]:
     """Stream ``steps`` batches (fewer if the mixture ends) with a progress bar; returns
     ``loader.stats()`` and whether Ctrl-C (KeyboardInterrupt) ended the stream early."""
     batches: Iterator[Batch] = iter(log_every(loader, every) if every else loader)
     tokens = 0
     interrupted = False
-    with (
-        _ctrl_c_noted() as ctrl_c,
-        logging_redirect_tqdm(),
-        tqdm(total=steps, unit="batch", dynamic_ncols=True, file=sys.stderr) as bar,
-    ):
-        start = time.perf_counter()
-        try:
+    progress = Progress(steps)
+    try:
+        with progress as bar:
+            start = time.perf_counter()
             for k, batch in enumerate(batches, 1):
                 tokens += batch.meta.tokens
                 if history is not None:
@@ -116,17 +81,17 @@ def _stream(loader: Loader, *, steps: int, every: int, history: History | None) 
                     bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):,.0f} tok/s", refresh=False)
                 if k >= steps:
                     break
-        except KeyboardInterrupt:
-            interrupted = True
-        except Exception:
-            if not ctrl_c:  # (see _ctrl_c_noted: a Ctrl-C swallowed, then the workers gone)
-                raise
-            interrupted = True
-        finally:
-            # Ends the loader's iteration now (its DataLoader workers shut down before the summary).
-            close = getattr(batches, "close", None)
-            if callable(close):
-                close()
+    except KeyboardInterrupt:
+        interrupted = True
+    except Exception:
+        if not progress.ctrl_c:  # a Ctrl-C that a finalizer swallowed, then the workers it stopped gone
+            raise
+        interrupted = True
+    finally:
+        # Ends the loader's iteration now (its DataLoader workers shut down before the summary).
+        close = getattr(batches, "close", None)
+        if callable(close):
+            close()
     return loader.stats(), interrupted
 
 

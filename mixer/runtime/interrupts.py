@@ -4,7 +4,7 @@ batch's shared-memory slot goes back to its worker, by a weakref callback, when 
 freed), so a Ctrl-C that lands in one, which a loaded machine makes likely enough, would be lost, and a
 loop over an endless stream (``stop="never"``) would never end. While a loader iterates, such an
 interrupt is noted and raised at the next batch. Python's own report of it is still printed (the CLI's
-``_ctrl_c_noted`` hides it, chained with this hook). Process-wide: a second loader starting a pass
+:class:`mixer.cli.progress.Progress` hides it, chained with this hook). Process-wide: a second loader starting a pass
 forgets an interrupt noted for the first one and not yet raised."""
 
 from __future__ import annotations

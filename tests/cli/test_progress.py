@@ -1,0 +1,116 @@
+"""The CLI's progress bar and its log lines under Ctrl-C (mixer.cli.progress). A real SIGINT is raised
+at every function call and return of one log line and one bar update in turn (a profile hook: Python
+runs a signal's handler at such points), and each time the interrupt must come out of the block, with
+nothing printed about it and the bar's lock free."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+
+import pytest
+
+from mixer.cli.progress import Progress
+
+log = logging.getLogger("mixer.test_progress")
+
+
+def _write(bar):
+    log.warning("a log line above the bar")
+    bar.update(1)
+    bar.set_postfix_str("1 tok/s", refresh=False)
+    bar.refresh()  # update() redraws only once mininterval has passed
+
+
+def _run(at: int | None) -> tuple[int, bool, bool]:
+    """Enter a Progress, then run ``_write`` with SIGINT raised at its ``at``-th profile event (None:
+    never). Returns (events seen, whether KeyboardInterrupt came out, whether the lock was free after).
+    Events seen stops at ``at``: fewer means this run had fewer events (a redraw skipped) and no SIGINT."""
+    seen = 0
+
+    def profile(frame, event, arg):
+        nonlocal seen
+        seen += 1
+        if seen == at:
+            sys.setprofile(None)
+            signal.raise_signal(signal.SIGINT)  # its handler runs here, as at any call or return
+
+    progress = Progress(3)
+    interrupted = False
+    free = False
+    try:
+        with progress as bar:
+            sys.setprofile(profile)
+            try:
+                _write(bar)
+            finally:
+                sys.setprofile(None)
+            lock = bar.get_lock()
+            taker = threading.Thread(target=lambda: lock.acquire(timeout=2) and lock.release())
+            taker.start()
+            taker.join(10)
+            free = not taker.is_alive()
+    except KeyboardInterrupt:
+        interrupted = True
+    assert progress.ctrl_c == (seen == at)
+    return seen, interrupted, free
+
+
+def test_a_ctrl_c_at_any_point_of_a_log_line_or_bar_update_ends_the_block_and_prints_nothing(capsys):
+    previous = signal.getsignal(signal.SIGINT)
+    events, interrupted, free = _run(None)
+    assert not interrupted and free and events > 50
+    capsys.readouterr()
+    lost, fired = [], 0
+    for at in range(1, events + 1):
+        seen, interrupted, _ = _run(at)
+        err = capsys.readouterr().err
+        if seen < at:
+            continue
+        fired += 1
+        if not interrupted or "Traceback" in err or "Logging error" in err or "KeyboardInterrupt" in err:
+            lost.append((at, interrupted, err[-2000:]))
+        # the lock left free: the next block writes and ends normally
+        _, again, free = _run(None)
+        assert not again and free, at
+        capsys.readouterr()
+    assert fired > 0.9 * events
+    assert not lost, f"{len(lost)} of {fired} points lost the Ctrl-C or printed about it; first: {lost[0]}"
+    assert signal.getsignal(signal.SIGINT) is previous  # restored
+
+
+def test_the_bar_lock_is_private_and_a_release_without_acquire_changes_nothing():
+    from tqdm import tqdm
+
+    progress = Progress(1)
+    lock = progress.bar_class.get_lock()
+    assert tqdm.get_lock() is not lock
+    lock.release()  # tqdm's finally after an interrupt that came before its acquire
+    assert lock.acquire(blocking=False)
+    assert lock.acquire(blocking=False)  # re-entrant
+    lock.release()
+    lock.release()
+    taker = threading.Thread(target=lambda: results.append(lock.acquire(blocking=False)))
+    results: list[bool] = []
+    taker.start()
+    taker.join(5)
+    assert results == [True]  # released fully: another thread takes it
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_a_ctrl_c_while_the_lock_is_held_waits_for_its_release(held):
+    progress = Progress(1)
+    with pytest.raises(KeyboardInterrupt):
+        with progress:
+            lock = progress.bar_class.get_lock()
+            if held:
+                lock.acquire()
+                signal.raise_signal(signal.SIGINT)
+                assert progress.ctrl_c  # noted, not raised: still here
+                lock.release()  # raised now
+                pytest.fail("the deferred Ctrl-C was not raised at the release")
+            else:
+                signal.raise_signal(signal.SIGINT)
+                pytest.fail("a Ctrl-C with the lock free was not raised at once")

@@ -5,9 +5,11 @@ arrives. Inside tqdm's write lock that loses it: tqdm takes the lock inside a ``
 ``finally`` lets it go, so an interrupt that lands before the lock is taken makes that ``finally``
 release a lock it does not hold. The ``RuntimeError`` that follows replaces the interrupt, the log
 handler swallows it ("--- Logging error ---" and a traceback on stderr), and the stream goes on as if
-Ctrl-C had never been pressed: for ever, with ``stop="never"``. So while the main thread holds the
-bar's lock, Ctrl-C is only noted, and raised as the lock is let go (:class:`_DeferringLock`); a release
-without the acquire is a no-op.
+Ctrl-C had never been pressed: for ever, with ``stop="never"``. The ``logging`` handler's own lock has
+the same window (taken before its ``try``): a Ctrl-C there leaves it taken, and the next thread that
+logs waits for ever. So the bar and its log handler share one lock, and while the main thread holds it
+Ctrl-C is only noted, and raised as the lock is let go (:class:`_DeferringLock`); a release without
+the acquire is a no-op.
 
 A ``KeyboardInterrupt`` that lands inside a finalizer is swallowed by Python ("Exception ignored in
 ..."); :mod:`mixer.runtime.interrupts` raises it at the next batch. Once Ctrl-C was pressed here, such
@@ -18,13 +20,14 @@ the interrupt (``Progress.ctrl_c``).
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import sys
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from tqdm import tqdm
-from tqdm.contrib.logging import logging_redirect_tqdm
 
 __all__ = ["Progress"]
 
@@ -69,15 +72,41 @@ class _DeferringLock:
     def __exit__(self, *exc: object) -> None:
         self.release()
 
+    def _at_fork_reinit(self) -> None:
+        # logging calls this on its handlers' locks in a forked child (a DataLoader worker), where
+        # only the forking thread lives on: the lock is free there and nothing is held.
+        self._lock = threading.RLock()
+        self._held = threading.local()
+
+
+class _BarLogHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """A console handler's records written above the bar (``tqdm.write``), under the bar's lock,
+    which is this handler's lock too (see the module's text)."""
+
+    def __init__(self, bar_class: type[tqdm], lock: _DeferringLock, stream: Any) -> None:
+        super().__init__(stream)
+        self.bar_class = bar_class
+        self.lock = lock  # type: ignore[assignment]
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.bar_class.write(self.format(record), file=self.stream)
+        except RecursionError:
+            raise
+        except Exception:
+            self.handleError(record)
+
 
 class Progress:
-    """``with Progress(total) as bar:`` a tqdm bar on stderr, the ``logging`` console output routed
-    above it, and Ctrl-C made safe for both (see the module's text). On the main thread only: the
+    """``with Progress(total) as bar:`` a tqdm bar on stderr, the console handlers of ``loggers`` (the
+    root logger's by default) replaced by one that writes above it, and Ctrl-C made safe for both (see
+    the module's text). On the main thread only: the
     SIGINT handler and ``sys.unraisablehook`` are this object's while it is entered and restored
     after. ``KeyboardInterrupt`` still ends the ``with`` block as usual."""
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, *, loggers: Sequence[logging.Logger] | None = None) -> None:
         self.total = total
+        self.loggers = [logging.getLogger()] if loggers is None else list(loggers)
         self.ctrl_c = False  # pressed since __enter__
         self._pending = False
         self._lock = _DeferringLock(self)
@@ -113,10 +142,20 @@ class Progress:
         sys.unraisablehook = unraisable
         self._exit.callback(setattr, sys, "unraisablehook", previous_hook)
 
+    def _redirect_logging(self) -> None:
+        for logger in self.loggers:
+            terminal = (sys.stdout, sys.stderr)
+            console = [h for h in logger.handlers if isinstance(h, logging.StreamHandler) and h.stream in terminal]
+            ours = _BarLogHandler(self.bar_class, self._lock, console[0].stream if console else sys.stderr)
+            if console:
+                ours.setFormatter(console[0].formatter)
+            self._exit.callback(setattr, logger, "handlers", logger.handlers)
+            logger.handlers = [h for h in logger.handlers if h not in console] + [ours]
+
     def __enter__(self) -> tqdm:
         try:
             self._install()
-            self._exit.enter_context(logging_redirect_tqdm(tqdm_class=self.bar_class))
+            self._redirect_logging()
             bar = self.bar_class(total=self.total, unit="batch", dynamic_ncols=True, file=sys.stderr)
         except BaseException:
             self._exit.close()

@@ -5,14 +5,19 @@ freed), so a Ctrl-C that lands in one, which a loaded machine makes likely enoug
 loop over an endless stream (``stop="never"``) would never end. While a loader iterates, such an
 interrupt is noted and raised at the next batch. Python's own report of it is still printed (the CLI's
 :class:`mixer.cli.progress.Progress` hides it, chained with this hook). Process-wide: a second loader starting a pass
-forgets an interrupt noted for the first one and not yet raised."""
+forgets an interrupt noted for the first one and not yet raised.
+
+The workers do not take Ctrl-C at all (:func:`unheard_by_children`): the main process ends them."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["raise_noted", "watch"]
+__all__ = ["raise_noted", "unheard_by_children", "watch"]
 
 _noted = False
 _previous: Any = None
@@ -40,3 +45,20 @@ def raise_noted() -> None:
     if _noted:
         _noted = False
         raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def unheard_by_children() -> Iterator[None]:
+    """Around the fork of DataLoader workers: SIGINT is blocked in this thread, so the children forked
+    here start with it blocked and never see Ctrl-C; a Ctrl-C meanwhile reaches this process when the
+    block ends. A terminal's Ctrl-C goes to the whole process group, and a ``KeyboardInterrupt`` in a
+    worker that lands just after it took the lock of DataLoader's shared ``done_event`` (which it checks
+    all the time) leaves that lock taken: the worker, then the main process shutting the workers down,
+    wait for it for ever. The workers need no Ctrl-C: the main process ends them (and they exit when it
+    dies). A blocked mask is inherited through exec too: a ``pipe:`` command run by a worker does not
+    take Ctrl-C either, and ends when its reader does."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

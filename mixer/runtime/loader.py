@@ -280,7 +280,7 @@ class Loader:
             # old slots (its iterator is alive), so the new ones get slots of their own.
             self.pool = dataset.pool = _slot_pool(self.mixture, *self._pool_options)
         self._started = True
-        with _frozen_heap():
+        with _frozen_heap(), interrupts.unheard_by_children():
             loader_iter = iter(self.dataloader)  # forks the workers (num_workers > 0)
         # Workers send groups of batches (mixer.runtime.transport): one batch at a time from here on.
         single: Iterator[Batch] = ungrouped(loader_iter, self.num_workers) if self.num_workers > 0 else loader_iter

@@ -154,3 +154,40 @@ def test_a_ctrl_c_that_a_finalizer_swallowed_ends_the_pass_at_the_next_batch(pat
     with pytest.raises(KeyboardInterrupt):
         next(it)
     assert next(it, None) is None  # the pass ended there, as a Ctrl-C between batches ends it
+
+
+def _sigint_blocked(pid: int) -> bool:
+    with open(f"/proc/{pid}/status") as f:
+        blocked = next(int(line.split()[1], 16) for line in f if line.startswith("SigBlk:"))
+    return bool(blocked & (1 << (signal.SIGINT - 1)))
+
+
+def test_workers_never_take_ctrl_c_and_one_pressed_during_the_fork_reaches_the_main_process(pattern):
+    """A terminal's Ctrl-C reaches the whole process group. In a worker, a KeyboardInterrupt that lands
+    just after it took the lock of DataLoader's shared done_event leaves that lock taken, and the worker
+    and the main process then wait for it for ever (seen here: `mixer run` hung after Ctrl-C). The
+    workers are forked with SIGINT blocked; the main process ends them."""
+    import multiprocessing
+
+    import mixer
+    from mixer.runtime import interrupts
+
+    mix = mixer.Mixture(
+        [mixer.Source("s", pattern)], batching=mixer.TokenBudget(max_tokens=64, max_length=64), stop="never"
+    )
+    before = {p.pid for p in multiprocessing.active_children()}
+    it = iter(mixer.make_loader(mix, num_workers=2))
+    next(it)
+    workers = [p.pid for p in multiprocessing.active_children() if p.pid not in before]
+    assert len(workers) == 2
+    assert all(_sigint_blocked(pid) for pid in workers)
+    assert not _sigint_blocked(os.getpid())  # the main process takes it as before
+    it.close()
+
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts.unheard_by_children():
+            signal.raise_signal(signal.SIGINT)  # pending while blocked ...
+            reached = False
+        reached = True  # ... and raised as the block ends, not lost
+    assert not reached
+    assert not _sigint_blocked(os.getpid())

@@ -100,9 +100,9 @@ class _BarLogHandler(logging.StreamHandler):  # type: ignore[type-arg]
 class Progress:
     """``with Progress(total) as bar:`` a tqdm bar on stderr, the console handlers of ``loggers`` (the
     root logger's by default) replaced by one that writes above it, and Ctrl-C made safe for both (see
-    the module's text). On the main thread only: the
-    SIGINT handler and ``sys.unraisablehook`` are this object's while it is entered and restored
-    after. ``KeyboardInterrupt`` still ends the ``with`` block as usual."""
+    the module's text). On the main thread only: the SIGINT handler and ``sys.unraisablehook`` are
+    this object's while it is entered, and restored after. ``KeyboardInterrupt`` still ends the
+    ``with`` block as usual; ``ctrl_c`` says whether Ctrl-C was pressed since it was entered."""
 
     def __init__(self, total: int, *, loggers: Sequence[logging.Logger] | None = None) -> None:
         self.total = total

@@ -3,9 +3,9 @@
 batch's shared-memory slot goes back to its worker, by a weakref callback, when the batch's tensors are
 freed), so a Ctrl-C that lands in one, which a loaded machine makes likely enough, would be lost, and a
 loop over an endless stream (``stop="never"``) would never end. While a loader iterates, such an
-interrupt is noted and raised at the next batch. Python's own report of it is still printed (the CLI's
-:class:`mixer.cli.progress.Progress` hides it, chained with this hook). Process-wide: a second loader starting a pass
-forgets an interrupt noted for the first one and not yet raised.
+interrupt is noted and raised at the next batch. Python's own report of it is still printed, unless
+the hook this one chains to hides it (the ``mixer`` command's does). Process-wide: a second loader
+starting a pass forgets an interrupt noted for the first one and not yet raised.
 
 The workers do not take Ctrl-C at all (:func:`unheard_by_children`): the main process ends them."""
 

@@ -167,3 +167,45 @@ def test_a_ctrl_c_while_the_lock_is_held_waits_for_its_release(held):
             else:
                 signal.raise_signal(signal.SIGINT)
                 pytest.fail("a Ctrl-C with the lock free was not raised at once")
+
+
+class _CtrlCUnderTheLogLock:
+    """Stands where `mixer run --plot` keeps its History (``update`` per batch): at the 3rd batch it
+    takes the lock of the log handler that `_stream` put on the root logger, presses Ctrl-C (a real
+    SIGINT) while holding it, and lets go."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+        self.held_through = False  # the Ctrl-C did not raise while the lock was held
+        self.after_release = False  # reached only if the release did not raise it
+
+    def update(self, batch) -> None:
+        from mixer.cli.progress import _BarLogHandler
+
+        self.batches += 1
+        if self.batches == 3:
+            ours = [h for h in logging.getLogger().handlers if isinstance(h, _BarLogHandler)]
+            assert len(ours) == 1, logging.getLogger().handlers
+            ours[0].lock.acquire()
+            signal.raise_signal(signal.SIGINT)
+            self.held_through = True
+            ours[0].lock.release()
+            self.after_release = True
+
+
+def test_the_cli_stream_defers_a_ctrl_c_pressed_under_its_log_lock_and_ends_as_interrupted(three_sources):
+    import mixer
+    from mixer.cli import commands
+
+    mix = mixer.Mixture(
+        [mixer.Source(name, three_sources[name][0]) for name in ("web", "code", "books")],
+        batching=mixer.TokenBudget(max_tokens=8192, max_length=8192),
+        stop="never",
+    )
+    previous = signal.getsignal(signal.SIGINT)
+    probe = _CtrlCUnderTheLogLock()
+    stats, interrupted = commands._stream(mixer.make_loader(mix), steps=1000, every=1, history=probe)
+    assert interrupted and probe.held_through and not probe.after_release
+    assert stats["batches"] == 3 and probe.batches == 3
+    assert signal.getsignal(signal.SIGINT) is previous
+    assert not any(type(h).__name__ == "_BarLogHandler" for h in logging.getLogger().handlers)

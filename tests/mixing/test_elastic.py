@@ -62,6 +62,34 @@ def run_old(shards, world_size, num_workers, cuts, **options):
     return states, got
 
 
+def run_old_at_many_cuts(shards, world_size, num_workers, cut_lists, **options):
+    """:func:`run_old` for each per-rank list of ``cut_lists``, from one pass per old rank: a rank's
+    loader saves its state after each count it is cut at and goes on, as a training loop
+    checkpoints (a pass per rank, not one per cut). Returns one ``(states, batches)`` per list."""
+    passes = []
+    for rank in range(world_size):
+        wanted = {cuts[rank] for cuts in cut_lists}
+        loader = mixer.make_loader(build(shards, rank=rank, world_size=world_size, **options), num_workers=num_workers)
+        saved = {0: json.loads(json.dumps(loader.state_dict()))} if 0 in wanted else {}
+        batches = []
+        for b in loader if max(wanted) else ():
+            batches.append(b)
+            if len(batches) in wanted:
+                saved[len(batches)] = json.loads(json.dumps(loader.state_dict()))
+            if len(batches) == max(wanted):
+                break
+        assert wanted <= set(saved), f"rank {rank} ended after {len(batches)} batches, before its cuts {sorted(wanted)}"
+        passes.append((batches, saved))
+    out = []
+    for cuts in cut_lists:
+        got = defaultdict(list)
+        for rank, (batches, _) in enumerate(passes):
+            for b in batches[: cuts[rank]]:
+                got[rank, b.meta.worker].append(b)
+        out.append(([saved[cuts[rank]] for rank, (_, saved) in enumerate(passes)], got))
+    return out
+
+
 def resume(shards, world_size, num_workers, states, *, batches=None, **options):
     """The new ranks, each loading the list of all old states; their batches per (rank, worker)
     (all of them, or the first ``batches`` per rank)."""
@@ -118,15 +146,17 @@ def test_every_sample_once_across_the_change_all_exhausted(shards, w, n, w2, n2,
 @pytest.mark.parametrize("w, n, w2, n2", [(1, 3, 2, 1), (2, 2, 3, 1)], ids=["1x3-2x1", "2x2-3x1"])
 def test_every_cut_in_the_tail_of_the_old_pass(shards, w, n, w2, n2):
     """The resume oracle's tail cuts, elastically: each old rank saved at every one of its pass's last
-    ``tail_cuts`` batches (readers ended at different points), every sample still delivered once."""
+    ``tail_cuts`` batches (readers ended at different points), every sample still delivered once.
+    (The states come from one pass per old rank; :func:`run_old`, a loader stopped at its cut, is
+    what the other tests use.)"""
     opts = {"stop": "all_exhausted"}
     lengths = [
         sum(1 for _ in mixer.make_loader(build(shards, rank=r, world_size=w, **opts), num_workers=n)) for r in range(w)
     ]
     tail = tail_cuts(n)
     assert min(lengths) > tail
-    for back in range(tail + 1):
-        states, old = run_old(shards, w, n, [length - back for length in lengths], **opts)
+    cut_lists = [[length - back for length in lengths] for back in range(tail + 1)]
+    for back, (states, old) in enumerate(run_old_at_many_cuts(shards, w, n, cut_lists, **opts)):
         new = resume(shards, w2, n2, states, **opts)
         seen = delivered(old, new)
         assert set(seen) == every_key(shards), f"cut {back} batches before the end: samples lost"

@@ -1,9 +1,11 @@
 """The one resume oracle every stateful part is tested with.
 
-Run the uninterrupted stream once as the reference; then for each cut point, run a fresh object to
-the cut, save its state, push the state through JSON (it must be plain data), scramble the global
-RNGs (a resumed run must not depend on them), load the state into another fresh object, and check
-that what follows equals the reference from the cut on, item for item.
+Run the uninterrupted stream once as the reference; then run it again, saving its state at every cut
+point as a training loop does (that run must still hand out the reference's items); push each state
+through JSON (it must be plain data), scramble the global RNGs (a resumed run must not depend on
+them), load it into a fresh object, and check that what follows equals the reference from the cut
+on, item for item. (Or, with ``saved="a run per cut"``, each state from its own run stopped at the
+cut.)
 
 A finite stream is also cut at every one of its last ``tail`` items (:func:`tail_cuts`): there readers
 have ended at different points, and the order in which the rest continue is where resume went wrong
@@ -48,23 +50,30 @@ def assert_resumes_exactly(
     load: Callable[[Any, dict[str, Any]], None] = lambda obj, state: obj.load_state_dict(state),
     view: Callable[[Any], Any] = lambda item: item,
     reference: list[Any] | None = None,
+    saved: str = "in one pass",
 ) -> list[Any]:
     """Returns the reference (viewed items), so a caller can reuse it. ``tail > 0``: the stream must
     end; it is also cut at each of its last ``tail`` items and after its last one, and every resumed
-    run is followed to the end."""
+    run is followed to the end.
+
+    ``saved``: where the states come from. ``"in one pass"`` (the default): all of them are taken
+    during a single uninterrupted run, as a training loop checkpoints and goes on, and that run must
+    hand out the same items as a pass where nothing is saved (``reference``, given or run here), so
+    a save that disturbs the stream fails too. ``"a run per cut"``: each state from a fresh object
+    run to its cut and stopped there, the way a job saves and exits (a run up to each cut: for the
+    tail of a whole pass that is quadratic, so it is kept for the few tests that need it)."""
+    if saved not in ("in one pass", "a run per cut"):
+        raise ValueError(f"saved={saved!r}: 'in one pass' or 'a run per cut'")
+    length = None if tail else max(cuts) + window
     if reference is None:
-        reference = [view(x) for x in (make() if tail else take(make(), max(cuts) + window))]
+        reference = [view(x) for x in (make() if length is None else take(make(), length))]
     if tail:
         n = len(reference)
         cuts = sorted(set(cuts) | set(range(max(0, n - tail), n + 1)))
         window = max(window, tail + 1)
+    states = _states_in_one_pass(make, cuts, save, view, reference, length) if saved == "in one pass" else None
     for k, cut in enumerate(cuts):
-        obj = make()
-        it = iter(obj)
-        for _ in range(cut):
-            next(it)
-        state = json.loads(json.dumps(save(obj)))
-        del it
+        state = states[cut] if states is not None else _state_of_a_run_to(make(), cut, save)
         random.seed(1000 + k)
         np.random.seed(1000 + k)
         torch.manual_seed(1000 + k)
@@ -82,6 +91,53 @@ def assert_resumes_exactly(
         for i, (a, b) in enumerate(zip(expected, got)):
             assert _equal(a, b), f"resumed at batch {cut}: item {i} differs"
     return reference
+
+
+def _plain(state: dict[str, Any]) -> dict[str, Any]:
+    """The state as it comes back from a checkpoint file: it must be plain JSON data."""
+    return json.loads(json.dumps(state))
+
+
+def _state_of_a_run_to(obj: Any, cut: int, save: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+    it = iter(obj)
+    for _ in range(cut):
+        next(it)
+    state = _plain(save(obj))
+    del it
+    return state
+
+
+def _states_in_one_pass(
+    make: Callable[[], Any],
+    cuts: Sequence[int],
+    save: Callable[[Any], dict[str, Any]],
+    view: Callable[[Any], Any],
+    reference: list[Any],
+    length: int | None,
+) -> dict[int, dict[str, Any]]:
+    """``{cut: state}``, each taken after ``cut`` items of one run and before it asks for the next
+    (so the state after the last item is the one before the end is seen); the run goes on to
+    ``length`` items (None: to its end) and must hand out the reference's items."""
+    wanted = set(cuts)
+    obj = make()
+    it = iter(obj)
+    states = {0: _plain(save(obj))} if 0 in wanted else {}
+    seen = 0
+    while length is None or seen < length:
+        try:
+            item = next(it)
+        except StopIteration:
+            break
+        assert seen < len(reference) and _equal(reference[seen], view(item)), (
+            f"a run that saves its state at the cuts differs from one that does not, at item {seen}"
+        )
+        seen += 1
+        if seen in wanted:
+            states[seen] = _plain(save(obj))
+    expected = len(reference) if length is None else min(length, len(reference))
+    assert seen == expected, f"a run that saves its state at the cuts handed out {seen} items, not {expected}"
+    del it
+    return states
 
 
 def _equal(a: Any, b: Any) -> bool:

@@ -348,7 +348,8 @@ def ends_per_reader(loader):
 def test_every_cut_in_the_tail_of_a_finite_pass(make_sources, num_workers):
     """After a reader has ended, the others go on in the round robin without it: a resumed loader
     must continue in that order, not in a rotation counted from the batches handed out. At 3
-    workers each state also comes from a loader stopped at its cut (the others: from one pass)."""
+    workers each state comes from a loader stopped at its cut instead (the others: from one pass
+    that goes on)."""
     mix = tail_mixture(make_sources)
     ends = ends_per_reader(mixer.make_loader(mix, num_workers=num_workers))
     reference = assert_resumes_exactly(

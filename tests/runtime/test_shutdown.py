@@ -7,10 +7,12 @@ seen: live child processes, entries in /dev/shm, or a hang (the subprocess timeo
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from hangs import communicate_or_explain
@@ -30,16 +32,42 @@ def shm_entries() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
+def mapped_inodes() -> set[int]:
+    """Inodes of /dev/shm files that a live process has mapped (of every process the test can read).
+    By inode, not name: glibc's ``sem_open`` maps a temporary file, then links it under the
+    semaphore's name and removes the temporary one, so the map shows another (deleted) name."""
+    out = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # the process has ended, or is not ours to read
+            continue
+        out.update(int(inode) for inode in re.findall(r"^\S+ \S+ \S+ \S+ (\d+)\s+/dev/shm/", text, re.M))
+    return out
+
+
+def _inode(name: str) -> int | None:
+    try:
+        return os.stat(os.path.join("/dev/shm", name)).st_ino
+    except OSError:
+        return None
+
+
 def left_in_shm(before: set[str]) -> set[str]:
-    """Entries of /dev/shm that appeared since ``before`` and are still there after a second:
-    multiprocessing's named semaphores (``sem.mp-*``) of any process on the machine exist for an
-    instant before they are unlinked; what is left is leaked."""
+    """Entries of /dev/shm that appeared since ``before``, are still there after a second, and no
+    live process maps: what the test's processes (all ended by now) leaked. multiprocessing's named
+    semaphores (``sem.mp-*``) exist for an instant before they are unlinked, but in a spawn context
+    they live as long as their lock: another test's spawned workers, running beside this one on
+    another pytest-xdist worker, have theirs mapped (seen with four pytest processes)."""
     deadline = time.monotonic() + 1.0
     new = shm_entries() - before
     while new and time.monotonic() < deadline:
         time.sleep(0.05)
         new &= shm_entries()
-    return new
+    if not new:
+        return new
+    mapped = mapped_inodes()
+    return {name for name in new if _inode(name) not in mapped}
 
 
 def alive(pid: int) -> bool:
@@ -79,6 +107,25 @@ def gone_by(pids: list[int], deadline: float) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def test_the_leak_check_counts_what_nobody_maps_and_not_another_process_s_live_semaphore():
+    before = shm_entries()
+    code = (
+        "import multiprocessing as mp, sys; lock = mp.get_context('spawn').Lock(); print(flush=True); sys.stdin.read()"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    leaked = f"mixer-leak-check-{os.getpid()}"
+    try:
+        holder.stdout.readline()
+        Path("/dev/shm", leaked).touch()
+        live = {name for name in shm_entries() - before if name.startswith("sem.mp-")}
+        assert live, "a spawn context's lock should be a named semaphore in /dev/shm while it lives"
+        left = left_in_shm(before)
+        assert leaked in left and not live & left, (left, live)
+    finally:
+        holder.communicate("")
+        Path("/dev/shm", leaked).unlink(missing_ok=True)
 
 
 @pytest.mark.slow

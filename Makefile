@@ -25,8 +25,8 @@ demo: $(STAMP)
 	$(VENV)/bin/mixer demo
 
 # Three pytest processes (pytest-xdist) on 2-core machines: many tests spend part of their time
-# waiting (torchrun rendezvous, timeouts, servers), and a third process fills those gaps (measured:
-# 442 s against 521 s with two, ~92% of both cores busy against ~85%). mypy and the docs build
+# waiting (torchrun rendezvous, timeouts, servers), and a third process fills those gaps (measured
+# back to back on the same code: pytest 497 s against 541 s with two, the same ~905 CPU-s). mypy and the docs build
 # (`make docs`, -W -n) run as tests, beside the others rather than after them; then lint and format.
 # The bytecode first (only what changed since): where PYTHONDONTWRITEBYTECODE is set (it is on the
 # dev VMs), each of the suite's hundreds of Python processes (torchrun ranks, spawned workers, CLI

@@ -649,22 +649,21 @@ def resolve_by_code_names(app: Sphinx, env: Any, node: Any, contnode: Any) -> An
 
 def _package_objects_named(domain: Any, target: str) -> list[str]:
     """The package's own (not aliased) objects whose full name ends in ``.target``, sorted. From an
-    index of every dotted tail of their names, built once per set of objects: a scan of the whole
-    site per reference was ~10% of the build's CPU (cProfile)."""
-    key = (id(domain.objects), len(domain.objects))
-    if _TAILS.get("key") != key:
-        tails: dict[str, list[str]] = {}
+    index of every dotted tail of their names, built at the first such reference after the pages
+    are read (:func:`forget_lookups`): a scan of the whole site per reference was ~10% of the
+    build's CPU (cProfile)."""
+    if not _TAILS:
         for name, entry in domain.objects.items():
             if _in_package(name) and not entry.aliased:
                 parts = name.split(".")
                 for i in range(1, len(parts)):
-                    tails.setdefault(".".join(parts[i:]), []).append(name)
-        _TAILS.clear()
-        _TAILS.update(key=key, tails=tails)
-    return sorted(_TAILS["tails"].get(target, ()))
+                    _TAILS.setdefault(".".join(parts[i:]), []).append(name)
+        _TAILS.setdefault("", [])  # built, even for a site with no object of the package
+    return sorted(_TAILS.get(target, ()))
 
 
-_TAILS: dict[str, Any] = {}
+#: ``{dotted tail: full names}`` of the package's objects, for :func:`_package_objects_named`.
+_TAILS: dict[str, list[str]] = {}
 
 
 class PythonDomainWithMemo(PythonDomain):
@@ -672,15 +671,23 @@ class PythonDomainWithMemo(PythonDomain):
     (every annotation in a signature or a type field) that does not match a name exactly is looked
     for by a scan of every object of the site, and again for two fallback roles: ~15% of the
     build's CPU for names such as ``int`` or ``torch.Tensor`` that the site never defines. The
-    answer depends only on the arguments and the objects, which do not change once the pages are
-    read (the key holds their count all the same)."""
+    answer depends only on the arguments and the objects, which are final once the pages are read:
+    :func:`forget_lookups` drops what was answered before."""
 
     def find_obj(self, env: Any, modname: str, classname: str, name: str, type: str | None, searchmode: int = 0) -> Any:
-        key = (len(self.objects), modname, classname, name, type, searchmode)
+        key = (modname, classname, name, type, searchmode)
         memo = self.__dict__.setdefault("_mixer_memo", {})
         if key not in memo:
             memo[key] = super().find_obj(env, modname, classname, name, type, searchmode)
         return list(memo[key])
+
+
+def forget_lookups(app: Sphinx, env: Any) -> list[str]:
+    """``env-updated``: every page is read and the objects are final; lookups answered while they
+    were still being added (by the domain or :func:`_package_objects_named`) are forgotten."""
+    _TAILS.clear()
+    env.get_domain("py").__dict__.pop("_mixer_memo", None)
+    return []
 
 
 AMBIGUOUS: dict[str, list[str]] = {}
@@ -820,6 +827,7 @@ def check_unparsable(app: Sphinx, exc: Exception | None) -> None:
 
 def setup(app: Sphinx) -> dict[str, Any]:
     app.add_domain(PythonDomainWithMemo, override=True)
+    app.connect("env-updated", forget_lookups)
     app.add_directive("mixer-cli", CliDirective)
     app.add_directive("mixer-config-keys", ConfigKeysDirective)
     app.add_directive("mixer-public-api", PublicApiDirective)

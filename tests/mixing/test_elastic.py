@@ -13,7 +13,7 @@ from collections import Counter, defaultdict
 import numpy as np
 import pytest
 import shardutil
-from resume_oracle import _equal, batch_view, tail_cuts, take
+from resume_oracle import _equal, batch_view, save_along_one_run, tail_cuts, take
 from shardutil import LogNormal, expected_tokens
 
 import mixer
@@ -70,14 +70,7 @@ def run_old_at_many_cuts(shards, world_size, num_workers, cut_lists, **options):
     for rank in range(world_size):
         wanted = {cuts[rank] for cuts in cut_lists}
         loader = mixer.make_loader(build(shards, rank=rank, world_size=world_size, **options), num_workers=num_workers)
-        saved = {0: json.loads(json.dumps(loader.state_dict()))} if 0 in wanted else {}
-        batches = []
-        for b in loader if max(wanted) else ():
-            batches.append(b)
-            if len(batches) in wanted:
-                saved[len(batches)] = json.loads(json.dumps(loader.state_dict()))
-            if len(batches) == max(wanted):
-                break
+        batches, saved = save_along_one_run(loader, wanted, until=max(wanted))
         assert wanted <= set(saved), f"rank {rank} ended after {len(batches)} batches, before its cuts {sorted(wanted)}"
         passes.append((batches, saved))
     out = []

@@ -107,6 +107,35 @@ def _state_of_a_run_to(obj: Any, cut: int, save: Callable[[Any], dict[str, Any]]
     return state
 
 
+def save_along_one_run(
+    obj: Any,
+    counts: Iterable[int],
+    save: Callable[[Any], dict[str, Any]] = lambda obj: obj.state_dict(),
+    *,
+    view: Callable[[Any], Any] = lambda item: item,
+    until: int | None = None,
+) -> tuple[list[Any], dict[int, dict[str, Any]]]:
+    """Iterate ``obj`` once, as a training loop that checkpoints and goes on: its state (as plain
+    data) after each of ``counts`` items, taken before it asks for the next (so the state after the
+    last item is the one from before the end is seen). Stops after ``until`` items (None: at the
+    end of the stream). Returns the items (viewed) and ``{count: state}``; a count past the end of
+    the stream has no state."""
+    wanted = set(counts)
+    items: list[Any] = []
+    it = iter(obj)
+    states = {0: _plain(save(obj))} if 0 in wanted else {}
+    while until is None or len(items) < until:
+        try:
+            item = next(it)
+        except StopIteration:
+            break
+        items.append(view(item))
+        if len(items) in wanted:
+            states[len(items)] = _plain(save(obj))
+    del it
+    return items, states
+
+
 def _states_in_one_pass(
     make: Callable[[], Any],
     cuts: Sequence[int],
@@ -115,28 +144,17 @@ def _states_in_one_pass(
     reference: list[Any],
     length: int | None,
 ) -> dict[int, dict[str, Any]]:
-    """``{cut: state}``, each taken after ``cut`` items of one run and before it asks for the next
-    (so the state after the last item is the one before the end is seen); the run goes on to
-    ``length`` items (None: to its end) and must hand out the reference's items."""
-    wanted = set(cuts)
-    obj = make()
-    it = iter(obj)
-    states = {0: _plain(save(obj))} if 0 in wanted else {}
-    seen = 0
-    while length is None or seen < length:
-        try:
-            item = next(it)
-        except StopIteration:
-            break
-        assert seen < len(reference) and _equal(reference[seen], view(item)), (
-            f"a run that saves its state at the cuts differs from one that does not, at item {seen}"
-        )
-        seen += 1
-        if seen in wanted:
-            states[seen] = _plain(save(obj))
+    """``{cut: state}`` from one run (:func:`save_along_one_run`) to ``length`` items (None: to its
+    end), which must hand out the reference's items."""
+    items, states = save_along_one_run(make(), cuts, save, view=view, until=length)
     expected = len(reference) if length is None else min(length, len(reference))
-    assert seen == expected, f"a run that saves its state at the cuts handed out {seen} items, not {expected}"
-    del it
+    assert len(items) == expected, (
+        f"a run that saves its state at the cuts handed out {len(items)} items, not {expected}"
+    )
+    for i, (a, b) in enumerate(zip(reference, items)):
+        assert _equal(a, b), f"a run that saves its state at the cuts differs from one that does not, at item {i}"
+    missing = sorted(set(cuts) - set(states))
+    assert not missing, f"the stream ended after {len(items)} items, before the cuts {missing}"
     return states
 
 

@@ -7,16 +7,19 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test docs bench venv clean format dist
 
-# The installed packages' bytecode is compiled by compileall on every core after pip has installed
-# them (pip compiles one file after another: ~40 CPU-s for ~15,600 files, which -j 0 spreads over
-# both cores; setup measured 73 s with pip's compile, 55-65 s in fresh clones since). As with
-# pip's own compile step, a file that does not compile (some packages ship Python 2 test data) is
-# skipped: hence `|| true`, and `-qq`, which leaves their errors out.
+# Bytecode: the recipes below run with PYTHONDONTWRITEBYTECODE removed from their environment (it
+# is set on the dev VMs), so each module is compiled once, by the first process that imports it, and
+# its .pyc written (into .venv and the git-ignored __pycache__ folders of the tree) for every later
+# one. With it set, each of the suite's hundreds of Python processes (torchrun ranks, spawned workers,
+# CLI runs) would compile what it imports again. pip installs with --no-compile for the same reason:
+# compiling all ~15,600 files of the venv took ~40 CPU-s, of which the suite imports a few thousand.
+# Python checks each .pyc against its source, so an edit is never run stale.
+unexport PYTHONDONTWRITEBYTECODE
+
 $(STAMP): pyproject.toml setup.py mixer/_native/_tarwalk.c mixer/_native/_rows.c mixer/_native/_loops.c constraints-dev.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q --no-compile -c constraints-dev.txt -e '.[test,s3,http,plot,audio,zstd,text,docs,frameworks,ray]'
-	$(PY) -m compileall -qq -j 0 $(VENV)/lib || true
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -28,12 +31,7 @@ demo: $(STAMP)
 # waiting (torchrun rendezvous, timeouts, servers), and a third process fills those gaps (measured
 # back to back on the same code: pytest 497 s against 541 s with two, the same ~905 CPU-s). mypy and the docs build
 # (`make docs`, -W -n) run as tests, beside the others rather than after them; then lint and format.
-# The bytecode first (only what changed since): where PYTHONDONTWRITEBYTECODE is set (it is on the
-# dev VMs), each of the suite's hundreds of Python processes (torchrun ranks, spawned workers, CLI
-# runs) would otherwise compile mixer from source again (~0.2 CPU-s each). Python still checks each
-# file's bytecode against its source, so an edit after this is never run stale.
 test: $(STAMP)
-	$(PY) -m compileall -q -j 0 mixer tests benchmarks examples docs/_ext
 	$(PY) -m pytest -q -n 3
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

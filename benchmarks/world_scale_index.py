@@ -12,7 +12,7 @@ suite's ``smoke``: 1e4, 1e5) at ``PER_SHARD`` samples a shard, each built once u
 * ``disk``: the JSON index file and its columnar twin (`mixer.plan.index_columns`);
 * ``first load``: `mixer.load_index` when no twin exists yet: the JSON parsed once and the twin
   written (once per version of the index file, per node);
-* ``READERS`` ranks at once (fresh processes: the ranks of a node), each timing the index file's
+* ``READERS`` ranks at once (4; 2 for ``smoke``; fresh processes: the ranks of a node), each timing the index file's
   own load with its twin present (``mixer.plan.index._read``: map it; its USS growth), then the
   whole `mixer.load_index`, which also lists the shards and ``stat``-s every one of them to verify
   its entry (that part grows with the shards; its USS growth is the rank's), then reading what a
@@ -57,7 +57,7 @@ PER_SHARD = 1000
 TEMPLATES = 8
 SIZES = {"smoke": (10**4, 10**5), "quick": (10**5, 10**6, 10**7), "full": (10**6, 10**7, 10**8)}
 JSON_UP_TO = {"smoke": 10**5, "quick": 10**7, "full": 10**8}
-READERS = 4  # ranks of a node loading at once
+READERS = {"smoke": 2, "quick": 4, "full": 4}  # ranks of a node loading at once (smoke: each is a fresh process)
 WORKERS = 2  # DataLoader workers each rank forks
 WORLD = (1024, 16)  # ranks x workers: the readers a plan is cut for
 MTIME_NS = 1_700_000_000 * 10**9
@@ -291,11 +291,11 @@ def _spawned(target: Any, args: tuple[Any, ...], n: int = 1) -> list[Any]:
     return results
 
 
-def measure(root: Path, samples: int, json_up_to: int) -> dict[str, Any]:
+def measure(root: Path, samples: int, json_up_to: int, readers: int = READERS["full"]) -> dict[str, Any]:
     folder, pattern = ensure_index(root, samples)
     twin = _twin(folder)
     first = _spawned(_first_load, (pattern, str(twin)))[0]
-    ranks = _spawned(_rank, (pattern,), n=READERS)
+    ranks = _spawned(_rank, (pattern,), n=readers)
     row: dict[str, Any] = {
         "samples": samples,
         "shards": samples // PER_SHARD,
@@ -336,7 +336,7 @@ def run(profile: str, bench_dir: Path | None = None, log: Any = None) -> list[di
     root = Path(bench_dir) / NAME if bench_dir is not None else DEFAULT_DIR
     rows = []
     for samples in SIZES[profile]:
-        row = measure(root, samples, JSON_UP_TO[profile])
+        row = measure(root, samples, JSON_UP_TO[profile], READERS[profile])
         if log is not None:
             log(f"{row}")
         rows.append(row)

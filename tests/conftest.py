@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import re
 from collections.abc import Callable, Mapping
 
@@ -79,8 +80,17 @@ def three_sources(make_sources: Callable[[Mapping[str, LogNormal]], Sources]) ->
 
 
 @pytest.fixture(scope="session")
-def demo_shards(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """`mixer.cli.demo.ensure_demo_shards()` in a private cache folder: ``{source: brace pattern}``."""
+def demo_shards(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """`mixer.cli.demo.ensure_demo_shards()` in a cache folder of this run: ``{source: brace pattern}``.
+
+    Under pytest-xdist the processes share one folder (their temporary folders sit side by side in
+    the run's): generating the demo data takes ~8 CPU-s, which each process would spend again. A lock
+    makes the others wait for the first and reuse what it wrote (reuse reads, never writes), instead of
+    generating beside it and losing the race."""
     from mixer.cli.demo import ensure_demo_shards  # here, so a broken `mixer` import fails tests, not collection
 
-    return ensure_demo_shards(tmp_path_factory.mktemp("demo_cache"))
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if hasattr(request.config, "workerinput") else base) / "demo_cache"
+    with open(f"{root}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return ensure_demo_shards(root)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import gc
 import re
 from collections.abc import Callable, Mapping
 
@@ -36,6 +37,17 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
             return f"{path}::{found.group(1)}" if found else nodeid
 
     return Scheduling(config, log)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Collected: every test module, torch and the rest are imported. Their objects (~1M) are left
+    out of this process's garbage collections from now on (``gc.freeze``). A full collection walks
+    every tracked object and writes to its header; while forked DataLoader workers share this
+    process's pages, each such write also copies a page. Measured on test_resume + test_many_sources,
+    serial, back to back: 92 -> 83 CPU-s (system time 42 -> 29 s). What the tests create is
+    collected as before."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -168,7 +168,16 @@ def test_workers_deliver_steps_in_order_through_groups(tmp_path):
 
 def test_the_fork_leaves_the_callers_gc_as_it_was(three_sources):
     """The heap is frozen only around the fork: afterwards the parent collects as before, and a
-    caller's own gc.freeze() is left alone."""
+    caller's own gc.freeze() is left alone. (The suite freezes what it collected, conftest.py: this test
+    starts as a caller that has frozen nothing, and puts that freeze back.)"""
+    gc.unfreeze()
+    try:
+        _fork_leaves_the_gc_as_it_was(three_sources)
+    finally:
+        gc.freeze()
+
+
+def _fork_leaves_the_gc_as_it_was(three_sources):
     mix = mixer.Mixture(
         [mixer.Source("web", three_sources["web"][0])], batching=mixer.TokenBudget(max_tokens=4096, max_length=4096)
     )

@@ -19,7 +19,8 @@ those not present are left out):
 
 ``--quick``: 10 / 100 sources, 4 / 8 / 16 ranks x 4 workers, smaller shard counts. ``--smoke``: the
 smallest sizes that still exercise every section (10 / 30 sources, 4 / 8 ranks x 2 workers, one startup
-count at 2 ranks, indexes of 1e4 and 1e5 samples): what the test suite runs, end to end, in seconds.
+count at 2 ranks, indexes of 1e4 and 1e5 samples read by 2 ranks at once): what the test suite runs,
+end to end, in seconds.
 """
 
 from __future__ import annotations

@@ -291,7 +291,7 @@ def _spawned(target: Any, args: tuple[Any, ...], n: int = 1) -> list[Any]:
     return results
 
 
-def measure(root: Path, samples: int, json_up_to: int, readers: int = READERS["full"]) -> dict[str, Any]:
+def measure(root: Path, samples: int, json_up_to: int, readers: int) -> dict[str, Any]:
     folder, pattern = ensure_index(root, samples)
     twin = _twin(folder)
     first = _spawned(_first_load, (pattern, str(twin)))[0]

@@ -122,8 +122,10 @@ def save_along_one_run(
     the stream has no state."""
     wanted = set(counts)
     items: list[Any] = []
-    it = iter(obj)
     states = {0: _plain(save(obj))} if 0 in wanted else {}
+    if until == 0:  # (no iterator: a loader's would start its workers for nothing)
+        return items, states
+    it = iter(obj)
     while until is None or len(items) < until:
         try:
             item = next(it)
